@@ -1,0 +1,204 @@
+"""The cost model: predicted peak device memory and step time of any configuration.
+
+Memory replays the profiled phase timeline: micro-batch 1, micro-batch 2 repeated
+``grad_accum_steps - 1`` times, then the optimizer step, each block's phases taken from
+its kept or checkpointed variant, each quantity evaluated at the micro-batch size. Time
+is ``accum * (fwd_bwd(b) + recompute(b) * share of checkpointed blocks) + optimizer step``.
+A prediction costs tens of microseconds, so a study can try thousands.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .config import Breakdown, Measurement, TrainConfig
+from .profile import Profile
+
+__all__ = ["CostModel", "Prediction"]
+
+Mask = tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted configuration: its numbers and its memory breakdown."""
+
+    measurement: Measurement
+    breakdown: Breakdown
+
+
+class CostModel:
+    """Predicts peak bytes and step time from a :class:`~autotune.profile.Profile`."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.n_blocks = len(profile.blocks)
+        self._index = {name: i for i, name in enumerate(profile.blocks)}
+
+    # --- memory ------------------------------------------------------------------------
+
+    def peak(self, precision: str, optimizer: str, b: int, accum: int, mask: Mask) -> int:
+        """Predicted peak device bytes."""
+        return self._simulate(precision, optimizer, b, accum, mask)[0]
+
+    def _simulate(
+        self, precision: str, optimizer: str, b: int, accum: int, mask: Mask
+    ) -> tuple[int, int, int]:
+        """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
+        prof = self.profile.precisions[precision]
+        opt = self.profile.optimizers[optimizer]
+        live = prof.base_bytes + opt.state_bytes
+        peak, grads = live, 0
+        start2 = rel2 = net2 = None
+        grads2 = 0
+        for ph in prof.phases:
+            micro = ph.key[0]
+            if micro == 2:
+                if accum < 2:
+                    break
+                if start2 is None:
+                    start2, rel2 = live, 0.0
+            v = 1 if ph.block is not None and mask[ph.block] else 0
+            top = live + ph.peak[v](b)
+            if micro == 2:
+                if top - start2 > rel2:
+                    rel2, grads2 = top - start2, ph.grads
+            elif top > peak:
+                peak, grads = top, ph.grads
+            live += ph.delta[v](b)
+        if start2 is not None and rel2 is not None:
+            net2 = live - start2
+            # Micro-batches 2..accum repeat micro-batch 2; a net growth compounds.
+            top2 = start2 + (accum - 2) * max(net2, 0.0) + rel2
+            if top2 > peak:
+                peak, grads = top2, grads2
+            live = start2 + (accum - 1) * net2
+        if live + opt.step_peak_bytes > peak:
+            peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
+        live_peak = math.ceil(peak)
+        return self.device_bytes(live_peak), live_peak, grads
+
+    def device_bytes(self, live_bytes: int) -> int:
+        """Live tensor bytes to device bytes (CUDA: allocator overhead and context)."""
+        return int(live_bytes * self.profile.alloc_ratio) + self.profile.context_bytes
+
+    def mask_of(self, names: Sequence[str]) -> Mask:
+        """The boolean mask of a tuple of checkpointed block names."""
+        chosen = {self._index[n] for n in names}
+        return tuple(i in chosen for i in range(self.n_blocks))
+
+    def plan(self, precision: str, optimizer: str, b: int, accum: int, limit: int) -> Mask | None:
+        """The checkpoint mask of least recompute time whose peak fits ``limit``, or None."""
+        return self._plan(precision, optimizer, b, accum, limit)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
+    def _plan(self, precision: str, optimizer: str, b: int, accum: int, limit: int) -> Mask | None:
+        none: Mask = (False,) * self.n_blocks
+        need = self.peak(precision, optimizer, b, accum, none) - limit
+        if need <= 0:
+            return none
+        full: Mask = (True,) * self.n_blocks
+        if not self.n_blocks or self.peak(precision, optimizer, b, accum, full) > limit:
+            return None
+        savings = self._savings(precision, b)
+        for _ in range(16):
+            mask = _min_cost_cover(savings, self.profile.block_weights, need)
+            if mask is None:
+                return full
+            over = self.peak(precision, optimizer, b, accum, mask) - limit
+            if over <= 0:
+                return mask
+            need += over
+        return full
+
+    def _savings(self, precision: str, b: int) -> list[float]:
+        """Bytes each block stops holding through the forward when checkpointed."""
+        out = [0.0] * self.n_blocks
+        for ph in self.profile.precisions[precision].phases:
+            if ph.key[0] == 1 and ph.block is not None and ph.key[1] in ("fwd", "after"):
+                out[ph.block] += ph.delta[0](b) - ph.delta[1](b)
+        return out
+
+    # --- time --------------------------------------------------------------------------
+
+    def step_s(self, precision: str, optimizer: str, b: int, accum: int, mask: Mask) -> float:
+        """Predicted seconds of one optimizer step."""
+        curve = self.profile.precisions[precision].time
+        assert curve is not None, f"precision {precision} has no time profile"
+        share = sum(w for w, m in zip(self.profile.block_weights, mask, strict=True) if m)
+        micro = curve.fwd_bwd(b) + share * curve.recompute(b)
+        return accum * micro + self.profile.optimizers[optimizer].step_s
+
+    # --- both --------------------------------------------------------------------------
+
+    def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
+        """Predicted peak device bytes of ``config`` and what holds them at the peak."""
+        b, n, p, o = (
+            config.micro_batch_size,
+            config.grad_accum_steps,
+            config.precision,
+            config.optimizer,
+        )
+        device_peak, live_peak, grads = self._simulate(p, o, b, n, self.mask_of(config.checkpoint))
+        prof = self.profile
+        state = prof.optimizers[o].state_bytes
+        other = prof.precisions[p].base_bytes - prof.param_bytes
+        acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
+        return device_peak, Breakdown(
+            parameters=prof.param_bytes,
+            gradients=grads,
+            optimizer=state,
+            activations=acts,
+            other=device_peak - prof.param_bytes - grads - state - acts,
+        )
+
+    def predict(self, config: TrainConfig) -> Prediction:
+        """Predicted peak, step time, throughput and memory breakdown of ``config``."""
+        peak, breakdown = self.memory(config)
+        step = self.step_s(
+            config.precision,
+            config.optimizer,
+            config.micro_batch_size,
+            config.grad_accum_steps,
+            self.mask_of(config.checkpoint),
+        )
+        return Prediction(Measurement(peak, step, config.effective_batch_size / step), breakdown)
+
+
+def _min_cost_cover(savings: Sequence[float], costs: Sequence[float], need: float) -> Mask | None:
+    """Least-cost subset of items whose savings reach ``need`` (0/1 knapsack, exact on a grid).
+
+    Savings are rounded down to a grid of ``need / 256`` so the chosen set truly covers
+    ``need``; identical items (the usual transformer stack) reduce to "the first k".
+    """
+    n = len(savings)
+    if sum(max(s, 0.0) for s in savings) < need:
+        return None
+    if (
+        n
+        and max(savings) - min(savings) <= 1e-6 * max(abs(max(savings)), 1.0)
+        and max(costs) - min(costs) <= 1e-9
+    ):
+        k = min(n, math.ceil(need / savings[0])) if savings[0] > 0 else n
+        return tuple(i < k for i in range(n))
+    grid = 256
+    unit = need / grid
+    units = [min(int(max(s, 0.0) // unit), grid) for s in savings]
+    inf = math.inf
+    best = [0.0] + [inf] * grid  # best[j]: least cost to cover at least j units
+    choice: list[list[int]] = [[] for _ in range(grid + 1)]
+    for i in range(n):
+        if units[i] == 0:
+            continue
+        for j in range(grid, 0, -1):
+            prev = max(j - units[i], 0)
+            if best[prev] + costs[i] < best[j]:
+                best[j] = best[prev] + costs[i]
+                choice[j] = [*choice[prev], i]
+    if best[grid] == inf:
+        return None
+    chosen = set(choice[grid])
+    return tuple(i in chosen for i in range(n))

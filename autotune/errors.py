@@ -1,0 +1,75 @@
+"""The exception hierarchy of autotune.
+
+Every error autotune raises on purpose derives from :class:`AutotuneError`, and its
+message says what was wrong and what to do about it. Out-of-memory conditions are not
+ours: they stay ``torch.OutOfMemoryError`` (the CPU budget guard raises that type too),
+so one ``except torch.OutOfMemoryError`` catches a real and a simulated one alike.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutotuneError",
+    "BatchError",
+    "BlockError",
+    "BudgetError",
+    "BudgetTooSmallError",
+    "ConfigError",
+    "LossError",
+    "ProfileError",
+    "VerificationError",
+]
+
+
+class AutotuneError(Exception):
+    """The root of autotune's exceptions."""
+
+
+class BudgetError(AutotuneError, ValueError):
+    """The memory budget is not a usable number (e.g. zero or negative)."""
+
+
+class BudgetTooSmallError(BudgetError):
+    """No configuration in the search space fits the budget.
+
+    Attributes:
+        minimum_bytes: The smallest predicted peak over the search space.
+        budget_bytes: The budget that was asked for.
+    """
+
+    def __init__(self, message: str, *, minimum_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.budget_bytes = budget_bytes
+
+
+class BatchError(AutotuneError, TypeError):
+    """The sample batch has an unsupported type or inconsistent batch sizes."""
+
+
+class LossError(AutotuneError):
+    """No scalar loss can be derived from the model's output."""
+
+
+class ConfigError(AutotuneError, ValueError):
+    """A configuration or YAML file is malformed, has unknown keys or wrong types."""
+
+
+class BlockError(AutotuneError, ValueError):
+    """The model's blocks cannot be found, or a named block does not exist."""
+
+
+class ProfileError(AutotuneError):
+    """The model cannot be profiled on the target (e.g. the forward pass fails)."""
+
+
+class VerificationError(AutotuneError):
+    """No candidate configuration passed verification on the device.
+
+    Attributes:
+        attempts: One line per candidate that was tried and why it was rejected.
+    """
+
+    def __init__(self, message: str, *, attempts: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.attempts = attempts

@@ -1,0 +1,252 @@
+"""Measurements of a model on the target device, the input of the cost model.
+
+Per precision: a phase-labelled memory timeline (see :mod:`autotune.timeline`) at two
+micro-batch sizes, kept and checkpointed, and forward+backward times over a ladder of
+micro-batch sizes. Per optimizer: state bytes, the step's transient peak and its time.
+Everything runs on a copy of the user's model that the caller owns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batch as batching
+from .config import TrainConfig
+from .errors import AutotuneError, ProfileError
+from .loss import LossFn
+from .memory import LiveBytesTracker, measure_peak, state_tensors
+from .runtime import Runner, apply_checkpointing, prepare, remove_checkpointing
+from .timeline import Phase, fit_phases, tracked_step
+
+__all__ = ["OptimizerProfile", "PrecisionProfile", "Profile", "Profiler", "TimeCurve"]
+
+_PROFILE_LR = 1e-6  # the copy trains while it is measured; keep its weights sane
+
+
+@dataclass(frozen=True)
+class TimeCurve:
+    """Seconds of one micro-batch's forward+backward against its size."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    ckpt_batch_sizes: tuple[int, ...] = ()
+    ckpt_ratio: tuple[float, ...] = ()
+    """Extra time with every block checkpointed, as a fraction of ``seconds``."""
+
+    def fwd_bwd(self, b: int) -> float:
+        """Interpolated piecewise-linearly; past the ends, at the nearest end's per-sample cost."""
+        xs, ys = self.batch_sizes, self.seconds
+        if b <= xs[0]:
+            return ys[0] * b / xs[0] if b < xs[0] and xs[0] > 1 else ys[0]
+        if b >= xs[-1]:
+            return ys[-1] * b / xs[-1]
+        i = bisect.bisect_left(xs, b)
+        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    def recompute(self, b: int) -> float:
+        """Extra seconds of one micro-batch when every block is checkpointed."""
+        if not self.ckpt_batch_sizes:
+            return 0.0
+        xs = [math.log(x) for x in self.ckpt_batch_sizes]
+        x = math.log(b)
+        if x <= xs[0] or len(xs) == 1:
+            ratio = self.ckpt_ratio[0]
+        elif x >= xs[-1]:
+            ratio = self.ckpt_ratio[-1]
+        else:
+            i = bisect.bisect_left(xs, x)
+            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            ratio = self.ckpt_ratio[i - 1] + w * (self.ckpt_ratio[i] - self.ckpt_ratio[i - 1])
+        return max(ratio, 0.0) * self.fwd_bwd(b)
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """What one precision costs."""
+
+    precision: str
+    base_bytes: int
+    """Live bytes at step start without optimizer state (parameters, buffers, scaler)."""
+    phases: tuple[Phase, ...]
+    """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
+    time: TimeCurve | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What one optimizer costs."""
+
+    name: str
+    state_bytes: int
+    step_peak_bytes: int
+    """Transient bytes above the step's start during ``optimizer.step()``."""
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the cost model needs, measured on the target."""
+
+    device_type: str
+    blocks: tuple[str, ...]
+    block_weights: tuple[float, ...]
+    """Each block's share of the blocks' forward time (sums to 1)."""
+    param_bytes: int
+    grad_bytes: int
+    precisions: dict[str, PrecisionProfile]
+    optimizers: dict[str, OptimizerProfile]
+    context_bytes: int = 0
+    alloc_ratio: float = 1.0
+    """CUDA reserved bytes per live byte (1 on CPU)."""
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+class Profiler:
+    """Runs the measurements on ``model`` (a copy the tuner owns, on the target device).
+
+    Args:
+        model: The model to measure; it is trained a little, at a tiny learning rate.
+        sample: The user's sample batch.
+        blocks: Qualified names of the blocks.
+        device: The target device.
+        loss_fn: The user's loss function, or ``None``.
+        log: Where progress lines go.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        blocks: Sequence[str],
+        *,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.model = model
+        self.sample = sample
+        self.blocks = tuple(blocks)
+        self.modules = [model.get_submodule(n) for n in self.blocks]
+        self.device = device
+        self.loss_fn = loss_fn
+        self.log = log
+        self.repeats = 3
+
+    def runner(self, config: TrainConfig) -> Runner:
+        return prepare(self.model, config, lr=_PROFILE_LR, loss_fn=self.loss_fn, device=self.device)
+
+    def first_step(self, config: TrainConfig, b: int) -> Runner:
+        """Build a runner and take one step; user-model failures become ProfileError."""
+        runner = self.runner(config)
+        try:
+            runner.step(batching.resize(self.sample, b))
+        except (AutotuneError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            raise ProfileError(
+                f"training the model on the sample batch failed with {type(exc).__name__}: "
+                f"{exc}. The batch is fed as model(batch) for a tensor, model(**batch) for a "
+                "dict, model(*batch) for a tuple (model(*batch[:-1]) when a loss_fn is given)."
+            ) from exc
+        return runner
+
+    def optimizer(self, name: str, b: int) -> OptimizerProfile:
+        """State bytes, step transient and step time of optimizer ``name``."""
+        runner = self.first_step(TrainConfig(micro_batch_size=b, optimizer=name), b)
+        chunk = batching.resize(self.sample, b)
+        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
+        runner.forward_backward(chunk)
+        tracker = LiveBytesTracker(self.device.type)
+        existing = state_tensors(runner.model, runner.optimizer)
+        with measure_peak(self.device, existing=existing, tracker=tracker) as reading:
+            start = tracker.live
+            runner.optimizer_step()
+        times = []
+        for _ in range(self.repeats):
+            runner.forward_backward(chunk)
+            times.append(self._timed(runner.optimizer_step))
+        return OptimizerProfile(name, state, reading.peak_bytes - start, statistics.median(times))
+
+    def memory(self, precision: str, optimizer: str, b1: int, b2: int) -> PrecisionProfile:
+        """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``."""
+        runner = self.first_step(
+            TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
+        )
+        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
+        runs = {}
+        for variant, names in ((0, ()), (1, self.blocks)):
+            remove_checkpointing(self.model)
+            apply_checkpointing(self.model, names)
+            for b in (b1, b2):
+                runs[b, variant] = tracked_step(
+                    runner, batching.resize(self.sample, b), self.modules
+                )
+        remove_checkpointing(self.model)
+        base, phases = fit_phases(b1, (runs[b1, 0], runs[b1, 1]), b2, (runs[b2, 0], runs[b2, 1]))
+        # The tracked step ends with one optimizer's step; the cost model adds each one's own.
+        micro = tuple(p for p in phases if p.key[0] in (1, 2))
+        return PrecisionProfile(precision, base - state, micro)
+
+    def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+        """Median seconds of one micro-batch's forward+backward at size ``b``."""
+        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        if checkpoint_all:
+            apply_checkpointing(self.model, self.blocks)
+        chunk = batching.resize(self.sample, b)
+        try:
+            first = self._timed(lambda: runner.forward_backward(chunk))
+            repeats = self.repeats if first < 0.2 else 1
+            times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
+        finally:
+            remove_checkpointing(self.model)
+            runner.optimizer.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
+        """Each block's share of the blocks' forward time, from one timed forward."""
+        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        starts: dict[int, float] = {}
+        spent = [0.0] * len(self.modules)
+        handles = []
+        for i, module in enumerate(self.modules):
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, i=i: starts.__setitem__(i, self._now())
+                )
+            )
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, o, i=i: spent.__setitem__(i, spent[i] + self._now() - starts[i])
+                )
+            )
+        try:
+            with torch.no_grad():
+                runner.forward_loss(batching.resize(self.sample, b))
+        finally:
+            for h in handles:
+                h.remove()
+        total = sum(spent)
+        if total <= 0 or not self.modules:
+            return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)
+        return tuple(s / total for s in spent)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        start = self._now()
+        fn()
+        return self._now() - start

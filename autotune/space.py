@@ -1,0 +1,80 @@
+"""``SearchSpace``: which knobs the tuner may turn, and the micro-batch sizes it tries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import PRECISIONS
+from .errors import ConfigError
+from .optimizers import OPTIMIZERS
+
+__all__ = ["SearchSpace", "micro_batch_candidates"]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Narrows or widens the knobs ``autotune()`` searches.
+
+    The default never changes the training math beyond precision: the optimizer stays
+    ``adamw`` (the user's) unless ``optimizers`` names others.
+    """
+
+    precisions: tuple[str, ...] = PRECISIONS
+    """Precisions to consider; those the device lacks are dropped."""
+    optimizers: tuple[str, ...] = ("adamw",)
+    """Optimizers to consider; the first is the user's, the rest are opt-in swaps."""
+    checkpointing: bool = True
+    """Whether blocks may be checkpointed."""
+    blocks: tuple[str, ...] | None = None
+    """Qualified names of the blocks; default ``autotune.find_blocks(model)``."""
+    max_micro_batch_size: int = 4096
+    """Largest micro-batch considered."""
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Only these micro-batch sizes (default: every size that fits)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("precisions", PRECISIONS), ("optimizers", tuple(OPTIMIZERS))):
+            value = tuple(getattr(self, name))
+            bad = [v for v in value if v not in allowed]
+            if not value or bad:
+                raise ConfigError(
+                    f"SearchSpace.{name} must be a non-empty list from {', '.join(allowed)}; "
+                    f"got {list(value)}."
+                )
+            object.__setattr__(self, name, value)
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+        if self.micro_batch_sizes is not None:
+            sizes = tuple(sorted(set(self.micro_batch_sizes)))
+            if not sizes or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
+            ):
+                raise ConfigError(
+                    f"SearchSpace.micro_batch_sizes must be positive integers, got {sizes}."
+                )
+            object.__setattr__(self, "micro_batch_sizes", sizes)
+        if self.max_micro_batch_size < 1:
+            raise ConfigError("SearchSpace.max_micro_batch_size must be at least 1.")
+
+
+def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) -> tuple[int, ...]:
+    """Micro-batch sizes the search may pick, ascending.
+
+    With a global batch size only its divisors qualify, so that micro-batch times
+    accumulation equals it exactly.
+    """
+    cap = space.max_micro_batch_size
+    if global_batch_size is not None:
+        cap = min(cap, global_batch_size)
+    if space.micro_batch_sizes is not None:
+        sizes = [s for s in space.micro_batch_sizes if s <= cap]
+    else:
+        sizes = list(range(1, cap + 1))
+    if global_batch_size is not None:
+        sizes = [s for s in sizes if global_batch_size % s == 0]
+    if not sizes:
+        raise ConfigError(
+            f"no micro-batch size in the search space divides global_batch_size="
+            f"{global_batch_size}; widen SearchSpace.micro_batch_sizes."
+        )
+    return tuple(sizes)

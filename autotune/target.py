@@ -1,0 +1,160 @@
+"""The target device: what it is, how much memory it has, and the budget on it.
+
+GB in autotune means GiB (2**30 bytes), as ``nvidia-smi`` and torch report memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .config import TargetInfo
+from .errors import BudgetError
+
+__all__ = ["GIB", "Target", "budget_bytes", "discover", "format_bytes"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Target:
+    """Facts about the device tuning runs on.
+
+    Attributes:
+        device: The torch device.
+        name: GPU model name, or the CPU's.
+        total_bytes: Device memory (host RAM for the CPU).
+        free_bytes: Device memory free now.
+        context_bytes: Memory the CUDA context holds (0 on CPU).
+        host_available_bytes: Host RAM available now.
+    """
+
+    device: torch.device
+    name: str
+    total_bytes: int
+    free_bytes: int
+    context_bytes: int
+    host_available_bytes: int
+
+    def info(self) -> TargetInfo:
+        """The plain facts recorded in a :class:`~autotune.config.TuneResult`."""
+        return TargetInfo(str(self.device), self.name, self.total_bytes, torch.__version__)
+
+
+def discover(device: torch.device | str | None = None) -> Target:
+    """Describe ``device`` (default: the current CUDA device if any, else the CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_target(device)
+    if device.type != "cpu":
+        raise BudgetError(f"device {device} is not supported; use 'cuda' or 'cpu'.")
+    host = _host_available_bytes()
+    return Target(device, _cpu_name(), _host_total_bytes(), host, 0, host)
+
+
+def budget_bytes(budget_gb: float, target: Target) -> int:
+    """Validate a budget in GiB and convert it to bytes.
+
+    Raises:
+        BudgetError: the budget is not a positive finite number.
+    """
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+        raise BudgetError(f"budget_gb must be a number of GiB, got {budget_gb!r}.")
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise BudgetError(
+            f"budget_gb must be a positive number of GiB, got {budget_gb!r}; pass the device "
+            "memory the training run may use, e.g. budget_gb=24."
+        )
+    budget = int(budget_gb * GIB)
+    if budget > target.total_bytes:
+        warnings.warn(
+            f"budget {budget_gb} GiB exceeds {target.name}'s {target.total_bytes / GIB:.1f} "
+            "GiB; configurations are still capped by the device.",
+            stacklevel=3,
+        )
+    return budget
+
+
+def _cuda_target(device: torch.device) -> Target:
+    if not torch.cuda.is_available():
+        raise BudgetError(
+            f"device {device} was asked for but CUDA is not available here; pass device='cpu'."
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    torch.cuda.init()
+    torch.empty(1, device=device)  # create the context so that its size can be read
+    free, total = torch.cuda.mem_get_info(device)
+    name = torch.cuda.get_device_name(device)
+    return Target(
+        device,
+        name,
+        total,
+        free,
+        _cuda_context_bytes(device, total - free),
+        _host_available_bytes(),
+    )
+
+
+def _cuda_context_bytes(device: torch.device, used_on_device: int) -> int:
+    """This process's device memory that the caching allocator does not account for."""
+    reserved = torch.cuda.memory_reserved(device)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    return max(int(proc.usedGpuMemory) - reserved, 0)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # pynvml missing, or no permission to list processes (containers)
+        pass
+    # Fall back to what the whole device uses, capped: other processes may share the GPU.
+    return min(max(used_on_device - reserved, 0), GIB)
+
+
+def _host_total_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _host_total_bytes()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people: ``1.50 GiB``, ``320.0 MiB``, ``12.0 KiB``."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

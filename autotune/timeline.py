@@ -1,0 +1,186 @@
+"""Phase-labelled memory timelines of one training step, and their fit in batch size.
+
+A tracked step (two micro-batches and an optimizer step) is cut into phases by hooks:
+the forward of each block, the stretch after it, the backward of each block (from the
+moment the gradient of its output is ready), and so on. Each phase records the live
+bytes it adds (``delta``) and its peak above its entry (``peak``). Measured at two
+micro-batch sizes, with every block kept and with every block checkpointed, the phases
+give a cost model that replays any checkpoint mask at any micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .memory import LiveBytesTracker, PhaseRecord, measure_peak, state_tensors
+
+__all__ = ["Line", "Phase", "fit_phases", "tracked_step"]
+
+PhaseKey = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Line:
+    """``value(b) = const + slope * b``: a quantity linear in the micro-batch size."""
+
+    const: float
+    slope: float
+
+    def __call__(self, b: float) -> float:
+        return self.const + self.slope * b
+
+    @staticmethod
+    def through(b1: int, v1: float, b2: int, v2: float) -> Line:
+        slope = (v2 - v1) / (b2 - b1)
+        return Line(v1 - slope * b1, slope)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a micro-batch, kept (index 0) and checkpointed (index 1) variants."""
+
+    key: PhaseKey
+    block: int | None
+    """The block whose checkpointing changes this phase, or ``None``."""
+    delta: tuple[Line, Line]
+    peak: tuple[Line, Line]
+    grads: int
+    """Gradient bytes alive when the phase begins (for the memory breakdown)."""
+
+
+@dataclass
+class _Recorder:
+    tracker: LiveBytesTracker
+    model: nn.Module
+    micro: int = 0
+    in_backward: bool = False
+
+    def mark(self, *key: Any) -> None:
+        self.tracker.phase((self.micro, *key))
+        grads = sum(
+            p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
+        )
+        self.tracker.phases[-1].key = (*self.tracker.phases[-1].key, grads)
+
+
+@contextlib.contextmanager
+def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
+    handles: list[Any] = []
+
+    def pre(i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not rec.in_backward:
+                rec.mark("fwd", i)
+
+        return hook
+
+    def post(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if rec.in_backward:
+                return
+            rec.mark("after", i)
+            first = next(
+                (
+                    t
+                    for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ),
+                None,
+            )
+            if first is not None:
+                first.register_hook(lambda grad: rec.mark("bwd", i))
+
+        return hook
+
+    for i, module in enumerate(blocks):
+        handles.append(module.register_forward_pre_hook(pre(i)))
+        handles.append(module.register_forward_hook(post(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[PhaseRecord]:
+    """Run two micro-batches of ``chunk`` and an optimizer step under a tracker.
+
+    The runner must have taken one step already, so that optimizer state exists and the
+    step is at steady state.
+
+    Returns:
+        The phase records, keys ``(micro, label, [block,] grad_bytes)``, micro in 1 and 2.
+    """
+    tracker = LiveBytesTracker(runner.device.type)
+    rec = _Recorder(tracker, runner.model)
+    existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
+    with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
+        rec.mark("start")
+        for micro in (1, 2):
+            rec.micro = micro
+            rec.mark("pre")
+            loss = runner.forward_loss(chunk, 0.5)
+            rec.mark("head_bwd")
+            rec.in_backward = True
+            runner.backward(loss)
+            rec.in_backward = False
+            del loss
+            rec.mark("end")
+        rec.micro = 3
+        rec.mark("opt")
+        runner.optimizer_step()
+    return tracker.phases
+
+
+def fit_phases(
+    b1: int,
+    runs1: tuple[list[PhaseRecord], list[PhaseRecord]],
+    b2: int,
+    runs2: tuple[list[PhaseRecord], list[PhaseRecord]],
+) -> tuple[int, list[Phase]]:
+    """Fit the phases of kept/checkpointed runs at micro-batch sizes ``b1`` and ``b2``.
+
+    Phases are matched by label; the sequence is the kept run's at ``b1``. A phase missing
+    from another run (data-dependent control flow) takes the kept run's values.
+
+    Returns:
+        The live bytes at step start, and the phases of micro-batches 1, 2 and the
+        optimizer step, in order.
+    """
+    reference = runs1[0]
+    base = reference[0].entry
+
+    def table(records: list[PhaseRecord]) -> dict[PhaseKey, PhaseRecord]:
+        out: dict[PhaseKey, PhaseRecord] = {}
+        for r in records:
+            out.setdefault(r.key[:-1], r)
+        return out
+
+    tables = [[table(runs1[v]), table(runs2[v])] for v in (0, 1)]
+    phases = []
+    for r in reference:
+        key = r.key[:-1]
+        lines_delta, lines_peak = [], []
+        for v in (0, 1):
+            a = tables[v][0].get(key) or tables[0][0][key]
+            b = tables[v][1].get(key) or tables[0][1].get(key) or a
+            lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
+            lines_peak.append(Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry))
+        block = key[2] if len(key) > 2 and key[1] in ("fwd", "after", "bwd") else None
+        phases.append(
+            Phase(
+                key,
+                block,
+                (lines_delta[0], lines_delta[1]),
+                (lines_peak[0], lines_peak[1]),
+                r.key[-1],
+            )
+        )
+    return base, phases

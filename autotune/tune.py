@@ -1,0 +1,456 @@
+"""``autotune()``: the pipeline end to end.
+
+target -> profile -> cost model -> Optuna search -> verification -> result (see DESIGN).
+The user's model is only read (deep-copied); every measurement runs on the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batch as batching
+from .blocks import resolve_blocks
+from .config import ModelInfo, TrainConfig, TrialRecord, TuneResult
+from .cost import CostModel
+from .errors import BudgetError, BudgetTooSmallError, ProfileError, VerificationError
+from .loss import LossFn
+from .profile import PrecisionProfile, Profile, Profiler, TimeCurve
+from .search import Candidate, Study, best_config, largest_fitting
+from .space import SearchSpace, micro_batch_candidates
+from .target import Target, budget_bytes, discover, format_bytes
+from .verify import Verifier
+
+__all__ = ["autotune"]
+
+log = logging.getLogger("autotune")
+
+_MARGIN = {"cpu": 0.01, "cuda": 0.04}
+"""Head-room the search keeps below the budget; verification is the final judge."""
+_VERIFY_TOP = 3
+_SLOW_PRECISION = 1.6
+"""A precision this many times slower than fp32 at the same micro-batch cannot win."""
+
+
+def autotune(
+    model: nn.Module,
+    sample_batch: Any,
+    budget_gb: float = 24.0,
+    *,
+    loss_fn: LossFn | None = None,
+    global_batch_size: int | None = None,
+    device: torch.device | str | None = None,
+    space: SearchSpace | None = None,
+    n_trials: int | None = None,
+    timeout_s: float | None = None,
+    seed: int = 0,
+    storage: str | None = None,
+) -> TuneResult:
+    """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
+
+    Args:
+        model: The model to tune; left exactly as it was.
+        sample_batch: One batch (Tensor, tuple/list or dict; batch dimension 0); batches of
+            any size are made from it. Tune at the longest sequence you will train on.
+        budget_gb: Device memory the training run may use, in GiB.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see :mod:`autotune.loss`.
+        global_batch_size: Samples per optimizer step, kept exact with accumulation;
+            default: no accumulation, the micro-batch is the batch.
+        device: Target device; default CUDA if available, else CPU.
+        space: Knobs to search; default :class:`SearchSpace()`.
+        n_trials: Optuna trials on the cost model (default: scaled to the space).
+        timeout_s: Time limit of the Optuna study.
+        seed: Seed of the study; the same profile gives the same configuration.
+        storage: Optuna storage URL to keep the study (e.g. ``sqlite:///tune.db``).
+
+    Returns:
+        The verified winner, its predicted and measured numbers, and fallbacks.
+
+    Raises:
+        BudgetError, BudgetTooSmallError, BatchError, LossError, BlockError, ProfileError,
+        VerificationError: each with a message that says what to do.
+    """
+    started = time.perf_counter()
+    space = space or SearchSpace()
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ProfileError("loss_fn must be callable as loss_fn(output, batch) -> scalar tensor.")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or global_batch_size <= 0
+    ):
+        raise BudgetError(
+            f"global_batch_size must be a positive integer, got {global_batch_size!r}."
+        )
+    target = discover(device)
+    budget = budget_bytes(budget_gb, target)
+    batching.batch_size(sample_batch)
+    blocks = resolve_blocks(model, space.blocks) if space.checkpointing else ()
+    sizes = micro_batch_candidates(space, global_batch_size)
+    precisions = _supported_precisions(space.precisions, target)
+    limit = int(budget * (1 - _MARGIN.get(target.device.type, 0.04)))
+    foreign = torch.cuda.memory_allocated(target.device) if target.device.type == "cuda" else 0
+
+    work = _copy_to(model, target.device)
+    try:
+        profile = _profile(
+            work,
+            sample_batch,
+            blocks,
+            target,
+            space,
+            precisions,
+            sizes,
+            loss_fn,
+            global_batch_size,
+            limit,
+        )
+        cost = CostModel(profile)
+        study = Study(
+            cost,
+            sizes,
+            tuple(profile.precisions),
+            space.optimizers,
+            global_batch_size,
+            limit,
+            space.checkpointing,
+        )
+        log.info(
+            "searching: %d micro-batch sizes x %s x %s",
+            len(sizes),
+            "/".join(study.precisions),
+            "/".join(study.optimizers),
+        )
+        candidates = study.run(
+            n_trials=n_trials,
+            timeout_s=timeout_s,
+            seed=seed,
+            storage=storage,
+            study_name=f"autotune-{_fingerprint(model)}-{budget}" if storage else None,
+        )
+        verifier = Verifier(
+            work,
+            sample_batch,
+            device=target.device,
+            budget_bytes=budget,
+            loss_fn=loss_fn,
+            context_bytes=target.context_bytes,
+            foreign_bytes=foreign,
+        )
+        records, winner = _verify(verifier, candidates)
+        fallbacks = _fallbacks(verifier, cost, study, winner, records)
+    finally:
+        del work
+        gc.collect()
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    chosen = next(r for r in records if r.config == winner.config)
+    assert chosen.measured is not None
+    return TuneResult(
+        config=winner.config,
+        predicted=winner.prediction.measurement,
+        measured=chosen.measured,
+        budget_bytes=budget,
+        target=target.info(),
+        model=_model_info(model, profile.blocks),
+        breakdown=winner.prediction.breakdown,
+        fallbacks=tuple(fallbacks),
+        trials=tuple(records),
+        tuning_s=time.perf_counter() - started,
+    )
+
+
+def _profile(
+    work: nn.Module,
+    sample: Any,
+    blocks: Sequence[str],
+    target: Target,
+    space: SearchSpace,
+    precisions: Sequence[str],
+    sizes: Sequence[int],
+    loss_fn: LossFn | None,
+    global_batch_size: int | None,
+    limit: int,
+) -> Profile:
+    """Measure memory first (cheap, decides what fits), then time only what can fit."""
+    t0 = time.perf_counter()
+    profiler = Profiler(work, sample, blocks, device=target.device, loss_fn=loss_fn)
+    b1, b2 = 2, 4
+    log.info("profiling memory on %s (%d blocks)", target.name, len(blocks))
+    optimizers = {o: profiler.optimizer(o, b1) for o in space.optimizers}
+    memory = {}
+    notes: list[str] = []
+    for p in precisions:
+        try:
+            memory[p] = profiler.memory(p, space.optimizers[0], b1, b2)
+        except torch.OutOfMemoryError:
+            notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+    if not memory:
+        raise ProfileError(
+            f"the model does not fit {target.name} even at micro-batch {b2}; "
+            "use a larger device or a smaller model."
+        )
+    params = {id(p): p for p in work.parameters()}
+    param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
+    grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad)
+    draft = Profile(
+        target.device.type,
+        tuple(blocks),
+        tuple(1.0 / max(len(blocks), 1) for _ in blocks),
+        param_bytes,
+        grad_bytes,
+        memory,
+        optimizers,
+        target.context_bytes,
+    )
+    study = Study(
+        CostModel(draft),
+        sizes,
+        tuple(memory),
+        space.optimizers,
+        global_batch_size,
+        limit,
+        space.checkpointing,
+    )
+    caps = {
+        p: max((b for o in space.optimizers if (b := largest_fitting(study, p, o))), default=None)
+        for p in memory
+    }
+    feasible = {p: b for p, b in caps.items() if b is not None}
+    if not feasible:
+        raise _too_small(study, limit, space, global_batch_size)
+
+    log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
+    probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
+    reference = "fp32" if "fp32" in feasible else next(iter(feasible))
+    times: dict[str, dict[int, float]] = {p: {} for p in feasible}
+    times[reference][probe[reference]] = profiler.fwd_bwd_time(reference, probe[reference])
+    for p in list(feasible):
+        if p == reference:
+            continue
+        b = probe[reference] if probe[reference] <= feasible[p] else probe[p]
+        times[p][b] = profiler.fwd_bwd_time(p, b)
+        ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
+        if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
+            notes.append(
+                f"{p}: {times[p][b] / ref:.1f}x slower than fp32 on {target.name}, not searched"
+            )
+            del feasible[p], times[p]
+    precision_profiles = {}
+    for p, cap in feasible.items():
+        ladder = _ladder(sizes, cap)
+        for b in ladder:
+            if b not in times[p]:
+                times[p][b] = profiler.fwd_bwd_time(p, b)
+        xs = tuple(sorted(times[p]))
+        ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if blocks else []
+        ratios = tuple(
+            profiler.fwd_bwd_time(p, b, checkpoint_all=True) / times[p][b] - 1 for b in ckpt_points
+        )
+        curve = TimeCurve(xs, tuple(times[p][x] for x in xs), tuple(ckpt_points), ratios)
+        precision_profiles[p] = _with_time(memory[p], curve)
+    weights = profiler.block_weights(reference, probe[reference]) if blocks else ()
+    for note in notes:
+        log.info("note: %s", note)
+    return Profile(
+        target.device.type,
+        tuple(blocks),
+        weights,
+        param_bytes,
+        grad_bytes,
+        precision_profiles,
+        optimizers,
+        target.context_bytes,
+        1.0,
+        time.perf_counter() - t0,
+        tuple(notes),
+    )
+
+
+def _with_time(prof: PrecisionProfile, curve: TimeCurve) -> PrecisionProfile:
+    return dataclasses.replace(prof, time=curve)
+
+
+def _verify(verifier: Verifier, candidates: list[Candidate]) -> tuple[list[TrialRecord], Candidate]:
+    """Run the best candidates; the fastest measured one that fits wins."""
+    records: list[TrialRecord] = []
+    passed: list[tuple[float, Candidate]] = []
+    for cand in candidates:
+        if len(passed) >= _VERIFY_TOP or len(records) >= 3 * _VERIFY_TOP:
+            break
+        log.info("verifying %s", cand.config.describe())
+        record = verifier.record(cand.config, cand.prediction.measurement)
+        records.append(record)
+        if record.measured is not None:
+            passed.append((record.measured.samples_per_s, cand))
+            log.info(
+                "  measured %.1f samples/s, peak %s",
+                record.measured.samples_per_s,
+                format_bytes(record.measured.peak_bytes),
+            )
+        else:
+            log.info("  rejected: %s", record.error)
+    if not passed:
+        raise VerificationError(
+            "no candidate configuration ran within the budget on the device; "
+            "raise the budget a little or narrow the search space.",
+            attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
+        )
+    return records, max(passed, key=lambda x: x[0])[1]
+
+
+def _fallbacks(
+    verifier: Verifier, cost: CostModel, study: Study, winner: Candidate, records: list[TrialRecord]
+) -> list[TrainConfig]:
+    """Verified configs with the winner's effective batch, each more frugal than the last."""
+    effective = winner.config.effective_batch_size
+    sizes = [
+        b
+        for b in range(1, effective + 1)
+        if effective % b == 0 and b in set(study.sizes) | {effective}
+    ]
+    ladder_study = Study(
+        cost, sizes, study.precisions, study.optimizers, effective, study.limit, study.checkpointing
+    )
+    frugal = min(
+        (
+            c
+            for p in study.precisions
+            for o in study.optimizers
+            for b in sizes[:1]
+            if (c := ladder_study.candidate(p, o, b)) is not None
+        ),
+        key=lambda c: c.prediction.measurement.peak_bytes,
+        default=None,
+    )
+    targets = [int(winner.prediction.measurement.peak_bytes * 0.75)]
+    picks = []
+    for limit in targets:
+        ladder_study.limit = limit
+        if (c := best_config(ladder_study)) is not None:
+            picks.append(c)
+    if frugal is not None:
+        picks.append(frugal)
+    out: list[TrainConfig] = []
+    last_peak = next(
+        r.measured.peak_bytes for r in records if r.config == winner.config and r.measured
+    )
+    for cand in picks:
+        if cand.config == winner.config or cand.config in out:
+            continue
+        record = next((r for r in records if r.config == cand.config), None)
+        if record is None:
+            record = verifier.record(cand.config, cand.prediction.measurement)
+            records.append(record)
+        if record.measured is not None and record.measured.peak_bytes < last_peak:
+            out.append(cand.config)
+            last_peak = record.measured.peak_bytes
+    return out
+
+
+def _too_small(
+    study: Study, limit: int, space: SearchSpace, global_batch_size: int | None
+) -> BudgetTooSmallError:
+    """The error for a budget under the cheapest configuration, with what would lower it."""
+    cost = study.cost
+    full = (True,) * cost.n_blocks if study.checkpointing else (False,) * cost.n_blocks
+    best = None
+    for p in study.precisions:
+        for o in study.optimizers:
+            b = study.sizes[0]
+            peak = cost.peak(p, o, b, study.accum(b), full)
+            if best is None or peak < best[0]:
+                best = (peak, p, o, b)
+    assert best is not None
+    peak, p, o, b = best
+    names = tuple(n for n, m in zip(cost.profile.blocks, full, strict=True) if m)
+    config = TrainConfig(
+        micro_batch_size=b,
+        grad_accum_steps=study.accum(b),
+        precision=p,
+        optimizer=o,
+        checkpoint=names,
+    )
+    _, parts = cost.memory(config)
+    budget = int(limit / (1 - _MARGIN.get(cost.profile.device_type, 0.04)))
+    hints = ["raise budget_gb"]
+    if parts.optimizer > parts.parameters and "sgd" not in space.optimizers:
+        hints.append(
+            "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adafactor'])"
+        )
+    if not space.checkpointing:
+        hints.append("allow checkpointing (SearchSpace(checkpointing=True))")
+    hints.append("tune with shorter sequences or a smaller model")
+    return BudgetTooSmallError(
+        f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
+        f"{format_bytes(peak)} (micro-batch {b}, {p}, {o}, {len(names)} of {cost.n_blocks} blocks "
+        f"checkpointed): parameters {format_bytes(parts.parameters)}, gradients "
+        f"{format_bytes(parts.gradients)}, optimizer state {format_bytes(parts.optimizer)}, "
+        f"activations {format_bytes(parts.activations)}, other {format_bytes(parts.other)}. "
+        f"To fit: {'; '.join(hints)}.",
+        minimum_bytes=peak,
+        budget_bytes=budget,
+    )
+
+
+def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
+    """Micro-batch sizes to time: about powers of two up to ``cap``, and ``cap``."""
+    out, target = [], 1
+    allowed = [s for s in sizes if s <= cap]
+    while target <= cap:
+        pick = next((s for s in allowed if s >= target), None)
+        if pick is not None and pick not in out:
+            out.append(pick)
+        target *= 2
+    if cap not in out:
+        out.append(cap)
+    return sorted(out)
+
+
+def _nearest(sizes: Sequence[int], b: int) -> int:
+    return min(sizes, key=lambda s: (abs(s - b), s))
+
+
+def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, ...]:
+    if target.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        wanted = [p for p in wanted if p != "bf16"]
+    if not wanted:
+        raise BudgetError(f"none of the precisions asked for runs on {target.name}.")
+    return tuple(wanted)
+
+
+def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
+    try:
+        work = copy.deepcopy(model)
+    except Exception as exc:
+        raise ProfileError(
+            f"autotune works on a copy of the model and copy.deepcopy failed: {exc}. "
+            "Make the model deep-copyable (e.g. drop non-picklable attributes)."
+        ) from exc
+    return work.to(device)
+
+
+def _fingerprint(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return ModelInfo(type(model).__qualname__, _fingerprint(model), n, tuple(blocks))

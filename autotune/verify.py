@@ -1,0 +1,126 @@
+"""Verification: run candidate configurations for real on the device, under the budget.
+
+Measured peak and throughput decide. An out-of-memory error (real on CUDA, the budget
+guard's on CPU) is caught, recorded, and the next candidate is tried.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batch as batching
+from .config import Measurement, TrainConfig, TrialRecord
+from .loss import LossFn
+from .memory import measure_peak, state_tensors
+from .runtime import Runner, prepare
+
+__all__ = ["Verifier"]
+
+
+class Verifier:
+    """Runs configurations on ``model`` (the tuner's copy) and measures them.
+
+    Args:
+        model: The tuner's copy of the model, on ``device``.
+        sample: The user's sample batch (resized to each configuration's batch).
+        device: The target device.
+        budget_bytes: The device-memory budget; exceeding it rejects a configuration.
+        loss_fn: The user's loss function, or ``None``.
+        context_bytes: CUDA context size (0 on CPU).
+        foreign_bytes: CUDA bytes held by other tensors when tuning began.
+        steps: Timed optimizer steps per configuration (median reported).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        *,
+        device: torch.device,
+        budget_bytes: int,
+        loss_fn: LossFn | None,
+        context_bytes: int = 0,
+        foreign_bytes: int = 0,
+        steps: int = 3,
+    ) -> None:
+        self.model = model
+        self.sample = sample
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.loss_fn = loss_fn
+        self.context_bytes = context_bytes
+        self.foreign_bytes = foreign_bytes
+        self.steps = steps
+
+    def run(self, config: TrainConfig) -> tuple[Measurement | None, str | None]:
+        """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
+        batch = batching.resize(self.sample, config.effective_batch_size)
+        runner: Runner | None = None
+        try:
+            runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
+            peak, step_s = self._measure(runner, batch)
+        except torch.OutOfMemoryError as exc:
+            return None, f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
+        finally:
+            if runner is not None:
+                runner.optimizer.zero_grad(set_to_none=True)
+            del runner
+            self._release()
+        if peak > self.budget_bytes:
+            return None, f"measured peak {peak} bytes exceeds the budget of {self.budget_bytes}"
+        return Measurement(peak, step_s, config.effective_batch_size / step_s), None
+
+    def _measure(self, runner: Runner, batch: Any) -> tuple[int, float]:
+        budget = self.budget_bytes
+        if self.device.type == "cuda":
+            with measure_peak(
+                self.device,
+                budget_bytes=budget,
+                context_bytes=self.context_bytes,
+                foreign_bytes=self.foreign_bytes,
+            ) as reading:
+                runner.step(batch)  # warm-up: allocates optimizer state
+                times = [self._timed(lambda: runner.step(batch)) for _ in range(self.steps)]
+            return reading.peak_bytes, statistics.median(times)
+        # CPU: the first step allocates the optimizer state under the guard, the second
+        # is measured at steady state; the timed steps run without the tracker's overhead.
+        with measure_peak(self.device, existing=self._state(runner), budget_bytes=budget):
+            runner.step(batch)
+        with measure_peak(
+            self.device, existing=self._state(runner), budget_bytes=budget
+        ) as reading:
+            runner.step(batch)
+        times = [self._timed(lambda: runner.step(batch)) for _ in range(self.steps)]
+        return reading.peak_bytes, statistics.median(times)
+
+    def record(self, config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        """Run ``config`` and wrap the outcome as a :class:`TrialRecord`."""
+        measured, error = self.run(config)
+        return TrialRecord(config, predicted, measured, error)
+
+    @staticmethod
+    def _state(runner: Runner) -> list[torch.Tensor]:
+        return state_tensors(runner.model, runner.optimizer, runner.scaler)
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        self._sync()
+        start = time.perf_counter()
+        fn()
+        self._sync()
+        return time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,306 @@
+"""Tests for autotune.blocks: finding a model's repeated layers and checking named ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.blocks import find_blocks, resolve_blocks
+from autotune.errors import BlockError
+
+# --- small models of our own -------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A pre-norm transformer-style block: attention stand-in plus MLP."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT-shaped: embeddings, a ModuleList of blocks, a head tied to the embedding."""
+
+    def __init__(self, n_layer: int = 3, dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.h = nn.ModuleList(Block(dim) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+
+class StackWithHeads(nn.Module):
+    """A transformer stack next to a ModuleList of two tiny (non-leaf) heads."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(4))
+        self.heads = nn.ModuleList([Head(dim), Head(dim)])
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convs with batch norm and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.downsample: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+
+class TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
+        self.layer2 = nn.Sequential(BasicBlock(8, 16, 2), BasicBlock(16, 16))
+        self.layer3 = nn.Sequential(BasicBlock(16, 32, 2), BasicBlock(32, 32))
+        self.fc = nn.Linear(32, 10)
+
+
+class NoRepeats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4, 2)
+
+
+# --- find_blocks on our own models -------------------------------------------------------
+
+
+def test_plain_sequential_gives_its_children_with_parameters() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert find_blocks(model) == ("0", "2", "4")
+
+
+def test_sequential_of_consecutive_linears_is_a_run_of_leaves() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU())
+    assert find_blocks(model) == ("0", "1", "2")
+
+
+def test_resnet_gives_every_residual_block_across_stages() -> None:
+    expected = tuple(f"layer{s}.{i}" for s in (1, 2, 3) for i in (0, 1))
+    assert find_blocks(TinyResNet()) == expected
+
+
+def test_gpt_with_tied_weights() -> None:
+    model = TinyGPT(n_layer=3)
+    assert model.lm_head.weight is model.wte.weight
+    assert find_blocks(model) == ("h.0", "h.1", "h.2")
+
+
+def test_small_heads_next_to_a_stack_are_not_blocks() -> None:
+    assert find_blocks(StackWithHeads()) == tuple(f"layers.{i}" for i in range(4))
+
+
+def test_runs_of_layers_win_over_runs_of_leaves() -> None:
+    model = nn.Module()
+    model.proj = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # larger than the stack
+    model.layers = nn.ModuleList(Block(4) for _ in range(2))
+    assert find_blocks(model) == ("layers.0", "layers.1")
+
+
+def test_small_runs_are_kept_when_all_runs_are_small() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(100_000, 16)  # holds > 99% of the parameters
+    model.layers = nn.ModuleList(Block(4) for _ in range(2))
+    assert find_blocks(model) == ("layers.0", "layers.1")
+
+
+def test_nested_runs_give_the_outer_one() -> None:
+    model = nn.Module()
+    model.stages = nn.ModuleList(nn.Sequential(Block(8), Block(8)) for _ in range(2))
+    assert find_blocks(model) == ("stages.0", "stages.1")
+
+
+def test_a_module_listed_twice_is_one_block() -> None:
+    shared = Block(8)
+    model = nn.Module()
+    model.h = nn.ModuleList([Block(8), shared, shared, Block(8)])
+    model.alias = shared  # reachable under a second name too
+    assert find_blocks(model) == ("h.0", "h.1", "h.3")
+
+
+def test_parameterless_children_break_runs() -> None:
+    model = nn.Module()
+    model.seq = nn.Sequential(nn.Dropout(), nn.Dropout(), Block(8), nn.Identity(), Block(8))
+    assert find_blocks(model) == ("seq.2", "seq.4")
+
+
+def test_no_repeated_layers_is_a_helpful_error() -> None:
+    with pytest.raises(BlockError) as info:
+        find_blocks(NoRepeats())
+    message = str(info.value)
+    assert "no repeated layers" in message
+    assert "SearchSpace(blocks=[...])" in message
+    assert "conv, fc" in message
+
+
+def test_find_blocks_leaves_the_model_as_it_was() -> None:
+    model = TinyGPT()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    find_blocks(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# --- find_blocks on Hugging Face models (small configs, no downloads) -----------------------
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _bert() -> nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def _vit() -> nn.Module:
+    import transformers
+
+    config = transformers.ViTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def _t5() -> nn.Module:
+    import transformers
+
+    config = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bart() -> nn.Module:
+    import transformers
+
+    config = transformers.BartConfig(
+        encoder_layers=2,
+        decoder_layers=2,
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _layers(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{i}" for i in range(n))
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (_gpt2, _layers("transformer.h", 2)),
+        (_llama, _layers("model.layers", 3)),
+        (_bert, _layers("bert.encoder.layer", 2)),
+        (_vit, _layers("vit.layers", 2)),  # transformers 5 flattened ViT's encoder
+        (_t5, _layers("encoder.block", 2) + _layers("decoder.block", 2)),
+        (_bart, _layers("model.encoder.layers", 2) + _layers("model.decoder.layers", 2)),
+    ],
+    ids=["gpt2", "llama", "bert", "vit", "t5", "bart"],
+)
+def test_hugging_face_models(build: Callable[[], nn.Module], expected: tuple[str, ...]) -> None:
+    pytest.importorskip("transformers")
+    model = build()
+    names = dict(model.named_modules())
+    assert all(name in names for name in expected)  # the names really exist
+    assert find_blocks(model) == expected
+
+
+# --- resolve_blocks -----------------------------------------------------------------------
+
+
+def test_resolve_none_is_find_blocks() -> None:
+    model = TinyGPT()
+    assert resolve_blocks(model, None) == find_blocks(model)
+
+
+def test_resolve_returns_named_blocks_in_model_order() -> None:
+    model = TinyGPT(n_layer=3)
+    assert resolve_blocks(model, ["h.2", "wte", "h.0.mlp"]) == ("wte", "h.0.mlp", "h.2")
+    assert resolve_blocks(model, ()) == ()
+
+
+def test_resolve_unknown_name_suggests_close_matches() -> None:
+    with pytest.raises(BlockError, match=r"'h\.7'.*Did you mean.*'h\.0'"):
+        resolve_blocks(TinyGPT(n_layer=2), ["h.1", "h.7"])
+
+
+def test_resolve_rejects_nested_blocks() -> None:
+    with pytest.raises(BlockError, match=r"'h\.0\.attn' lies inside block 'h\.0'"):
+        resolve_blocks(TinyGPT(), ["h.0.attn", "h.1", "h.0"])
+
+
+def test_resolve_rejects_duplicates() -> None:
+    with pytest.raises(BlockError, match=r"more than once: h\.1"):
+        resolve_blocks(TinyGPT(), ["h.1", "h.0", "h.1"])
+
+
+def test_resolve_rejects_the_root_and_a_bare_string() -> None:
+    with pytest.raises(BlockError, match="root"):
+        resolve_blocks(TinyGPT(), [""])
+    with pytest.raises(BlockError, match=r"\['h\.0'\]"):
+        resolve_blocks(TinyGPT(), "h.0")
