@@ -2,8 +2,9 @@
 
 By default the blocks are a model's repeated layers: runs of consecutive children of one
 class inside an ``nn.ModuleList`` or ``nn.Sequential`` (transformer layers, residual
-blocks). Users can name the blocks instead; :func:`resolve_blocks` checks those names.
-Both functions only read the model: no forward pass, no hooks, nothing changed.
+blocks), opening stages (ResNet, ConvNeXt, Swin) into their layers: finer blocks give the
+tuner finer trades of memory for recompute. Users can name the blocks instead;
+:func:`resolve_blocks` checks those names. Both only read the model: no forward, no hooks.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     """Find the repeated layers of ``model``: the blocks the tuner may checkpoint.
 
     Blocks are the outermost runs of two or more consecutive same-class children with
-    parameters in an ``nn.ModuleList``/``nn.Sequential``; runs of non-leaf modules win
-    over runs of leaves, and runs under 1% of the parameters are heads (unless all are).
-    With no run at all, the children of the largest ``nn.Sequential`` are the blocks.
+    parameters in an ``nn.ModuleList``/``nn.Sequential``. A member of a run that is a
+    stage gives its layers instead (see :func:`_stage_layers`). Runs under 1% of the
+    parameters are heads and dropped (unless all are); of the rest, runs of non-leaf
+    modules win over runs of leaves. With no run at all, the children of the largest
+    ``nn.Sequential`` are the blocks.
 
     Args:
         model: The model; it is only read.
@@ -57,7 +60,7 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             containers.append((name, module))
     runs = [run for name, c in containers for run in _runs_in(name, c, name_of)]
-    names = {name for run in _select(runs, _numel([model])) for name in run.names}
+    names = {name for run in _select(runs, _numel([model]), name_of) for name in run.names}
     if not names:
         names = _sequential_children(model, [c for _, c in containers], name_of)
     order = {name: i for i, name in enumerate(name_of.values())}
@@ -113,14 +116,48 @@ def _runs_in(
     return runs
 
 
-def _select(runs: list[_Run], total: int) -> list[_Run]:
-    """The outermost runs; of non-leaf modules if any; less heads (runs too small)."""
+def _select(runs: list[_Run], total: int, name_of: dict[int, str]) -> list[_Run]:
+    """The outermost runs, stages opened into layers; less heads (too small); of layers if any."""
     members = {name for run in runs for name in run.names}  # blocks never hold blocks
     runs = [r for r in runs if not any(p in members for p in (r.container, *_parents(r.container)))]
-    runs = [r for r in runs if any(next(m.children(), None) is not None for m in r.modules)] or runs
+    runs = [_open_stages(run, name_of) for run in runs]
     sizes = [_numel(run.modules) for run in runs]
     floor = min(_MIN_SHARE * total, max(sizes, default=0))  # never drop every run
-    return [run for run, size in zip(runs, sizes, strict=True) if size >= floor]
+    # size cut first, then layers over leaves: a big run of nn.Linear beats two tiny heads
+    runs = [run for run, size in zip(runs, sizes, strict=True) if size >= floor]
+    return [r for r in runs if not all(map(_is_leaf, r.modules))] or runs
+
+
+def _open_stages(run: _Run, name_of: dict[int, str]) -> _Run:
+    """``run`` with each member that is a stage replaced by the stage's layers, in order."""
+    modules = tuple(m for member in run.modules for m in _stage_layers(member) or (member,))
+    return _Run(run.container, tuple(name_of[id(m)] for m in modules), modules)
+
+
+def _stage_layers(module: nn.Module) -> list[nn.Module] | None:
+    """The layers of ``module`` if it is a stage (a thin wrapper around a stack), else None.
+
+    A stage is an ``nn.ModuleList``/``nn.Sequential``, or has one as a direct child, of
+    non-leaf modules mostly of one class, holding over half of the stage's parameters:
+    ``ResNetStage.layers``, ``ConvNextStage.layers``, ``SwinStage.blocks``. One level only:
+    a bottleneck's own convs stay inside it. A transformer layer is no stage: its sublayers
+    differ in class, its experts sit one level down (``mlp.experts``), and experts held
+    directly are told apart by their router (a matrix outside them, one row per expert).
+    """
+    for child in (module, *module.children()):
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) == 0:
+            continue
+        layers = list(child)
+        inside = {id(p) for m in layers for p in m.parameters()}
+        rows = {p.shape[0] for p in module.parameters() if p.dim() == 2 and id(p) not in inside}
+        if (
+            2 * Counter(map(type, layers)).most_common(1)[0][1] > len(layers)
+            and not any(map(_is_leaf, layers))
+            and 2 * _numel(layers) > _numel([module])
+            and (len(layers) == 1 or len(layers) not in rows)  # no router: not experts
+        ):
+            return [m for m in layers if _has_params(m)]
+    return None
 
 
 def _sequential_children(
@@ -149,6 +186,10 @@ def _parents(name: str) -> list[str]:
 
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None
 
 
 def _run_key(module: nn.Module | None) -> type[nn.Module] | None:

@@ -303,14 +303,8 @@ def _decode_dataclass(cls: Any, value: Any, key: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     data = dict(value)
-    if cls is TrainConfig and "effective_batch_size" in data:
-        effective = data.pop("effective_batch_size")
-        product = data.get("micro_batch_size", 1) * data.get("grad_accum_steps", 1)
-        if effective != product:
-            raise ConfigError(
-                f"{key}.effective_batch_size is {effective!r} but micro_batch_size x "
-                f"grad_accum_steps is {product}; fix one of them or drop the key."
-            )
+    # TrainConfig's YAML also shows the derived effective batch, checked once decoded.
+    effective = data.pop("effective_batch_size", None) if cls is TrainConfig else None
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         name = f"{key}.{unknown[0]}" if key else str(unknown[0])
@@ -323,9 +317,15 @@ def _decode_dataclass(cls: Any, value: Any, key: str) -> Any:
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing key {sub!r}.")
     try:
-        return cls(**kwargs)
+        decoded = cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if effective is not None and effective != decoded.effective_batch_size:
+        raise ConfigError(
+            f"{key}.effective_batch_size is {effective!r} but micro_batch_size x "
+            f"grad_accum_steps is {decoded.effective_batch_size}; fix one of them or drop the key."
+        )
+    return decoded
 
 
 def _kind(value: Any) -> str:

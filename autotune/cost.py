@@ -169,36 +169,46 @@ class CostModel:
 
 
 def _min_cost_cover(savings: Sequence[float], costs: Sequence[float], need: float) -> Mask | None:
-    """Least-cost subset of items whose savings reach ``need`` (0/1 knapsack, exact on a grid).
+    """Least-cost subset of items whose savings reach ``need``: exact 0/1 knapsack.
 
-    Savings are rounded down to a grid of ``need / 256`` so the chosen set truly covers
-    ``need``; identical items (the usual transformer stack) reduce to "the first k".
+    Dynamic programming over the Pareto frontier of (savings, cost) of subsets, savings
+    capped at ``need`` (any cover is as good as another). Identical items, the usual
+    transformer stack, reduce to "the first k". Past ``_FRONTIER`` states the frontier is
+    thinned to the cheapest state per savings bucket, which keeps covers valid.
     """
     n = len(savings)
-    if sum(max(s, 0.0) for s in savings) < need:
+    gains = [max(s, 0.0) for s in savings]
+    if sum(gains) < need:
         return None
-    if (
-        n
-        and max(savings) - min(savings) <= 1e-6 * max(abs(max(savings)), 1.0)
-        and max(costs) - min(costs) <= 1e-9
-    ):
-        k = min(n, math.ceil(need / savings[0])) if savings[0] > 0 else n
+    if n and max(gains) - min(gains) <= 1e-9 * max(gains) and max(costs) - min(costs) <= 1e-12:
+        k = min(n, math.ceil(need / gains[0])) if gains[0] > 0 else n
         return tuple(i < k for i in range(n))
-    grid = 256
-    unit = need / grid
-    units = [min(int(max(s, 0.0) // unit), grid) for s in savings]
-    inf = math.inf
-    best = [0.0] + [inf] * grid  # best[j]: least cost to cover at least j units
-    choice: list[list[int]] = [[] for _ in range(grid + 1)]
+    frontier: list[tuple[float, float, int]] = [(0.0, 0.0, 0)]  # (saved, cost, chosen bits)
     for i in range(n):
-        if units[i] == 0:
+        if gains[i] <= 0:
             continue
-        for j in range(grid, 0, -1):
-            prev = max(j - units[i], 0)
-            if best[prev] + costs[i] < best[j]:
-                best[j] = best[prev] + costs[i]
-                choice[j] = [*choice[prev], i]
-    if best[grid] == inf:
-        return None
-    chosen = set(choice[grid])
-    return tuple(i in chosen for i in range(n))
+        grown = [(min(s + gains[i], need), c + costs[i], bits | 1 << i) for s, c, bits in frontier]
+        frontier = _pareto(frontier + grown, need)
+    _, _, bits = min((e for e in frontier if e[0] >= need), key=lambda e: e[1])
+    return tuple(bool(bits >> i & 1) for i in range(n))
+
+
+_FRONTIER = 4096
+
+
+def _pareto(states: list[tuple[float, float, int]], need: float) -> list[tuple[float, float, int]]:
+    """Keep the states no other state beats on both savings (higher) and cost (lower)."""
+    states.sort(key=lambda e: (-e[0], e[1]))
+    kept: list[tuple[float, float, int]] = []
+    for state in states:
+        if not kept or state[1] < kept[-1][1]:
+            kept.append(state)
+    if len(kept) > _FRONTIER:
+        buckets: dict[int, tuple[float, float, int]] = {}
+        for state in kept:
+            # Round savings down into a bucket: a state only ever claims less than it saves.
+            key = int(state[0] / need * _FRONTIER)
+            if key not in buckets or state[1] < buckets[key][1]:
+                buckets[key] = state
+        kept = sorted(buckets.values(), key=lambda e: -e[0])
+    return kept

@@ -39,7 +39,7 @@ def call_model(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> Any:
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    """The scalar loss of one forward pass.
+    """The scalar loss of one forward pass, as a 0-dim tensor (a one-element loss is reshaped).
 
     Raises:
         LossError: no scalar loss can be derived; the message says what the output was.
@@ -51,15 +51,15 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
                 f"loss_fn returned {_describe(loss)}; it must return a scalar tensor "
                 "(e.g. a mean over the batch)."
             )
-        return loss
+        return _zero_dim(loss)
     if _is_scalar(output):
-        return output
+        return _zero_dim(output)
     loss = getattr(output, "loss", None)
     if _is_scalar(loss):
         assert isinstance(loss, torch.Tensor)
-        return loss
+        return _zero_dim(loss)
     if isinstance(output, (tuple, list)) and output and _is_scalar(output[0]):
-        return output[0]
+        return _zero_dim(output[0])
     hint = ""
     if hasattr(output, "loss") and loss is None:
         hint = " The output has a .loss of None: include labels in the batch (e.g. 'labels')."
@@ -71,6 +71,11 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
+def _zero_dim(loss: torch.Tensor) -> torch.Tensor:
+    # A loss of shape (1,) would not add into the runner's 0-dim running total.
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _describe(value: Any) -> str:

@@ -74,10 +74,19 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
-            id(t.untyped_storage())
+            id(s): s
             for t in tree_flatten((args, kwargs))[0]
             if isinstance(t, torch.Tensor) and _has_storage(t)
+            for s in (t.untyped_storage(),)
         }
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.is_mutable:
+            # An out= or resize_ op may resize a counted storage in place: count the change.
+            for key, storage in inputs.items():
+                if key in self._sizes and storage.nbytes() != self._sizes[key]:
+                    delta = storage.nbytes() - self._sizes[key]
+                    self._sizes[key] = storage.nbytes()
+                    self._grow(delta, check_budget=True)
         for t in tree_flatten(out)[0]:
             # An output sharing an input's storage is a view or an in-place result: no new bytes.
             if isinstance(t, torch.Tensor) and _has_storage(t):
@@ -93,6 +102,9 @@ class LiveBytesTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         self._sizes[key] = nbytes
         weakref.finalize(storage, self._free, key)
+        self._grow(nbytes, check_budget=check_budget)
+
+    def _grow(self, nbytes: int, *, check_budget: bool) -> None:
         self.live += nbytes
         if self.live > self.peak:
             self.peak = self.live
@@ -127,6 +139,10 @@ def state_tensors(*objects: Any) -> list[torch.Tensor]:
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        elif isinstance(obj, torch.amp.GradScaler):
+            # Its state_dict() holds Python numbers (.item()), not the tensors it keeps.
+            flat = tree_flatten(vars(obj))[0]
+            out.extend(v for v in flat if isinstance(v, torch.Tensor))
         elif obj is not None and hasattr(obj, "state_dict"):
             flat = tree_flatten(obj.state_dict())[0]
             out.extend(v for v in flat if isinstance(v, torch.Tensor))

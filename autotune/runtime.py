@@ -163,15 +163,21 @@ def _default_device(device: torch.device | str | None, result: TuneResult | None
 
 
 def apply_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
-    """Recompute the activations of the named blocks in backward (non-reentrant checkpoint)."""
-    for name in names:
+    """Recompute the activations of the named blocks in backward (non-reentrant checkpoint).
+
+    Raises:
+        BlockError: a name is not a submodule of ``model``; then no block is wrapped.
+    """
+    modules = []
+    for name in names:  # resolve every name first, so that an error leaves the model as it was
         try:
-            module = model.get_submodule(name)
+            modules.append(model.get_submodule(name))
         except AttributeError:
             raise BlockError(
                 f"the config checkpoints block {name!r}, which this model does not have; "
                 "was the config tuned for another model?"
             ) from None
+    for module in modules:
         if _ORIGINAL in module.__dict__:
             continue
         original = module.forward

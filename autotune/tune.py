@@ -22,7 +22,13 @@ from . import batch as batching
 from .blocks import resolve_blocks
 from .config import ModelInfo, TrainConfig, TrialRecord, TuneResult
 from .cost import CostModel
-from .errors import BudgetError, BudgetTooSmallError, ProfileError, VerificationError
+from .errors import (
+    BudgetError,
+    BudgetTooSmallError,
+    ConfigError,
+    ProfileError,
+    VerificationError,
+)
 from .loss import LossFn
 from .profile import PrecisionProfile, Profile, Profiler, TimeCurve
 from .search import Candidate, Study, best_config, largest_fitting
@@ -90,8 +96,9 @@ def autotune(
         or not isinstance(global_batch_size, int)
         or global_batch_size <= 0
     ):
-        raise BudgetError(
-            f"global_batch_size must be a positive integer, got {global_batch_size!r}."
+        raise ConfigError(
+            f"global_batch_size must be a positive integer, got {global_batch_size!r}; pass "
+            "the number of samples per optimizer step, or None for no accumulation."
         )
     target = discover(device)
     budget = budget_bytes(budget_gb, target)

@@ -79,11 +79,55 @@ class TinyResNet(nn.Module):
         self.fc = nn.Linear(32, 10)
 
 
+class Stage(nn.Module):
+    """A vision stage: a downsampling conv, then a Sequential of residual layers."""
+
+    def __init__(self, cin: int, cout: int, depth: int) -> None:
+        super().__init__()
+        self.downsample = nn.Conv2d(cin, cout, 2, 2)
+        self.layers = nn.Sequential(*(BasicBlock(cout, cout) for _ in range(depth)))
+
+
+class StagedNet(nn.Module):
+    """HF ResNet-shaped: a ModuleList of stages, each holding a run of layers."""
+
+    def __init__(self, depths: tuple[int, ...] = (1, 2, 3)) -> None:
+        super().__init__()
+        widths = [8, 8, 16, 32][: len(depths) + 1]
+        self.stem = nn.Conv2d(3, 8, 3)
+        self.stages = nn.ModuleList(
+            Stage(cin, cout, d)
+            for cin, cout, d in zip(widths[:-1], widths[1:], depths, strict=True)
+        )
+
+
+class MoEBlock(nn.Module):
+    """A transformer layer whose MLP is a mixture of experts (a ModuleList of MLPs)."""
+
+    def __init__(self, dim: int, n_experts: int, nested: bool = True) -> None:
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        router = nn.Linear(dim, n_experts, bias=False)
+        experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(n_experts)
+        )
+        if nested:  # Hugging Face style: layer.mlp.gate, layer.mlp.experts
+            self.mlp = nn.Module()
+            self.mlp.gate, self.mlp.experts = router, experts
+        else:  # the router and experts held by the layer itself
+            self.gate, self.experts = router, experts
+
+
 class NoRepeats(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
         self.fc = nn.Linear(4, 2)
+
+
+def _layers(prefix: str, n: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{i}" for i in range(n))
 
 
 # --- find_blocks on our own models -------------------------------------------------------
@@ -128,10 +172,58 @@ def test_small_runs_are_kept_when_all_runs_are_small() -> None:
     assert find_blocks(model) == ("layers.0", "layers.1")
 
 
-def test_nested_runs_give_the_outer_one() -> None:
+def test_large_run_of_linears_beats_tiny_heads() -> None:
+    # the 1% size cut comes before preferring runs of non-leaf modules
+    model = nn.Module()
+    model.mlp = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    model.heads = nn.ModuleList([Head(64), Head(64)])  # non-leaf, but < 1% of the parameters
+    assert find_blocks(model) == ("mlp.0", "mlp.1", "mlp.2", "mlp.3")
+
+
+def test_nested_runs_give_the_inner_layers() -> None:
+    # a run of Sequentials of layers is a run of stages: its layers are the blocks
+    # (before stages were opened this gave ("stages.0", "stages.1"))
     model = nn.Module()
     model.stages = nn.ModuleList(nn.Sequential(Block(8), Block(8)) for _ in range(2))
+    assert find_blocks(model) == ("stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1")
+
+
+def test_stages_give_their_layers_in_order_one_layer_stages_included() -> None:
+    expected = ("stages.0.layers.0", *_layers("stages.1.layers", 2), *_layers("stages.2.layers", 3))
+    assert find_blocks(StagedNet((1, 2, 3))) == expected
+
+
+def test_stage_with_a_minority_layer_of_another_class_is_opened() -> None:
+    # LeViT-style: a subsampling layer of another class among the stage's layers
+    model = nn.Module()
+    model.stages = nn.ModuleList(
+        nn.ModuleList([Block(8), Block(8), Head(8), Block(8)]) for _ in range(2)
+    )
+    expected = tuple(f"stages.{s}.{i}" for s in (0, 1) for i in range(4))
+    assert find_blocks(model) == expected
+
+
+def test_wrapper_whose_stack_holds_under_half_its_parameters_stays_a_block() -> None:
+    model = nn.Module()
+    model.stages = nn.ModuleList(Stage(8, 8, 1) for _ in range(2))
+    for stage in model.stages:
+        stage.downsample = nn.Conv2d(8, 8, 7)  # 3 x the parameters of the stage's layer
     assert find_blocks(model) == ("stages.0", "stages.1")
+
+
+def test_stages_are_opened_one_level_only() -> None:
+    # each layer (a Stage) would pass for a stage itself, like HF ResNet's bottleneck with its
+    # Sequential of three conv layers; only one level is opened
+    model = nn.Module()
+    model.stages = nn.ModuleList(nn.Sequential(Stage(8, 8, 2), Stage(8, 8, 2)) for _ in range(2))
+    assert find_blocks(model) == ("stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1")
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["mlp.experts", "experts"])
+def test_mixture_of_experts_layers_stay_blocks(nested: bool) -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(MoEBlock(16, n_experts=4, nested=nested) for _ in range(3))
+    assert find_blocks(model) == _layers("layers", 3)
 
 
 def test_a_module_listed_twice_is_one_block() -> None:
@@ -246,8 +338,96 @@ def _bart() -> nn.Module:
     return transformers.BartForConditionalGeneration(config)
 
 
-def _layers(prefix: str, n: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}.{i}" for i in range(n))
+def _whisper() -> nn.Module:
+    import transformers
+
+    config = transformers.WhisperConfig(
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=64,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def _clip() -> nn.Module:
+    import transformers
+
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = transformers.CLIPConfig(
+        text_config={
+            **tower,
+            "num_attention_heads": 2,
+            "vocab_size": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+            "max_position_embeddings": 16,
+        },
+        vision_config={**tower, "num_attention_heads": 2, "image_size": 16, "patch_size": 8},
+        projection_dim=16,
+    )
+    return transformers.CLIPModel(config)
+
+
+def _mixtral() -> nn.Module:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _resnet() -> nn.Module:
+    import transformers
+
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2], num_labels=3
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+def _convnext() -> nn.Module:
+    import transformers
+
+    config = transformers.ConvNextConfig(
+        num_stages=2, hidden_sizes=[8, 16], depths=[1, 2], num_labels=3
+    )
+    return transformers.ConvNextForImageClassification(config)
+
+
+def _swin() -> nn.Module:
+    import transformers
+
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=4,
+        embed_dim=8,
+        depths=[2, 1],
+        num_heads=[1, 2],
+        window_size=2,
+        num_labels=3,
+    )
+    return transformers.SwinForImageClassification(config)
 
 
 @pytest.mark.parametrize(
@@ -259,8 +439,37 @@ def _layers(prefix: str, n: int) -> tuple[str, ...]:
         (_vit, _layers("vit.layers", 2)),  # transformers 5 flattened ViT's encoder
         (_t5, _layers("encoder.block", 2) + _layers("decoder.block", 2)),
         (_bart, _layers("model.encoder.layers", 2) + _layers("model.decoder.layers", 2)),
+        (_whisper, _layers("model.encoder.layers", 2) + _layers("model.decoder.layers", 2)),
+        (
+            _clip,
+            _layers("text_model.encoder.layers", 2) + _layers("vision_model.encoder.layers", 2),
+        ),
+        (_mixtral, _layers("model.layers", 2)),  # each MoE layer is one block
+        # staged vision models: the layers of every stage, a one-layer stage included
+        (
+            _resnet,
+            ("resnet.encoder.stages.0.layers.0", *_layers("resnet.encoder.stages.1.layers", 2)),
+        ),
+        (
+            _convnext,
+            ("convnext.encoder.stages.0.layers.0", *_layers("convnext.encoder.stages.1.layers", 2)),
+        ),
+        (_swin, (*_layers("swin.encoder.layers.0.blocks", 2), "swin.encoder.layers.1.blocks.0")),
     ],
-    ids=["gpt2", "llama", "bert", "vit", "t5", "bart"],
+    ids=[
+        "gpt2",
+        "llama",
+        "bert",
+        "vit",
+        "t5",
+        "bart",
+        "whisper",
+        "clip",
+        "mixtral",
+        "resnet",
+        "convnext",
+        "swin",
+    ],
 )
 def test_hugging_face_models(build: Callable[[], nn.Module], expected: tuple[str, ...]) -> None:
     pytest.importorskip("transformers")

@@ -1,0 +1,74 @@
+"""Shared fixtures: small models and batches that run in milliseconds on a 2-core CPU."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from autotune.models import GPT, gpt_batch, tiny_gpt
+from autotune.profile import Profile, Profiler
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run where CUDA is, and are skipped elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_threaded_torch() -> Iterator[None]:
+    """One intra-op thread for the whole suite, restored after.
+
+    Tiny models gain nothing from threads, and on a loaded 2-core machine OpenMP's
+    spinning threads make a 2 ms training step take over a second.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def tiny_gpt_model() -> GPT:
+    """A 2-layer GPT (blocks ``blocks.0``, ``blocks.1``; head tied to ``wte``), seeded."""
+    return tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+@pytest.fixture
+def tiny_gpt_batch(tiny_gpt_model: GPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``(idx, targets)`` batch of 8 samples for :func:`tiny_gpt_model`."""
+    return gpt_batch(tiny_gpt_model.config, 8)
+
+
+@pytest.fixture(scope="session")
+def gpt3_model() -> GPT:
+    """A 3-block GPT shared (read-only) by the cost-model and search tests."""
+    return tiny_gpt(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+@pytest.fixture(scope="session")
+def gpt3_sample(gpt3_model: GPT) -> tuple[torch.Tensor, torch.Tensor]:
+    return gpt_batch(gpt3_model.config, 4)
+
+
+@pytest.fixture(scope="session")
+def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
+    """A memory profile (no time curves) of :func:`gpt3_model`: fp32/bf16, adamw/sgd."""
+    work = copy.deepcopy(gpt3_model)
+    blocks = tuple(f"blocks.{i}" for i in range(len(work.blocks)))
+    profiler = Profiler(work, gpt3_sample, blocks, device=torch.device("cpu"), loss_fn=None)
+    optimizers = {o: profiler.optimizer(o, 2) for o in ("adamw", "sgd")}
+    memory = {p: profiler.memory(p, "adamw", 2, 4) for p in ("fp32", "bf16")}
+    params = {id(p): p for p in work.parameters()}
+    nbytes = sum(p.untyped_storage().nbytes() for p in params.values())
+    weights = tuple(1 / len(blocks) for _ in blocks)
+    return Profile("cpu", blocks, weights, nbytes, nbytes, memory, optimizers)

@@ -1,0 +1,115 @@
+"""The cost model against real measurements on CPU, where the tracker is exact.
+
+The profile is measured at micro-batch sizes 2 and 4, kept and fully checkpointed; the
+model must then predict other sizes, accumulation and mixed checkpoint masks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autotune.config import TrainConfig
+from autotune.cost import CostModel, _min_cost_cover
+from autotune.profile import TimeCurve
+from autotune.verify import Verifier
+
+CPU = torch.device("cpu")
+
+
+def measured_peak(model: torch.nn.Module, sample: object, config: TrainConfig) -> int:
+    verifier = Verifier(
+        copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
+    )
+    measured, error = verifier.run(config)
+    assert error is None
+    assert measured is not None
+    return measured.peak_bytes
+
+
+def assert_close_bytes(predicted: int, measured: int, rel: float = 0.01) -> None:
+    assert abs(predicted - measured) <= rel * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize(
+    ("b", "accum", "precision", "mask", "optimizer"),
+    [
+        (1, 1, "fp32", (), "adamw"),
+        (8, 1, "fp32", (), "adamw"),
+        (16, 1, "fp32", ("blocks.0", "blocks.2"), "adamw"),
+        (6, 3, "fp32", ("blocks.1",), "adamw"),
+        (12, 2, "bf16", ("blocks.0", "blocks.1", "blocks.2"), "adamw"),
+        (8, 4, "bf16", (), "sgd"),
+        (3, 1, "fp32", ("blocks.0", "blocks.1", "blocks.2"), "sgd"),
+    ],
+)
+def test_predicted_peak_matches_measured(
+    gpt_profile, gpt3_model, gpt3_sample, b, accum, precision, mask, optimizer
+):
+    config = TrainConfig(
+        micro_batch_size=b,
+        grad_accum_steps=accum,
+        precision=precision,
+        checkpoint=mask,
+        optimizer=optimizer,
+    )
+    predicted, parts = CostModel(gpt_profile).memory(config)
+    assert_close_bytes(predicted, measured_peak(gpt3_model, gpt3_sample, config))
+    assert parts.total == predicted
+    assert parts.parameters == gpt_profile.param_bytes
+    assert parts.optimizer == gpt_profile.optimizers[optimizer].state_bytes
+
+
+def test_checkpointing_lowers_the_predicted_peak(gpt_profile):
+    cost = CostModel(gpt_profile)
+    none = cost.peak("fp32", "adamw", 16, 1, (False,) * 3)
+    some = cost.peak("fp32", "adamw", 16, 1, (True, False, False))
+    full = cost.peak("fp32", "adamw", 16, 1, (True,) * 3)
+    assert none > some > full
+
+
+def test_plan_finds_the_cheapest_fitting_mask(gpt_profile):
+    cost = CostModel(gpt_profile)
+    none = cost.peak("fp32", "adamw", 16, 1, (False,) * 3)
+    full = cost.peak("fp32", "adamw", 16, 1, (True,) * 3)
+    assert cost.plan("fp32", "adamw", 16, 1, none) == (False,) * 3
+    assert cost.plan("fp32", "adamw", 16, 1, full - 1) is None
+    limit = (none + full) // 2
+    mask = cost.plan("fp32", "adamw", 16, 1, limit)
+    assert mask is not None
+    assert cost.peak("fp32", "adamw", 16, 1, mask) <= limit
+    # Identical blocks: no fitting mask checkpoints fewer blocks.
+    fewer = [m for m in _all_masks(3) if sum(m) < sum(mask)]
+    assert all(cost.peak("fp32", "adamw", 16, 1, m) > limit for m in fewer)
+
+
+def _all_masks(n: int) -> list[tuple[bool, ...]]:
+    return [tuple(bool(i >> k & 1) for k in range(n)) for i in range(2**n)]
+
+
+def test_min_cost_cover_is_exact_on_heterogeneous_items():
+    savings = [5.0, 4.0, 3.0, 7.0, 1.0]
+    costs = [4.0, 1.0, 1.5, 6.0, 0.2]
+    for need in (1.0, 4.5, 8.0, 12.0, 19.0):
+        mask = _min_cost_cover(savings, costs, need)
+        assert mask is not None
+        assert sum(s for s, m in zip(savings, mask, strict=True) if m) >= need
+        best = min(
+            sum(c for c, m in zip(costs, ms, strict=True) if m)
+            for ms in _all_masks(5)
+            if sum(s for s, m in zip(savings, ms, strict=True) if m) >= need
+        )
+        assert sum(c for c, m in zip(costs, mask, strict=True) if m) == pytest.approx(best)
+    assert _min_cost_cover(savings, costs, 100.0) is None
+
+
+def test_time_curve_interpolates_and_extrapolates():
+    curve = TimeCurve((1, 4, 16), (1.0, 2.0, 6.0), (2, 8), (0.3, 0.5))
+    assert curve.fwd_bwd(4) == 2.0
+    assert curve.fwd_bwd(10) == pytest.approx(4.0)
+    assert curve.fwd_bwd(32) == pytest.approx(12.0)  # per-sample cost of the largest size
+    assert curve.recompute(2) == pytest.approx(0.3 * curve.fwd_bwd(2))
+    assert curve.recompute(32) == pytest.approx(0.5 * curve.fwd_bwd(32))
+    assert 0.3 * curve.fwd_bwd(4) < curve.recompute(4) < 0.5 * curve.fwd_bwd(4)

@@ -1,0 +1,104 @@
+"""The Optuna study on a fixed profile: constraints, determinism, agreement with enumeration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.cost import CostModel
+from autotune.profile import Profile, TimeCurve
+from autotune.search import Study, best_config, largest_fitting
+
+# bf16 per-sample cost falls faster with size than fp32's; checkpointing costs 30%.
+CURVES = {
+    "fp32": TimeCurve((1, 4, 16, 64), (0.010, 0.030, 0.100, 0.380), (2, 64), (0.3, 0.3)),
+    "bf16": TimeCurve((1, 4, 16, 64), (0.012, 0.030, 0.080, 0.280), (2, 64), (0.3, 0.3)),
+}
+
+
+@pytest.fixture(scope="module")
+def cost(gpt_profile: Profile) -> CostModel:
+    timed = {p: dataclasses.replace(pp, time=CURVES[p]) for p, pp in gpt_profile.precisions.items()}
+    return CostModel(dataclasses.replace(gpt_profile, precisions=timed))
+
+
+def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Study:
+    sizes = [b for b in range(1, 65) if global_batch is None or global_batch % b == 0]
+    none = (False,) * cost.n_blocks
+    top = cost.peak("fp32", "adamw", 64, 1, none)
+    return Study(cost, sizes, ("fp32", "bf16"), ("adamw",), global_batch, int(top * limit_fraction))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.8])
+def test_candidates_fit_and_keep_the_global_batch(cost: CostModel, fraction: float) -> None:
+    s = study(cost, fraction)
+    found = s.run(n_trials=40, timeout_s=None, seed=0)
+    assert found
+    for c in found:
+        assert c.prediction.measurement.peak_bytes <= s.limit
+        assert c.config.effective_batch_size == 64
+    speeds = [c.prediction.measurement.samples_per_s for c in found]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.8])
+def test_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) -> None:
+    s = study(cost, fraction)
+    best = best_config(s)
+    found = s.run(n_trials=40, timeout_s=None, seed=0)
+    assert best is not None
+    got = found[0].prediction.measurement.samples_per_s
+    assert got >= 0.99 * best.prediction.measurement.samples_per_s
+
+
+def test_study_without_global_batch_searches_sizes(cost: CostModel) -> None:
+    s = study(cost, 0.5, global_batch=None)
+    found = s.run(n_trials=60, timeout_s=None, seed=0)
+    assert all(c.config.grad_accum_steps == 1 for c in found)
+    best = best_config(s)
+    assert best is not None
+    assert (
+        found[0].prediction.measurement.samples_per_s
+        >= 0.97 * best.prediction.measurement.samples_per_s
+    )
+
+
+def test_seeded_studies_agree(cost: CostModel) -> None:
+    a = study(cost, 0.4).run(n_trials=30, timeout_s=None, seed=7)
+    b = study(cost, 0.4).run(n_trials=30, timeout_s=None, seed=7)
+    assert [c.config for c in a] == [c.config for c in b]
+
+
+def test_tight_budget_prefers_checkpointing_or_bf16(cost: CostModel) -> None:
+    s = study(cost, 0.3)
+    winner = s.run(n_trials=40, timeout_s=None, seed=0)[0].config
+    unconstrained = study(cost, 10.0).run(n_trials=40, timeout_s=None, seed=0)[0].config
+    assert winner != unconstrained
+    assert (
+        winner.checkpoint
+        or winner.precision == "bf16"
+        or winner.micro_batch_size < unconstrained.micro_batch_size
+    )
+
+
+def test_largest_fitting_is_monotone_in_the_limit(cost: CostModel) -> None:
+    sizes = [largest_fitting(study(cost, f), "fp32", "adamw") for f in (0.2, 0.4, 0.8)]
+    assert all(s is not None for s in sizes)
+    assert sizes == sorted(sizes)
+
+
+def test_no_checkpointing_space_never_checkpoints(cost: CostModel) -> None:
+    s = study(cost, 0.5)
+    s.checkpointing = False
+    assert all(not c.config.checkpoint for c in s.run(n_trials=30, timeout_s=None, seed=0))
+
+
+def test_storage_keeps_the_study(cost: CostModel, tmp_path) -> None:
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
+    assert len(optuna.load_study(study_name="s", storage=url).trials) >= 12
+    study(cost, 0.5).run(n_trials=5, timeout_s=None, seed=0, storage=url, study_name="s")
+    assert len(optuna.load_study(study_name="s", storage=url).trials) >= 17

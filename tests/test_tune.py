@@ -1,0 +1,270 @@
+"""autotune() end to end on CPU: real models, real budgets, and every bad input."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.errors import BatchError, BudgetError, BudgetTooSmallError, ConfigError, LossError
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.target import GIB
+
+MIB = 2**20
+
+
+def tune(
+    model: nn.Module, sample: object, budget_bytes: int, **kwargs: object
+) -> autotune.TuneResult:
+    kwargs.setdefault("n_trials", 30)
+    return autotune.autotune(model, sample, budget_bytes / GIB, device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def floor_and_top(model: nn.Module, sample: object, global_batch: int) -> tuple[int, int]:
+    """Measured peaks of the most frugal and the roomiest fp32 configs (a budget range that bites)."""
+    from autotune.verify import Verifier
+
+    names = autotune.find_blocks(model)
+    low = autotune.TrainConfig(micro_batch_size=1, grad_accum_steps=global_batch, checkpoint=names)
+    high = autotune.TrainConfig(micro_batch_size=global_batch)
+    out = []
+    for config in (low, high):
+        verifier = Verifier(
+            copy.deepcopy(model),
+            sample,
+            device=torch.device("cpu"),
+            budget_bytes=2**40,
+            loss_fn=None,
+            steps=1,
+        )
+        measured, _ = verifier.run(config)
+        assert measured is not None
+        out.append(measured.peak_bytes)
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def gpt() -> nn.Module:
+    return tiny_gpt(n_layer=3, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def gpt_result(gpt: nn.Module) -> tuple[autotune.TuneResult, int]:
+    sample = gpt_batch(gpt.config, 4)
+    low, high = floor_and_top(gpt, sample, 32)
+    budget = low + (high - low) // 3
+    return tune(gpt, sample, budget, global_batch_size=32, seed=0), budget
+
+
+def test_result_fits_the_budget_and_keeps_the_global_batch(gpt_result) -> None:
+    result, budget = gpt_result
+    assert result.budget_bytes == budget
+    assert result.measured.peak_bytes <= budget
+    assert result.config.effective_batch_size == 32
+    assert all(t.measured is None or t.measured.peak_bytes <= budget for t in result.trials)
+
+
+def test_predicted_peak_is_within_three_percent(gpt_result) -> None:
+    result, _ = gpt_result
+    for trial in result.trials:
+        if trial.measured is not None:
+            err = (
+                abs(trial.predicted.peak_bytes - trial.measured.peak_bytes)
+                / trial.measured.peak_bytes
+            )
+            assert err <= 0.03, trial
+
+
+def test_winner_is_the_fastest_verified_config(gpt_result) -> None:
+    result, _ = gpt_result
+    measured = [t.measured.samples_per_s for t in result.trials if t.measured is not None]
+    assert result.measured.samples_per_s == max(measured)
+
+
+def test_fallbacks_are_verified_and_increasingly_frugal(gpt_result) -> None:
+    result, _ = gpt_result
+    peaks = [result.measured.peak_bytes]
+    by_config = {t.config: t for t in result.trials}
+    for fallback in result.fallbacks:
+        assert fallback.effective_batch_size == result.config.effective_batch_size
+        trial = by_config[fallback]
+        assert trial.measured is not None
+        peaks.append(trial.measured.peak_bytes)
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+
+
+def test_breakdown_adds_up_to_the_predicted_peak(gpt_result, gpt) -> None:
+    result, _ = gpt_result
+    assert result.breakdown.total == result.predicted.peak_bytes
+    n_params = sum(p.numel() for p in {id(p): p for p in gpt.parameters()}.values())
+    assert result.breakdown.parameters == 4 * n_params
+    assert result.breakdown.optimizer >= 8 * n_params  # AdamW: two fp32 states
+    assert result.model.n_parameters == n_params
+    assert result.model.blocks == ("blocks.0", "blocks.1", "blocks.2")
+
+
+def test_saved_result_trains_with_prepare(gpt_result, gpt, tmp_path) -> None:
+    result, _ = gpt_result
+    loaded = autotune.load(result.save(tmp_path / "tuned.yaml"))
+    assert loaded == result
+    model = copy.deepcopy(gpt)
+    runner = autotune.prepare(model, loaded, lr=1e-2)
+    assert runner.config == result.config
+    batch = gpt_batch(gpt.config, result.config.effective_batch_size, seed=1)
+    losses = [runner.step(batch).item() for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def snapshot(model: nn.Module) -> dict[str, object]:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+        },
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": {
+            n: (dict(m._forward_hooks), dict(m._forward_pre_hooks))
+            for n, m in model.named_modules()
+        },
+        "forward": {n: m.__dict__.get("forward") for n, m in model.named_modules()},
+        "device": {p.device for p in model.parameters()},
+    }
+
+
+def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
+    for key in ("requires_grad", "training", "hooks", "forward", "device"):
+        assert before[key] == after[key], key
+    for name, value in before["state"].items():  # type: ignore[union-attr]
+        assert torch.equal(value, after["state"][name]), name  # type: ignore[index]
+    for name, grad in before["grads"].items():  # type: ignore[union-attr]
+        other = after["grads"][name]  # type: ignore[index]
+        assert (grad is None and other is None) or torch.equal(grad, other), name
+
+
+def user_model() -> nn.Module:
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    model.eval()
+    model.wpe.weight.requires_grad_(False)
+    model.blocks[0].register_forward_hook(lambda m, a, o: None)
+    model(*gpt_batch(model.config, 2)).backward()  # leaves gradients behind
+    return model
+
+
+def test_model_is_left_exactly_as_it_was() -> None:
+    model = user_model()
+    before = snapshot(model)
+    tune(model, gpt_batch(model.config, 4), 64 * MIB, global_batch_size=8)
+    assert_same(before, snapshot(model))
+
+
+def test_model_is_left_as_it_was_when_tuning_fails_or_is_interrupted() -> None:
+    model = user_model()
+    before = snapshot(model)
+    sample = gpt_batch(model.config, 4)
+    with pytest.raises(LossError):
+        tune(model, sample[0], 64 * MIB)  # logits only: no loss
+    assert_same(before, snapshot(model))
+    calls = 0
+
+    def interrupting_loss(output: torch.Tensor, batch: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return output.float().mean()
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(model, sample, 64 * MIB, loss_fn=interrupting_loss)
+    assert_same(before, snapshot(model))
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.nan, math.inf, "24", True])
+def test_bad_budget(budget: object) -> None:
+    model = tiny_gpt(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    with pytest.raises(BudgetError, match="budget_gb must be a"):
+        autotune.autotune(model, gpt_batch(model.config, 2), budget, device="cpu")  # type: ignore[arg-type]
+
+
+def test_budget_below_the_minimum_says_the_minimum_and_what_lowers_it() -> None:
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    with pytest.raises(BudgetTooSmallError) as info:
+        tune(model, gpt_batch(model.config, 4), 100_000, global_batch_size=8)
+    message = str(info.value)
+    assert "below the minimum this model needs" in message
+    assert "optimizer state" in message and "adafactor" in message
+    assert info.value.minimum_bytes > info.value.budget_bytes
+    # The minimum it names is real: a budget just above it tunes.
+    result = tune(
+        model, gpt_batch(model.config, 4), int(info.value.minimum_bytes * 1.05), global_batch_size=8
+    )
+    assert result.measured.peak_bytes <= int(info.value.minimum_bytes * 1.05)
+
+
+@pytest.mark.parametrize(
+    ("sample", "error", "words"),
+    [
+        ({1, 2}, BatchError, "set"),
+        (
+            (torch.zeros(4, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long)),
+            BatchError,
+            "4 rows",
+        ),
+        ({"a": 1}, BatchError, "no tensor"),
+    ],
+)
+def test_bad_sample_batch(sample: object, error: type, words: str) -> None:
+    model = tiny_gpt(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    with pytest.raises(error, match=words):
+        autotune.autotune(model, sample, 1.0, device="cpu")
+
+
+@pytest.mark.parametrize("global_batch", [0, -4, 2.5, True])
+def test_bad_global_batch(global_batch: object) -> None:
+    model = tiny_gpt(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    with pytest.raises(ConfigError, match="global_batch_size must be a positive integer"):
+        autotune.autotune(
+            model, gpt_batch(model.config, 2), 1.0, device="cpu", global_batch_size=global_batch
+        )  # type: ignore[arg-type]
+
+
+def test_no_loss_derivable_says_to_pass_loss_fn() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(LossError, match="loss_fn=lambda output, batch"):
+        autotune.autotune(model, torch.randn(4, 8), 1.0, device="cpu")
+
+
+def test_narrowed_space_is_respected() -> None:
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    space = autotune.SearchSpace(precisions=("fp32",), checkpointing=False)
+    result = tune(model, gpt_batch(model.config, 4), 256 * MIB, global_batch_size=16, space=space)
+    assert result.config.precision == "fp32" and result.config.checkpoint == ()
+    assert all(t.config.precision == "fp32" and not t.config.checkpoint for t in result.trials)
+
+
+def test_cnn_with_tuple_batch_and_loss_fn() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+    )
+    sample = (torch.randn(4, 3, 16, 16), torch.randint(10, (4,)))
+    result = tune(
+        model,
+        sample,
+        64 * MIB,
+        global_batch_size=16,
+        loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+    )
+    assert result.measured.peak_bytes <= 64 * MIB
+    assert result.model.blocks == ("0", "2", "4", "7")  # a mixed Sequential: its layers
