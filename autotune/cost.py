@@ -37,6 +37,7 @@ class CostModel:
         self.profile = profile
         self.n_blocks = len(profile.blocks)
         self._index = {name: i for i, name in enumerate(profile.blocks)}
+        self._shares = profile.block_shares()
 
     # --- memory ------------------------------------------------------------------------
 
@@ -52,6 +53,7 @@ class CostModel:
         opt = self.profile.optimizers[optimizer]
         live = prof.base_bytes + opt.state_bytes
         peak, grads = live, 0
+        share = sum(w for w, m in zip(self._shares, mask, strict=True) if m)
         start2 = rel2 = net2 = None
         grads2 = 0
         for ph in prof.phases:
@@ -61,14 +63,19 @@ class CostModel:
                     break
                 if start2 is None:
                     start2, rel2 = live, 0.0
-            v = 1 if ph.block is not None and mask[ph.block] else 0
-            top = live + ph.peak[v](b)
+            if ph.block is not None:
+                v = 1 if mask[ph.block] else 0
+                rise, delta = ph.peak[v](b), ph.delta[v](b)
+            else:  # between blocks: in proportion to the checkpointed share
+                rise = ph.peak[0](b) + share * (ph.peak[1](b) - ph.peak[0](b))
+                delta = ph.delta[0](b) + share * (ph.delta[1](b) - ph.delta[0](b))
+            top = live + rise
             if micro == 2:
                 if top - start2 > rel2:
                     rel2, grads2 = top - start2, ph.grads
             elif top > peak:
                 peak, grads = top, ph.grads
-            live += ph.delta[v](b)
+            live += delta
         if start2 is not None and rel2 is not None:
             net2 = live - start2
             # Micro-batches 2..accum repeat micro-batch 2; a net growth compounds.
@@ -118,7 +125,7 @@ class CostModel:
         """Bytes each block stops holding through the forward when checkpointed."""
         out = [0.0] * self.n_blocks
         for ph in self.profile.precisions[precision].phases:
-            if ph.key[0] == 1 and ph.block is not None and ph.key[1] in ("fwd", "after"):
+            if ph.key[0] == 1 and ph.block is not None and ph.key[1] == "fwd":
                 out[ph.block] += ph.delta[0](b) - ph.delta[1](b)
         return out
 

@@ -80,6 +80,8 @@ class PrecisionProfile:
     phases: tuple[Phase, ...]
     """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
     time: TimeCurve | None = None
+    alloc_ratio: float = 1.0
+    """CUDA: the caching allocator's reserved peak per live byte at the peak (1 on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,23 @@ class Profile:
     """CUDA reserved bytes per live byte (1 on CPU)."""
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    block_bytes: tuple[int, ...] = ()
+    """Parameter bytes of each block (empty: blocks taken as equal)."""
+
+    def block_shares(self) -> tuple[float, ...]:
+        """Each block's share of the blocks' parameter bytes (sums to 1)."""
+        total = sum(self.block_bytes)
+        if len(self.block_bytes) != len(self.blocks) or total <= 0:
+            return tuple(1.0 / len(self.blocks) for _ in self.blocks)
+        return tuple(n / total for n in self.block_bytes)
+
+
+def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
+    """Parameter bytes of each named block of ``model``."""
+    return tuple(
+        sum(p.untyped_storage().nbytes() for p in model.get_submodule(name).parameters())
+        for name in blocks
+    )
 
 
 class Profiler:
@@ -121,7 +140,7 @@ class Profiler:
         blocks: Qualified names of the blocks.
         device: The target device.
         loss_fn: The user's loss function, or ``None``.
-        log: Where progress lines go.
+        foreign_bytes: CUDA bytes held by other tensors of the process (not the model's).
     """
 
     def __init__(
@@ -132,7 +151,7 @@ class Profiler:
         *,
         device: torch.device,
         loss_fn: LossFn | None,
-        log: Callable[[str], None] = lambda _: None,
+        foreign_bytes: int = 0,
     ) -> None:
         self.model = model
         self.sample = sample
@@ -140,7 +159,7 @@ class Profiler:
         self.modules = [model.get_submodule(n) for n in self.blocks]
         self.device = device
         self.loss_fn = loss_fn
-        self.log = log
+        self.foreign_bytes = foreign_bytes
         self.repeats = 3
 
     def runner(self, config: TrainConfig) -> Runner:
@@ -185,18 +204,25 @@ class Profiler:
         )
         state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
         runs = {}
+        ratio = 1.0
         for variant, names in ((0, ()), (1, self.blocks)):
             remove_checkpointing(self.model)
             apply_checkpointing(self.model, names)
             for b in (b1, b2):
-                runs[b, variant] = tracked_step(
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                runs[b, variant] = records = tracked_step(
                     runner, batching.resize(self.sample, b), self.modules
                 )
+                if self.device.type == "cuda":
+                    # Same step, two views: live tensor bytes and what the allocator reserved.
+                    reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
+                    ratio = max(ratio, reserved / max(r.peak for r in records))
         remove_checkpointing(self.model)
         base, phases = fit_phases(b1, (runs[b1, 0], runs[b1, 1]), b2, (runs[b2, 0], runs[b2, 1]))
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key[0] in (1, 2))
-        return PrecisionProfile(precision, base - state, micro)
+        return PrecisionProfile(precision, base - state, micro, alloc_ratio=ratio)
 
     def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``."""

@@ -121,8 +121,9 @@ def prepare(
 ) -> Runner:
     """Make ``model`` train exactly as ``config`` says.
 
-    The model is moved to the device, put in train mode, and its checkpointed blocks are
-    wrapped (undo with :func:`remove_checkpointing`).
+    The model is moved to the device, put in train mode, its checkpointed blocks are
+    wrapped (undo with :func:`remove_checkpointing`), and a Hugging Face model's
+    ``config.use_cache`` is turned off (a key/value cache is for generation, not training).
 
     Args:
         model: The model to train (modified in place).
@@ -145,6 +146,7 @@ def prepare(
     target = _default_device(device, result)
     model.to(target)
     model.train()
+    _disable_kv_cache(model)
     remove_checkpointing(model)
     apply_checkpointing(model, config.checkpoint)
     for p in model.parameters():
@@ -160,6 +162,17 @@ def _default_device(device: torch.device | str | None, result: TuneResult | None
         if tuned.type == "cpu" or (tuned.type == "cuda" and torch.cuda.is_available()):
             return tuned
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    """Training needs no key/value cache; Hugging Face models build one by default.
+
+    The cache holds memory through the step and is appended to again when a checkpointed
+    layer recomputes, so Hugging Face turns it off for gradient checkpointing; so do we.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
 
 
 def apply_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
@@ -197,7 +210,18 @@ def remove_checkpointing(model: nn.Module) -> None:
             module.forward = previous
 
 
+# Keyword arguments through which Hugging Face layers read and write a key/value cache.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
 def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
         return forward(*args, **kwargs)
+    # A cache written in the forward would be read (or written again) by the recompute,
+    # which then differs from the original; Hugging Face drops it for checkpointed layers.
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for name in _CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
     return _checkpoint(forward, *args, use_reentrant=False, **kwargs)

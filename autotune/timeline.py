@@ -173,7 +173,10 @@ def fit_phases(
             b = tables[v][1].get(key) or tables[0][1].get(key) or a
             lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
             lines_peak.append(Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry))
-        block = key[2] if len(key) > 2 and key[1] in ("fwd", "after", "bwd") else None
+        # Only a block's own forward and backward are its; what happens between blocks
+        # (e.g. autocast dropping cached weight casts when the forward ends) depends on
+        # every block's choice, and the cost model interpolates it.
+        block = key[2] if key[1] in ("fwd", "bwd") else None
         phases.append(
             Phase(
                 key,

@@ -30,7 +30,7 @@ from .errors import (
     VerificationError,
 )
 from .loss import LossFn
-from .profile import PrecisionProfile, Profile, Profiler, TimeCurve
+from .profile import PrecisionProfile, Profile, Profiler, TimeCurve, block_parameter_bytes
 from .search import Candidate, Study, best_config, largest_fitting
 from .space import SearchSpace, micro_batch_candidates
 from .target import Target, budget_bytes, discover, format_bytes
@@ -122,6 +122,7 @@ def autotune(
             loss_fn,
             global_batch_size,
             limit,
+            foreign,
         )
         cost = CostModel(profile)
         study = Study(
@@ -190,37 +191,46 @@ def _profile(
     loss_fn: LossFn | None,
     global_batch_size: int | None,
     limit: int,
+    foreign: int,
 ) -> Profile:
     """Measure memory first (cheap, decides what fits), then time only what can fit."""
     t0 = time.perf_counter()
-    profiler = Profiler(work, sample, blocks, device=target.device, loss_fn=loss_fn)
-    b1, b2 = 2, 4
+    profiler = Profiler(
+        work, sample, blocks, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
+    )
     log.info("profiling memory on %s (%d blocks)", target.name, len(blocks))
-    optimizers = {o: profiler.optimizer(o, b1) for o in space.optimizers}
-    memory = {}
     notes: list[str] = []
-    for p in precisions:
+    memory: dict[str, PrecisionProfile] = {}
+    optimizers = {}
+    for b1, b2 in ((2, 4), (1, 2)):  # the smaller pair when the device cannot hold the first
         try:
-            memory[p] = profiler.memory(p, space.optimizers[0], b1, b2)
+            optimizers = {o: profiler.optimizer(o, b1) for o in space.optimizers}
         except torch.OutOfMemoryError:
-            notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+            continue
+        for p in precisions:
+            try:
+                memory[p] = profiler.memory(p, space.optimizers[0], b1, b2)
+            except torch.OutOfMemoryError:
+                notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+        if memory:
+            break
     if not memory:
         raise ProfileError(
-            f"the model does not fit {target.name} even at micro-batch {b2}; "
-            "use a larger device or a smaller model."
+            f"the model does not fit {target.name} even at micro-batch 2 without "
+            "checkpointing; use a larger device or a smaller model."
         )
     params = {id(p): p for p in work.parameters()}
-    param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
-    grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad)
     draft = Profile(
         target.device.type,
         tuple(blocks),
         tuple(1.0 / max(len(blocks), 1) for _ in blocks),
-        param_bytes,
-        grad_bytes,
-        memory,
-        optimizers,
-        target.context_bytes,
+        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
+        grad_bytes=sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad),
+        precisions=memory,
+        optimizers=optimizers,
+        context_bytes=target.context_bytes,
+        alloc_ratio=max(m.alloc_ratio for m in memory.values()),
+        block_bytes=block_parameter_bytes(work, blocks),
     )
     study = Study(
         CostModel(draft),
@@ -271,18 +281,12 @@ def _profile(
     weights = profiler.block_weights(reference, probe[reference]) if blocks else ()
     for note in notes:
         log.info("note: %s", note)
-    return Profile(
-        target.device.type,
-        tuple(blocks),
-        weights,
-        param_bytes,
-        grad_bytes,
-        precision_profiles,
-        optimizers,
-        target.context_bytes,
-        1.0,
-        time.perf_counter() - t0,
-        tuple(notes),
+    return dataclasses.replace(
+        draft,
+        block_weights=weights,
+        precisions=precision_profiles,
+        seconds=time.perf_counter() - t0,
+        notes=tuple(notes),
     )
 
 

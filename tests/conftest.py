@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autotune.models import GPT, gpt_batch, tiny_gpt
-from autotune.profile import Profile, Profiler
+from autotune.profile import Profile, Profiler, block_parameter_bytes
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -71,4 +71,13 @@ def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
     params = {id(p): p for p in work.parameters()}
     nbytes = sum(p.untyped_storage().nbytes() for p in params.values())
     weights = tuple(1 / len(blocks) for _ in blocks)
-    return Profile("cpu", blocks, weights, nbytes, nbytes, memory, optimizers)
+    return Profile(
+        "cpu",
+        blocks,
+        weights,
+        nbytes,
+        nbytes,
+        memory,
+        optimizers,
+        block_bytes=block_parameter_bytes(work, blocks),
+    )
