@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPT", "GPTConfig", "gpt_batch", "tiny_gpt"]
+__all__ = ["GPT", "GPTConfig", "example_batch", "gpt_batch", "tiny_gpt"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,8 @@ def gpt_batch(
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(config.vocab_size, (batch_size, config.block_size + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def example_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample batch for :func:`tiny_gpt` with default settings (the CLI's example)."""
+    return gpt_batch(GPTConfig(), 8)
