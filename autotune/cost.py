@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .config import Breakdown, Measurement, TrainConfig
 from .profile import Profile
+from .timeline import Phase
 
 __all__ = ["CostModel", "Prediction"]
 
@@ -38,6 +39,13 @@ class CostModel:
         self.n_blocks = len(profile.blocks)
         self._index = {name: i for i, name in enumerate(profile.blocks)}
         self._shares = profile.block_shares()
+        self._micro = {
+            name: (
+                tuple(ph for ph in prec.phases if ph.key[0] == 1),
+                tuple(ph for ph in prec.phases if ph.key[0] == 2),
+            )
+            for name, prec in profile.precisions.items()
+        }
 
     # --- memory ------------------------------------------------------------------------
 
@@ -49,44 +57,41 @@ class CostModel:
         self, precision: str, optimizer: str, b: int, accum: int, mask: Mask
     ) -> tuple[int, int, int]:
         """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
-        prof = self.profile.precisions[precision]
+        first, later = self._micro[precision]
         opt = self.profile.optimizers[optimizer]
-        live = prof.base_bytes + opt.state_bytes
-        peak, grads = live, 0
         share = sum(w for w, m in zip(self._shares, mask, strict=True) if m)
-        start2 = rel2 = net2 = None
-        grads2 = 0
-        for ph in prof.phases:
-            micro = ph.key[0]
-            if micro == 2:
-                if accum < 2:
-                    break
-                if start2 is None:
-                    start2, rel2 = live, 0.0
+        start = float(self.profile.precisions[precision].base_bytes + opt.state_bytes)
+        peak, live, grads = self._replay(first, start, b, mask, share)
+        if accum >= 2:
+            top, end, grads2 = self._replay(later, live, b, mask, share)
+            # Micro-batches 2..accum repeat micro-batch 2; a net growth would compound.
+            net = end - live
+            top += (accum - 2) * max(net, 0.0)
+            if top > peak:
+                peak, grads = top, grads2
+            live += (accum - 1) * net
+        if live + opt.step_peak_bytes > peak:
+            peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
+        live_peak = math.ceil(max(peak, start))
+        return self.device_bytes(live_peak), live_peak, grads
+
+    @staticmethod
+    def _replay(
+        phases: Sequence[Phase], live: float, b: int, mask: Mask, share: float
+    ) -> tuple[float, float, int]:
+        """Replay one micro-batch from ``live`` bytes: (peak, live after, grads at peak)."""
+        peak, grads = live, 0
+        for ph in phases:
             if ph.block is not None:
                 v = 1 if mask[ph.block] else 0
                 rise, delta = ph.peak[v](b), ph.delta[v](b)
             else:  # between blocks: in proportion to the checkpointed share
                 rise = ph.peak[0](b) + share * (ph.peak[1](b) - ph.peak[0](b))
                 delta = ph.delta[0](b) + share * (ph.delta[1](b) - ph.delta[0](b))
-            top = live + rise
-            if micro == 2:
-                if top - start2 > rel2:
-                    rel2, grads2 = top - start2, ph.grads
-            elif top > peak:
-                peak, grads = top, ph.grads
+            if live + rise > peak:
+                peak, grads = live + rise, ph.grads
             live += delta
-        if start2 is not None and rel2 is not None:
-            net2 = live - start2
-            # Micro-batches 2..accum repeat micro-batch 2; a net growth compounds.
-            top2 = start2 + (accum - 2) * max(net2, 0.0) + rel2
-            if top2 > peak:
-                peak, grads = top2, grads2
-            live = start2 + (accum - 1) * net2
-        if live + opt.step_peak_bytes > peak:
-            peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
-        live_peak = math.ceil(peak)
-        return self.device_bytes(live_peak), live_peak, grads
+        return peak, live, grads
 
     def device_bytes(self, live_bytes: int) -> int:
         """Live tensor bytes to device bytes (CUDA: allocator overhead and context)."""

@@ -54,14 +54,13 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         return _zero_dim(loss)
     if _is_scalar(output):
         return _zero_dim(output)
-    loss = getattr(output, "loss", None)
-    if _is_scalar(loss):
-        assert isinstance(loss, torch.Tensor)
-        return _zero_dim(loss)
+    attribute = getattr(output, "loss", None)
+    if isinstance(attribute, torch.Tensor) and _is_scalar(attribute):
+        return _zero_dim(attribute)
     if isinstance(output, (tuple, list)) and output and _is_scalar(output[0]):
         return _zero_dim(output[0])
     hint = ""
-    if hasattr(output, "loss") and loss is None:
+    if hasattr(output, "loss") and attribute is None:
         hint = " The output has a .loss of None: include labels in the batch (e.g. 'labels')."
     raise LossError(
         f"cannot derive a loss from the model's output, {_describe(output)}.{hint} "

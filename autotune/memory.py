@@ -47,7 +47,7 @@ class LiveBytesTracker(TorchDispatchMode):
     """
 
     def __init__(self, device_type: str = "cpu", *, budget_bytes: int | None = None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         self.budget_bytes = budget_bytes
         self.live = 0

@@ -195,7 +195,7 @@ def apply_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
             continue
         original = module.forward
         module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-        module.forward = functools.partial(_checkpointed_forward, original)  # type: ignore[method-assign]
+        module.forward = functools.partial(_checkpointed_forward, original)
 
 
 def remove_checkpointing(model: nn.Module) -> None:
