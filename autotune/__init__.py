@@ -11,6 +11,7 @@ from .blocks import find_blocks
 from .config import Breakdown, Measurement, TrainConfig, TrialRecord, TuneResult, load
 from .errors import (
     AutotuneError,
+    AutotuneWarning,
     BatchError,
     BlockError,
     BudgetError,
@@ -26,6 +27,7 @@ from .tune import autotune
 
 __all__ = [
     "AutotuneError",
+    "AutotuneWarning",
     "BatchError",
     "BlockError",
     "Breakdown",

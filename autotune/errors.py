@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "AutotuneError",
+    "AutotuneWarning",
     "BatchError",
     "BlockError",
     "BudgetError",
@@ -73,3 +74,7 @@ class VerificationError(AutotuneError):
     def __init__(self, message: str, *, attempts: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.attempts = attempts
+
+
+class AutotuneWarning(UserWarning):
+    """Something the user should know, e.g. a fallback config taking over after an OOM."""

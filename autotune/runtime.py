@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from . import batch as batching
 from .config import TrainConfig, TuneResult
-from .errors import BlockError, ConfigError
+from .errors import AutotuneWarning, BlockError, ConfigError
+from .identity import differences
 from .loss import LossFn, call_model, compute_loss
 from .optimizers import build_optimizer
 
@@ -29,10 +31,14 @@ _ORIGINAL = "_autotune_original_forward"
 class Runner:
     """Trains a prepared model: one :meth:`step` is one optimizer step.
 
+    Given fallbacks, a step that runs out of device memory is undone and run again, same
+    batch, with the next fallback: the effective batch and the optimizer state are kept.
+
     Attributes:
         model: The model, on ``device``, with the config's checkpointing applied.
         optimizer: The optimizer the config names.
         config: The configuration in use.
+        fallbacks: Configurations still to fall back to, fastest first.
         device: Where the model trains.
     """
 
@@ -44,34 +50,100 @@ class Runner:
         lr: float,
         loss_fn: LossFn | None,
         device: torch.device,
+        fallbacks: Sequence[TrainConfig] = (),
     ) -> None:
         self.model = model
         self.config = config
         self.device = device
         self.loss_fn = loss_fn
         self.lr = lr
+        self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
         self.optimizer = build_optimizer(config.optimizer, params, lr)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self._in_optimizer_step = False
 
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch``, in micro-batches of ``micro_batch_size``.
 
         The batch normally holds ``effective_batch_size`` samples; any size works, and the
-        gradient is that of the mean loss over the whole batch either way.
+        gradient is that of the mean loss over the whole batch either way. On
+        ``torch.OutOfMemoryError`` in the forward or backward, with fallbacks left, the
+        partial step is freed, the next fallback takes over (with a warning), and the
+        same batch runs again from the same random state and buffers.
 
         Returns:
             The mean loss over the batch (a detached scalar tensor, not synchronised).
         """
+        while True:
+            restore = self._snapshot() if self.fallbacks else None
+            try:
+                return self._step(batch)
+            except torch.OutOfMemoryError as exc:
+                if restore is None or self._in_optimizer_step:
+                    raise  # no fallback left, or weights already half-updated: not retried
+                reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            # Outside the except block, so that the traceback no longer pins the step's tensors.
+            self.optimizer.zero_grad(set_to_none=True)
+            restore()
+            previous = self.config
+            self.switch(self.fallbacks.pop(0))
+            warnings.warn(
+                f"out of memory with {previous.describe()} ({reason}); the same batch runs "
+                f"again with fallback {self.config.describe()}.",
+                AutotuneWarning,
+                stacklevel=2,
+            )
+
+    def _step(self, batch: Any) -> torch.Tensor:
+        self._in_optimizer_step = False  # read by step() when an OOM comes out of here
         n = batching.batch_size(batch)
         total = torch.zeros((), device=self.device)
         for chunk in batching.split(batch, self.config.micro_batch_size):
             weight = batching.batch_size(chunk) / n
             total += self.forward_backward(chunk, weight)
+        self._in_optimizer_step = True
         self.optimizer_step()
         return total
+
+    def switch(self, config: TrainConfig) -> None:
+        """Train with ``config`` from the next step on, keeping weights and optimizer state.
+
+        Raises:
+            ConfigError: ``config`` names another optimizer (its state could not be kept).
+        """
+        if config.optimizer != self.config.optimizer:
+            raise ConfigError(
+                f"cannot switch from optimizer {self.config.optimizer} to {config.optimizer} "
+                "mid-training; prepare a new runner instead."
+            )
+        remove_checkpointing(self.model)
+        apply_checkpointing(self.model, config.checkpoint)
+        if config.precision == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        elif config.precision != "fp16":
+            self.scaler = None
+        self.config = config
+
+    def _snapshot(self) -> Any:
+        """A function that puts the random state and buffers back as they are now."""
+        cpu_rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+
+        def restore() -> None:
+            torch.random.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        return restore
 
     def forward_backward(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss scaled by ``weight``."""
@@ -118,6 +190,7 @@ def prepare(
     lr: float = 3e-4,
     loss_fn: LossFn | None = None,
     device: torch.device | str | None = None,
+    strict: bool = False,
 ) -> Runner:
     """Make ``model`` train exactly as ``config`` says.
 
@@ -132,6 +205,11 @@ def prepare(
         loss_fn: ``loss_fn(output, batch) -> scalar``; see :mod:`autotune.loss`.
         device: Where to train; default: the device a result was tuned on if it is
             available here, else CUDA if available, else CPU.
+        strict: With a result tuned on another model structure, device or torch version:
+            raise ConfigError instead of warning.
+
+    Given a :class:`TuneResult`, the runner falls back down ``result.fallbacks`` when a
+    step runs out of memory (see :meth:`Runner.step`).
     """
     if isinstance(config, TuneResult):
         result: TuneResult | None = config
@@ -144,6 +222,11 @@ def prepare(
             "load a YAML file with autotune.load(path)."
         )
     target = _default_device(device, result)
+    if result is not None and (found := differences(result, model, target)):
+        message = "this config may not fit here: " + "; ".join(found) + ". Tune again here."
+        if strict:
+            raise ConfigError(message)
+        warnings.warn(message, AutotuneWarning, stacklevel=2)
     model.to(target)
     model.train()
     _disable_kv_cache(model)
@@ -151,7 +234,8 @@ def prepare(
     apply_checkpointing(model, config.checkpoint)
     for p in model.parameters():
         p.grad = None
-    return Runner(model, config, lr=lr, loss_fn=loss_fn, device=target)
+    fallbacks = result.fallbacks if result is not None else ()
+    return Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
 
 
 def _default_device(device: torch.device | str | None, result: TuneResult | None) -> torch.device:

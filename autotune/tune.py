@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -20,21 +19,21 @@ from torch import nn
 
 from . import batch as batching
 from .blocks import resolve_blocks
-from .config import ModelInfo, TrainConfig, TrialRecord, TuneResult
+from .config import ModelInfo, TrainConfig, TuneResult
 from .cost import CostModel
 from .errors import (
     BudgetError,
     BudgetTooSmallError,
     ConfigError,
     ProfileError,
-    VerificationError,
 )
+from .identity import fingerprint
 from .loss import LossFn
 from .profile import PrecisionProfile, Profile, Profiler, TimeCurve, block_parameter_bytes
-from .search import Candidate, Study, best_config, largest_fitting
+from .search import Study, largest_fitting
 from .space import SearchSpace, micro_batch_candidates
 from .target import Target, budget_bytes, discover, format_bytes
-from .verify import Verifier
+from .verify import Verifier, choose_winner, fallback_ladder
 
 __all__ = ["autotune"]
 
@@ -145,7 +144,7 @@ def autotune(
             timeout_s=timeout_s,
             seed=seed,
             storage=storage,
-            study_name=f"autotune-{_fingerprint(model)}-{budget}" if storage else None,
+            study_name=f"autotune-{fingerprint(model)}-{budget}" if storage else None,
         )
         verifier = Verifier(
             work,
@@ -156,8 +155,8 @@ def autotune(
             context_bytes=target.context_bytes,
             foreign_bytes=foreign,
         )
-        records, winner = _verify(verifier, candidates)
-        fallbacks = _fallbacks(verifier, cost, study, winner, records)
+        records, winner = choose_winner(verifier, candidates, top=_VERIFY_TOP)
+        fallbacks = fallback_ladder(verifier, cost, study, winner, records)
     finally:
         del work
         gc.collect()
@@ -294,83 +293,6 @@ def _with_time(prof: PrecisionProfile, curve: TimeCurve) -> PrecisionProfile:
     return dataclasses.replace(prof, time=curve)
 
 
-def _verify(verifier: Verifier, candidates: list[Candidate]) -> tuple[list[TrialRecord], Candidate]:
-    """Run the best candidates; the fastest measured one that fits wins."""
-    records: list[TrialRecord] = []
-    passed: list[tuple[float, Candidate]] = []
-    for cand in candidates:
-        if len(passed) >= _VERIFY_TOP or len(records) >= 3 * _VERIFY_TOP:
-            break
-        log.info("verifying %s", cand.config.describe())
-        record = verifier.record(cand.config, cand.prediction.measurement)
-        records.append(record)
-        if record.measured is not None:
-            passed.append((record.measured.samples_per_s, cand))
-            log.info(
-                "  measured %.1f samples/s, peak %s",
-                record.measured.samples_per_s,
-                format_bytes(record.measured.peak_bytes),
-            )
-        else:
-            log.info("  rejected: %s", record.error)
-    if not passed:
-        raise VerificationError(
-            "no candidate configuration ran within the budget on the device; "
-            "raise the budget a little or narrow the search space.",
-            attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
-        )
-    return records, max(passed, key=lambda x: x[0])[1]
-
-
-def _fallbacks(
-    verifier: Verifier, cost: CostModel, study: Study, winner: Candidate, records: list[TrialRecord]
-) -> list[TrainConfig]:
-    """Verified configs with the winner's effective batch, each more frugal than the last."""
-    effective = winner.config.effective_batch_size
-    sizes = [
-        b
-        for b in range(1, effective + 1)
-        if effective % b == 0 and b in set(study.sizes) | {effective}
-    ]
-    ladder_study = Study(
-        cost, sizes, study.precisions, study.optimizers, effective, study.limit, study.checkpointing
-    )
-    frugal = min(
-        (
-            c
-            for p in study.precisions
-            for o in study.optimizers
-            for b in sizes[:1]
-            if (c := ladder_study.candidate(p, o, b)) is not None
-        ),
-        key=lambda c: c.prediction.measurement.peak_bytes,
-        default=None,
-    )
-    targets = [int(winner.prediction.measurement.peak_bytes * 0.75)]
-    picks = []
-    for limit in targets:
-        ladder_study.limit = limit
-        if (c := best_config(ladder_study)) is not None:
-            picks.append(c)
-    if frugal is not None:
-        picks.append(frugal)
-    out: list[TrainConfig] = []
-    last_peak = next(
-        r.measured.peak_bytes for r in records if r.config == winner.config and r.measured
-    )
-    for cand in picks:
-        if cand.config == winner.config or cand.config in out:
-            continue
-        record = next((r for r in records if r.config == cand.config), None)
-        if record is None:
-            record = verifier.record(cand.config, cand.prediction.measurement)
-            records.append(record)
-        if record.measured is not None and record.measured.peak_bytes < last_peak:
-            out.append(cand.config)
-            last_peak = record.measured.peak_bytes
-    return out
-
-
 def _too_small(
     study: Study, limit: int, space: SearchSpace, global_batch_size: int | None
 ) -> BudgetTooSmallError:
@@ -453,15 +375,6 @@ def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
     return work.to(device)
 
 
-def _fingerprint(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, module in model.named_modules():
-        h.update(f"{name}:{type(module).__qualname__};".encode())
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
-
-
 def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return ModelInfo(type(model).__qualname__, _fingerprint(model), n, tuple(blocks))
+    return ModelInfo(type(model).__qualname__, fingerprint(model), n, tuple(blocks))

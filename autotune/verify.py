@@ -1,12 +1,14 @@
 """Verification: run candidate configurations for real on the device, under the budget.
 
 Measured peak and throughput decide. An out-of-memory error (real on CUDA, the budget
-guard's on CPU) is caught, recorded, and the next candidate is tried.
+guard's on CPU) is caught, recorded, and the next candidate is tried. The fallback ladder
+is verified the same way.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -17,11 +19,17 @@ from torch import nn
 
 from . import batch as batching
 from .config import Measurement, TrainConfig, TrialRecord
+from .cost import CostModel
+from .errors import VerificationError
 from .loss import LossFn
 from .memory import measure_peak, state_tensors
 from .runtime import Runner, prepare
+from .search import Candidate, Study, best_config
+from .target import format_bytes
 
-__all__ = ["Verifier"]
+__all__ = ["Verifier", "choose_winner", "fallback_ladder"]
+
+log = logging.getLogger("autotune")
 
 
 class Verifier:
@@ -124,3 +132,101 @@ class Verifier:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def choose_winner(
+    verifier: Verifier, candidates: list[Candidate], *, top: int
+) -> tuple[list[TrialRecord], Candidate]:
+    """Run the best candidates until ``top`` fit; the fastest measured one wins.
+
+    Raises:
+        VerificationError: none of the first ``3 * top`` candidates fitted.
+    """
+    records: list[TrialRecord] = []
+    passed: list[tuple[float, Candidate]] = []
+    for cand in candidates:
+        if len(passed) >= top or len(records) >= 3 * top:
+            break
+        log.info("verifying %s", cand.config.describe())
+        record = verifier.record(cand.config, cand.prediction.measurement)
+        records.append(record)
+        if record.measured is None:
+            log.info("  rejected: %s", record.error)
+            continue
+        passed.append((record.measured.samples_per_s, cand))
+        log.info(
+            "  measured %.1f samples/s, peak %s",
+            record.measured.samples_per_s,
+            format_bytes(record.measured.peak_bytes),
+        )
+    if not passed:
+        raise VerificationError(
+            "no candidate configuration ran within the budget on the device; "
+            "raise the budget a little or narrow the search space.",
+            attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
+        )
+    return records, max(passed, key=lambda x: x[0])[1]
+
+
+def fallback_ladder(
+    verifier: Verifier, cost: CostModel, study: Study, winner: Candidate, records: list[TrialRecord]
+) -> list[TrainConfig]:
+    """Verified configs with the winner's effective batch and optimizer, fastest first,
+    each with a lower measured peak than the one before.
+
+    Besides the candidates already verified, two more are run: the fastest predicted
+    config at 3/4 of the winner's peak, and the most frugal one (micro-batch 1 or the
+    smallest allowed, every block checkpointed, the precision that needs least).
+    ``records`` gains their trials.
+    """
+    config = winner.config
+    effective = config.effective_batch_size
+    sizes = [b for b in study.sizes if effective % b == 0] or [effective]
+    ladder = Study(
+        cost,
+        sizes,
+        study.precisions,
+        (config.optimizer,),
+        effective,
+        int(winner.prediction.measurement.peak_bytes * 0.75),
+        study.checkpointing,
+    )
+    names = cost.profile.blocks if study.checkpointing else ()
+    frugal = [
+        TrainConfig(
+            micro_batch_size=sizes[0],
+            grad_accum_steps=effective // sizes[0],
+            precision=p,
+            checkpoint=names,
+            optimizer=config.optimizer,
+        )
+        for p in study.precisions
+    ]
+    extra = [c for c in (best_config(ladder),) if c is not None]
+    extra.append(
+        min(
+            (Candidate(c, cost.predict(c)) for c in frugal),
+            key=lambda c: c.prediction.measurement.peak_bytes,
+        )
+    )
+    for cand in extra:
+        if all(r.config != cand.config for r in records):
+            log.info("verifying fallback %s", cand.config.describe())
+            records.append(verifier.record(cand.config, cand.prediction.measurement))
+    same = [
+        r
+        for r in records
+        if r.measured is not None
+        and r.config != config
+        and r.config.effective_batch_size == effective
+        and r.config.optimizer == config.optimizer
+    ]
+    same.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
+    out: list[TrainConfig] = []
+    last = next(r.measured.peak_bytes for r in records if r.config == config and r.measured)
+    for r in same:
+        assert r.measured is not None
+        if r.measured.peak_bytes < last:
+            out.append(r.config)
+            last = r.measured.peak_bytes
+    return out

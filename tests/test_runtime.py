@@ -13,7 +13,7 @@ from torch import nn
 
 from autotune import TrainConfig, TuneResult, prepare
 from autotune.config import Breakdown, Measurement, ModelInfo, TargetInfo
-from autotune.errors import BlockError, ConfigError
+from autotune.errors import AutotuneWarning, BlockError, ConfigError
 from autotune.memory import LiveBytesTracker
 from autotune.models import GPT, Block, gpt_batch, tiny_gpt
 from autotune.runtime import Runner, apply_checkpointing, remove_checkpointing
@@ -216,7 +216,9 @@ def test_prepare_accepts_a_tune_result(tiny_gpt_model: GPT, tiny_gpt_batch: Batc
     config = TrainConfig(
         micro_batch_size=4, grad_accum_steps=2, checkpoint=("blocks.1",), optimizer="sgd"
     )
-    runner = prepare(tiny_gpt_model, tune_result(config), lr=0.5)
+    # tuned for another device and model: prepare() says so, and still trains as tuned
+    with pytest.warns(AutotuneWarning, match="may not fit here"):
+        runner = prepare(tiny_gpt_model, tune_result(config), lr=0.5)
     assert runner.config == config
     assert runner.device == torch.device("cpu")
     assert isinstance(runner.optimizer, torch.optim.SGD)
