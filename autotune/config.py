@@ -247,6 +247,16 @@ def load(path: str | Path) -> TuneResult:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def to_plain(value: Any) -> Any:
+    """Any of this module's dataclasses as plain data (dicts, lists, numbers, strings)."""
+    return _encode(value)
+
+
+def from_plain(cls: type[Any], data: Any) -> Any:
+    """Decode and validate plain data as ``cls``; ConfigError names a bad key."""
+    return _decode(cls, data, "")
+
+
 def config_from_dict(data: Any) -> TrainConfig:
     """Decode a plain mapping of knobs into a validated :class:`TrainConfig`."""
     result = _decode(TrainConfig, data, "")

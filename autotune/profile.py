@@ -9,6 +9,8 @@ Everything runs on a copy of the user's model that the caller owns.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import json
 import math
 import statistics
 import time
@@ -25,7 +27,7 @@ from .errors import AutotuneError, ProfileError
 from .loss import LossFn
 from .memory import LiveBytesTracker, measure_peak, state_tensors
 from .runtime import Runner, apply_checkpointing, prepare, remove_checkpointing
-from .timeline import Phase, fit_phases, tracked_step
+from .timeline import Line, Phase, fit_phases, tracked_step
 
 __all__ = ["OptimizerProfile", "PrecisionProfile", "Profile", "Profiler", "TimeCurve"]
 
@@ -282,3 +284,40 @@ class Profiler:
         start = self._now()
         fn()
         return self._now() - start
+
+
+def profile_to_json(profile: Profile) -> str:
+    """The profile as JSON, to keep it with a study and resume without measuring again."""
+    return json.dumps(dataclasses.asdict(profile))
+
+
+def profile_from_json(text: str) -> Profile:
+    """Inverse of :func:`profile_to_json`."""
+    d = json.loads(text)
+
+    def lines(pair: list[dict[str, float]]) -> tuple[Line, Line]:
+        return (Line(**pair[0]), Line(**pair[1]))
+
+    def precision(p: dict[str, Any]) -> PrecisionProfile:
+        phases = tuple(
+            Phase(tuple(ph["key"]), ph["block"], lines(ph["delta"]), lines(ph["peak"]), ph["grads"])
+            for ph in p["phases"]
+        )
+        t = p["time"]
+        curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
+        return PrecisionProfile(p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"])
+
+    return Profile(
+        device_type=d["device_type"],
+        blocks=tuple(d["blocks"]),
+        block_weights=tuple(d["block_weights"]),
+        param_bytes=d["param_bytes"],
+        grad_bytes=d["grad_bytes"],
+        precisions={k: precision(v) for k, v in d["precisions"].items()},
+        optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
+        context_bytes=d["context_bytes"],
+        alloc_ratio=d["alloc_ratio"],
+        seconds=d["seconds"],
+        notes=tuple(d["notes"]),
+        block_bytes=tuple(d["block_bytes"]),
+    )

@@ -82,7 +82,7 @@ class Study:
         n_trials: int | None,
         timeout_s: float | None,
         seed: int,
-        storage: str | None = None,
+        storage: str | optuna.storages.BaseStorage | None = None,
         study_name: str | None = None,
     ) -> list[Candidate]:
         """Run the Optuna study; return its distinct feasible candidates, fastest first."""
@@ -126,7 +126,11 @@ class Study:
             )
             for params in self._seeds():
                 study.enqueue_trial(params, skip_if_exists=True)
-            study.optimize(objective, n_trials=n_trials or self.default_trials(), timeout=timeout_s)
+            # A kept study resumes: trials already done count towards n_trials.
+            done = sum(t.state.is_finished() for t in study.trials)
+            remaining = max((n_trials or self.default_trials()) - done, 0)
+            if remaining:
+                study.optimize(objective, n_trials=remaining, timeout=timeout_s)
         seen: dict[tuple[int, str, str], Candidate] = {}
         for t in study.trials:
             if (

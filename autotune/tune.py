@@ -19,7 +19,7 @@ from torch import nn
 
 from . import batch as batching
 from .blocks import resolve_blocks
-from .config import ModelInfo, TrainConfig, TuneResult
+from .config import Measurement, ModelInfo, TrainConfig, TrialRecord, TuneResult
 from .cost import CostModel
 from .errors import (
     BudgetError,
@@ -32,8 +32,9 @@ from .loss import LossFn
 from .profile import PrecisionProfile, Profile, Profiler, TimeCurve, block_parameter_bytes
 from .search import Study, largest_fitting
 from .space import SearchSpace, micro_batch_candidates
+from .studies import StudyStore, resolve_storage
 from .target import Target, budget_bytes, discover, format_bytes
-from .verify import Verifier, choose_winner, fallback_ladder
+from .verify import Measure, Verifier, choose_winner, fallback_ladder, fastest
 
 __all__ = ["autotune"]
 
@@ -59,6 +60,7 @@ def autotune(
     timeout_s: float | None = None,
     seed: int = 0,
     storage: str | None = None,
+    study_name: str | None = None,
 ) -> TuneResult:
     """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
 
@@ -75,7 +77,11 @@ def autotune(
         n_trials: Optuna trials on the cost model (default: scaled to the space).
         timeout_s: Time limit of the Optuna study.
         seed: Seed of the study; the same profile gives the same configuration.
-        storage: Optuna storage URL to keep the study (e.g. ``sqlite:///tune.db``).
+        storage: Where to keep the study, to resume it or share it between processes: an
+            Optuna URL (``sqlite:///tune.db``, ``postgresql://...``), a ``*.journal`` file
+            path (a journal file, for several processes), or another path (SQLite). The
+            study keeps the profile and every verification, which are not redone.
+        study_name: Name of the study in the storage; default: from the model and budget.
 
     Returns:
         The verified winner, its predicted and measured numbers, and fallbacks.
@@ -108,21 +114,40 @@ def autotune(
     limit = int(budget * (1 - _MARGIN.get(target.device.type, 0.04)))
     foreign = torch.cuda.memory_allocated(target.device) if target.device.type == "cuda" else 0
 
+    store = None
+    if storage is not None:
+        key = {
+            "model": fingerprint(model),
+            "budget_bytes": budget,
+            "device": target.name,
+            "global_batch_size": global_batch_size,
+            "space": repr(space),
+            "torch": str(torch.__version__),
+        }
+        name = study_name or f"autotune-{key['model']}-{budget}"
+        store = StudyStore(resolve_storage(storage), name, key)
+
     work = _copy_to(model, target.device)
     try:
-        profile = _profile(
-            work,
-            sample_batch,
-            blocks,
-            target,
-            space,
-            precisions,
-            sizes,
-            loss_fn,
-            global_batch_size,
-            limit,
-            foreign,
-        )
+        profile = store.profile() if store is not None else None
+        if profile is None:
+            profile = _profile(
+                work,
+                sample_batch,
+                blocks,
+                target,
+                space,
+                precisions,
+                sizes,
+                loss_fn,
+                global_batch_size,
+                limit,
+                foreign,
+            )
+            if store is not None:
+                store.save_profile(profile)
+        else:
+            log.info("profile read from study %s", store.name if store else "")
         cost = CostModel(profile)
         study = Study(
             cost,
@@ -143,8 +168,8 @@ def autotune(
             n_trials=n_trials,
             timeout_s=timeout_s,
             seed=seed,
-            storage=storage,
-            study_name=f"autotune-{fingerprint(model)}-{budget}" if storage else None,
+            storage=store.storage if store else None,
+            study_name=store.name if store else None,
         )
         verifier = Verifier(
             work,
@@ -155,28 +180,49 @@ def autotune(
             context_bytes=target.context_bytes,
             foreign_bytes=foreign,
         )
-        records, winner = choose_winner(verifier, candidates, top=_VERIFY_TOP)
-        fallbacks = fallback_ladder(verifier, cost, study, winner, records)
+        measure = _measure_with(verifier, store)
+        records = choose_winner(measure, candidates, top=_VERIFY_TOP)
+        if store is not None:  # what other processes verified counts too
+            records += [r for r in store.records() if r.config not in {x.config for x in records}]
+        chosen = fastest(records)
+        fallbacks = fallback_ladder(measure, cost, study, chosen, records)
     finally:
         del work
         gc.collect()
         if target.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    chosen = next(r for r in records if r.config == winner.config)
     assert chosen.measured is not None
+    prediction = cost.predict(chosen.config)
     return TuneResult(
-        config=winner.config,
-        predicted=winner.prediction.measurement,
+        config=chosen.config,
+        predicted=prediction.measurement,
         measured=chosen.measured,
         budget_bytes=budget,
         target=target.info(),
         model=_model_info(model, profile.blocks),
-        breakdown=winner.prediction.breakdown,
+        breakdown=prediction.breakdown,
         fallbacks=tuple(fallbacks),
         trials=tuple(records),
         tuning_s=time.perf_counter() - started,
     )
+
+
+def _measure_with(verifier: Verifier, store: StudyStore | None) -> Measure:
+    """Run configs for real; with a study, reuse its outcomes and claim before running."""
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
+        if store is not None:
+            if (known := store.record(config)) is not None:
+                return known
+            if not store.claim(config):
+                return None
+        record = verifier.record(config, predicted)
+        if store is not None:
+            store.save_record(record)
+        return record
+
+    return measure
 
 
 def _profile(

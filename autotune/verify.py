@@ -27,7 +27,7 @@ from .runtime import Runner, prepare
 from .search import Candidate, Study, best_config
 from .target import format_bytes
 
-__all__ = ["Verifier", "choose_winner", "fallback_ladder"]
+__all__ = ["Measure", "Verifier", "choose_winner", "fallback_ladder", "fastest"]
 
 log = logging.getLogger("autotune")
 
@@ -134,52 +134,68 @@ class Verifier:
             torch.cuda.empty_cache()
 
 
-def choose_winner(
-    verifier: Verifier, candidates: list[Candidate], *, top: int
-) -> tuple[list[TrialRecord], Candidate]:
-    """Run the best candidates until ``top`` fit; the fastest measured one wins.
+Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
+"""Runs a config for real (or reads its outcome from a study); None: another process has it."""
 
-    Raises:
-        VerificationError: none of the first ``3 * top`` candidates fitted.
+
+def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) -> list[TrialRecord]:
+    """Run the best candidates, in order, until ``top`` of them fit (or 3 * top ran).
+
+    Returns:
+        The verification records, rejected ones included; the caller picks the fastest.
     """
     records: list[TrialRecord] = []
-    passed: list[tuple[float, Candidate]] = []
+    fitted = 0
     for cand in candidates:
-        if len(passed) >= top or len(records) >= 3 * top:
+        if fitted >= top or len(records) >= 3 * top:
             break
         log.info("verifying %s", cand.config.describe())
-        record = verifier.record(cand.config, cand.prediction.measurement)
+        record = measure(cand.config, cand.prediction.measurement)
+        if record is None:
+            log.info("  another process is verifying it")
+            continue
         records.append(record)
         if record.measured is None:
             log.info("  rejected: %s", record.error)
             continue
-        passed.append((record.measured.samples_per_s, cand))
+        fitted += 1
         log.info(
             "  measured %.1f samples/s, peak %s",
             record.measured.samples_per_s,
             format_bytes(record.measured.peak_bytes),
         )
+    return records
+
+
+def fastest(records: list[TrialRecord]) -> TrialRecord:
+    """The record with the highest measured throughput.
+
+    Raises:
+        VerificationError: no configuration fitted.
+    """
+    passed = [r for r in records if r.measured is not None]
     if not passed:
         raise VerificationError(
             "no candidate configuration ran within the budget on the device; "
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    return records, max(passed, key=lambda x: x[0])[1]
+    return max(passed, key=lambda r: r.measured.samples_per_s if r.measured else 0.0)
 
 
 def fallback_ladder(
-    verifier: Verifier, cost: CostModel, study: Study, winner: Candidate, records: list[TrialRecord]
+    measure: Measure, cost: CostModel, study: Study, winner: TrialRecord, records: list[TrialRecord]
 ) -> list[TrainConfig]:
     """Verified configs with the winner's effective batch and optimizer, fastest first,
     each with a lower measured peak than the one before.
 
     Besides the candidates already verified, two more are run: the fastest predicted
-    config at 3/4 of the winner's peak, and the most frugal one (micro-batch 1 or the
-    smallest allowed, every block checkpointed, the precision that needs least).
-    ``records`` gains their trials.
+    config at 3/4 of the winner's peak, and the most frugal one (the smallest allowed
+    micro-batch, every block checkpointed, the precision that needs least). ``records``
+    gains their trials.
     """
     config = winner.config
+    assert winner.measured is not None
     effective = config.effective_batch_size
     sizes = [b for b in study.sizes if effective % b == 0] or [effective]
     ladder = Study(
@@ -188,7 +204,7 @@ def fallback_ladder(
         study.precisions,
         (config.optimizer,),
         effective,
-        int(winner.prediction.measurement.peak_bytes * 0.75),
+        int(winner.measured.peak_bytes * 0.75),
         study.checkpointing,
     )
     names = cost.profile.blocks if study.checkpointing else ()
@@ -212,7 +228,8 @@ def fallback_ladder(
     for cand in extra:
         if all(r.config != cand.config for r in records):
             log.info("verifying fallback %s", cand.config.describe())
-            records.append(verifier.record(cand.config, cand.prediction.measurement))
+            if (record := measure(cand.config, cand.prediction.measurement)) is not None:
+                records.append(record)
     same = [
         r
         for r in records
@@ -223,7 +240,7 @@ def fallback_ladder(
     ]
     same.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
     out: list[TrainConfig] = []
-    last = next(r.measured.peak_bytes for r in records if r.config == config and r.measured)
+    last = winner.measured.peak_bytes
     for r in same:
         assert r.measured is not None
         if r.measured.peak_bytes < last:

@@ -7,6 +7,7 @@ model must then predict other sizes, accumulation and mixed checkpoint masks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -116,3 +117,19 @@ def test_time_curve_interpolates_and_extrapolates():
     assert curve.recompute(2) == pytest.approx(0.3 * curve.fwd_bwd(2))
     assert curve.recompute(32) == pytest.approx(0.5 * curve.fwd_bwd(32))
     assert 0.3 * curve.fwd_bwd(4) < curve.recompute(4) < 0.5 * curve.fwd_bwd(4)
+
+
+def test_profile_survives_json(gpt_profile) -> None:
+    from autotune.profile import profile_from_json, profile_to_json
+
+    timed = dataclasses.replace(
+        gpt_profile,
+        precisions={
+            p: dataclasses.replace(pp, time=TimeCurve((1, 4), (0.1, 0.3), (2,), (0.3,)))
+            for p, pp in gpt_profile.precisions.items()
+        },
+    )
+    again = profile_from_json(profile_to_json(timed))
+    assert again == timed
+    config = TrainConfig(micro_batch_size=5, grad_accum_steps=3, checkpoint=("blocks.1",))
+    assert CostModel(again).predict(config) == CostModel(timed).predict(config)

@@ -94,11 +94,15 @@ def test_no_checkpointing_space_never_checkpoints(cost: CostModel) -> None:
     assert all(not c.config.checkpoint for c in s.run(n_trials=30, timeout_s=None, seed=0))
 
 
-def test_storage_keeps_the_study(cost: CostModel, tmp_path) -> None:
+def test_storage_keeps_the_study_and_n_trials_counts_its_trials(cost: CostModel, tmp_path) -> None:
     import optuna
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
-    assert len(optuna.load_study(study_name="s", storage=url).trials) >= 12
-    study(cost, 0.5).run(n_trials=5, timeout_s=None, seed=0, storage=url, study_name="s")
-    assert len(optuna.load_study(study_name="s", storage=url).trials) >= 17
+    first = study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
+    # Resuming with the same n_trials runs nothing more, and finds the same candidates.
+    again = study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
+    assert [c.config for c in again] == [c.config for c in first]
+    study(cost, 0.5).run(n_trials=17, timeout_s=None, seed=0, storage=url, study_name="s")
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == 17
