@@ -112,7 +112,10 @@ class LiveBytesTracker(TorchDispatchMode):
             self.phases[-1].peak = self.live
         if check_budget and self.budget_bytes is not None and self.live > self.budget_bytes:
             raise torch.OutOfMemoryError(
-                f"autotune budget guard: {self.live} live bytes on {self.device_type} "
+                # Worded like torch's own ("CPU out of memory."), so that tools which
+                # recognise OOMs by message (accelerate, Hugging Face) react as to a real one.
+                f"{self.device_type.upper()} out of memory. autotune budget guard: {self.live} "
+                f"live bytes on {self.device_type} "
                 f"exceed the budget of {self.budget_bytes} bytes"
             )
 

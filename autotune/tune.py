@@ -34,7 +34,7 @@ from .search import Study, largest_fitting
 from .space import SearchSpace, micro_batch_candidates
 from .studies import StudyStore, resolve_storage
 from .target import Target, budget_bytes, discover, format_bytes
-from .verify import Measure, Verifier, choose_winner, fallback_ladder, fastest
+from .verify import Measure, Verifier, choose_winner, fallback_ladder, fastest, settle
 
 __all__ = ["autotune"]
 
@@ -43,6 +43,8 @@ log = logging.getLogger("autotune")
 _MARGIN = {"cpu": 0.01, "cuda": 0.04}
 """Head-room the search keeps below the budget; verification is the final judge."""
 _VERIFY_TOP = 3
+_SATURATED_S = 0.5
+_LONGEST_PASS_S = 2.0
 _SLOW_PRECISION = 1.6
 """A precision this many times slower than fp32 at the same micro-batch cannot win."""
 
@@ -184,6 +186,7 @@ def autotune(
         records = choose_winner(measure, candidates, top=_VERIFY_TOP)
         if store is not None:  # what other processes verified counts too
             records += [r for r in store.records() if r.config not in {x.config for x in records}]
+        records = settle(verifier, records)
         chosen = fastest(records)
         fallbacks = fallback_ladder(measure, cost, study, chosen, records)
     finally:
@@ -312,10 +315,7 @@ def _profile(
             del feasible[p], times[p]
     precision_profiles = {}
     for p, cap in feasible.items():
-        ladder = _ladder(sizes, cap)
-        for b in ladder:
-            if b not in times[p]:
-                times[p][b] = profiler.fwd_bwd_time(p, b)
+        ladder = _time_ladder(profiler, p, _ladder(sizes, cap), times[p])
         xs = tuple(sorted(times[p]))
         ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if blocks else []
         ratios = tuple(
@@ -382,6 +382,30 @@ def _too_small(
         minimum_bytes=peak,
         budget_bytes=budget,
     )
+
+
+def _time_ladder(
+    profiler: Profiler, precision: str, ladder: list[int], times: dict[int, float]
+) -> list[int]:
+    """Time forward+backward up the ladder into ``times``; returns the sizes timed.
+
+    Stops once the device is saturated (a doubling that no longer lowers the per-sample
+    time by 3%, at a size whose pass takes over half a second) or a pass takes over 2 s.
+    Larger sizes are then predicted at the last per-sample cost, and tuning does not
+    spend minutes on them.
+    """
+    done: list[int] = []
+    for b in ladder:
+        if b not in times:
+            times[b] = profiler.fwd_bwd_time(precision, b)
+        done.append(b)
+        if times[b] > _LONGEST_PASS_S:
+            break
+        if len(done) >= 3 and times[b] > _SATURATED_S:
+            previous = done[-2]
+            if times[b] / b > 0.97 * times[previous] / previous:
+                break
+    return done
 
 
 def _ladder(sizes: Sequence[int], cap: int) -> list[int]:

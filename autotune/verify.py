@@ -7,6 +7,7 @@ is verified the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import statistics
@@ -27,9 +28,15 @@ from .runtime import Runner, prepare
 from .search import Candidate, Study, best_config
 from .target import format_bytes
 
-__all__ = ["Measure", "Verifier", "choose_winner", "fallback_ladder", "fastest"]
+__all__ = ["Measure", "Verifier", "choose_winner", "fallback_ladder", "fastest", "settle"]
 
 log = logging.getLogger("autotune")
+
+_TIMED_S = 3.0
+"""Stop timing a configuration once its timed steps add up to this many seconds."""
+_MAX_ACCUM = 64
+_SAME_SPEED = 0.03
+"""Throughputs within this fraction are a tie: the smaller peak wins it."""
 
 
 class Verifier:
@@ -71,6 +78,7 @@ class Verifier:
         """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
         batch = batching.resize(self.sample, config.effective_batch_size)
         runner: Runner | None = None
+        self._release()  # no cached blocks from earlier runs in this config's reserved peak
         try:
             runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
             peak, step_s = self._measure(runner, batch)
@@ -95,7 +103,7 @@ class Verifier:
                 foreign_bytes=self.foreign_bytes,
             ) as reading:
                 runner.step(batch)  # warm-up: allocates optimizer state
-                times = [self._timed(lambda: runner.step(batch)) for _ in range(self.steps)]
+                times = self._timed_steps(runner, batch)
             return reading.peak_bytes, statistics.median(times)
         # CPU: the first step allocates the optimizer state under the guard, the second
         # is measured at steady state; the timed steps run without the tracker's overhead.
@@ -105,8 +113,27 @@ class Verifier:
             self.device, existing=self._state(runner), budget_bytes=budget
         ) as reading:
             runner.step(batch)
-        times = [self._timed(lambda: runner.step(batch)) for _ in range(self.steps)]
-        return reading.peak_bytes, statistics.median(times)
+        return reading.peak_bytes, statistics.median(self._timed_steps(runner, batch))
+
+    def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
+        """Up to ``steps`` timed steps; one when a step is long enough to be its own median."""
+        times = [self._timed(lambda: runner.step(batch))]
+        while len(times) < self.steps and sum(times) < _TIMED_S:
+            times.append(self._timed(lambda: runner.step(batch)))
+        return times
+
+    def retime(self, config: TrainConfig) -> float:
+        """Seconds per step of ``config`` again, without measuring its peak (it fitted)."""
+        batch = batching.resize(self.sample, config.effective_batch_size)
+        self._release()
+        runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
+        try:
+            runner.step(batch)  # warm-up
+            return statistics.median(self._timed_steps(runner, batch))
+        finally:
+            runner.optimizer.zero_grad(set_to_none=True)
+            del runner
+            self._release()
 
     def record(self, config: TrainConfig, predicted: Measurement) -> TrialRecord:
         """Run ``config`` and wrap the outcome as a :class:`TrialRecord`."""
@@ -139,14 +166,19 @@ Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
 
 
 def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) -> list[TrialRecord]:
-    """Run the best candidates, in order, until ``top`` of them fit (or 3 * top ran).
+    """Run distinct good candidates until ``top`` of them fit (or ``3 * top`` ran).
+
+    Candidates are taken fastest predicted first, except that predictions within 3% of
+    each other count as a tie won by the smaller predicted peak; and a candidate too like
+    one already run (same precision, optimizer and checkpointing, a micro-batch within a
+    factor of 1.5) is skipped, so that verification tests different ideas.
 
     Returns:
-        The verification records, rejected ones included; the caller picks the fastest.
+        The verification records, rejected ones included; the caller picks the winner.
     """
     records: list[TrialRecord] = []
     fitted = 0
-    for cand in candidates:
+    for cand in _distinct(_tie_frugal(candidates)):
         if fitted >= top or len(records) >= 3 * top:
             break
         log.info("verifying %s", cand.config.describe())
@@ -167,8 +199,37 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     return records
 
 
+def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first; within 3% of the fastest, the smallest predicted peak first."""
+    if not candidates:
+        return []
+    best = max(c.prediction.measurement.samples_per_s for c in candidates)
+    tied = [
+        c for c in candidates if c.prediction.measurement.samples_per_s >= (1 - _SAME_SPEED) * best
+    ]
+    rest = [c for c in candidates if c not in tied]
+    tied.sort(key=lambda c: c.prediction.measurement.peak_bytes)
+    return tied + rest
+
+
+def _distinct(candidates: list[Candidate]) -> list[Candidate]:
+    """Drop candidates too like an earlier one (see :func:`choose_winner`)."""
+    kept: list[Candidate] = []
+    for cand in candidates:
+        c = cand.config
+        if not any(
+            (k.config.precision, k.config.optimizer, bool(k.config.checkpoint))
+            == (c.precision, c.optimizer, bool(c.checkpoint))
+            and max(k.config.micro_batch_size, c.micro_batch_size)
+            < 1.5 * min(k.config.micro_batch_size, c.micro_batch_size)
+            for k in kept
+        ):
+            kept.append(cand)
+    return kept
+
+
 def fastest(records: list[TrialRecord]) -> TrialRecord:
-    """The record with the highest measured throughput.
+    """The record with the highest measured throughput (ties within 3%: smallest peak).
 
     Raises:
         VerificationError: no configuration fitted.
@@ -180,7 +241,12 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    return max(passed, key=lambda r: r.measured.samples_per_s if r.measured else 0.0)
+    best = max(r.measured.samples_per_s for r in passed if r.measured is not None)
+    # Measured throughputs within noise of the best: the smallest peak is the safer pick.
+    tied = [
+        r for r in passed if r.measured and r.measured.samples_per_s >= (1 - _SAME_SPEED) * best
+    ]
+    return min(tied, key=lambda r: r.measured.peak_bytes if r.measured else 0)
 
 
 def fallback_ladder(
@@ -190,9 +256,9 @@ def fallback_ladder(
     each with a lower measured peak than the one before.
 
     Besides the candidates already verified, two more are run: the fastest predicted
-    config at 3/4 of the winner's peak, and the most frugal one (the smallest allowed
-    micro-batch, every block checkpointed, the precision that needs least). ``records``
-    gains their trials.
+    config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
+    with at most 64 accumulation steps, every block checkpointed, the precision that
+    needs least). ``records`` gains their trials.
     """
     config = winner.config
     assert winner.measured is not None
@@ -208,10 +274,12 @@ def fallback_ladder(
         study.checkpointing,
     )
     names = cost.profile.blocks if study.checkpointing else ()
+    # The smallest micro-batch that keeps accumulation sane (at most 64 micro-batches).
+    smallest = next((b for b in sizes if effective // b <= _MAX_ACCUM), sizes[-1])
     frugal = [
         TrainConfig(
-            micro_batch_size=sizes[0],
-            grad_accum_steps=effective // sizes[0],
+            micro_batch_size=smallest,
+            grad_accum_steps=effective // smallest,
             precision=p,
             checkpoint=names,
             optimizer=config.optimizer,
@@ -246,4 +314,34 @@ def fallback_ladder(
         if r.measured.peak_bytes < last:
             out.append(r.config)
             last = r.measured.peak_bytes
+    return out
+
+
+def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -> list[TrialRecord]:
+    """Time the close contenders again, interleaved, and keep the median of all timings.
+
+    One timing per candidate is at the mercy of whatever else the machine does for those
+    seconds; contenders within 15% of the fastest run ``rounds`` more times, alternating,
+    so that a slow spell hits them alike.
+    """
+    passed = [r for r in records if r.measured is not None]
+    if len(passed) < 2:
+        return records
+    best = max(r.measured.samples_per_s for r in passed if r.measured)
+    close = [r for r in passed if r.measured and r.measured.samples_per_s >= 0.85 * best]
+    if len(close) < 2:
+        return records
+    times = {r.config: [r.measured.step_s] for r in close if r.measured}
+    for _ in range(rounds):
+        for r in close:
+            times[r.config].append(verifier.retime(r.config))
+    out = []
+    for r in records:
+        if r.config in times and r.measured is not None:
+            step = statistics.median(times[r.config])
+            n = r.config.effective_batch_size
+            r = dataclasses.replace(
+                r, measured=dataclasses.replace(r.measured, step_s=step, samples_per_s=n / step)
+            )
+        out.append(r)
     return out
