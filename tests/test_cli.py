@@ -1,0 +1,425 @@
+"""The command line, run through ``autotune.cli.main`` (and once as the installed script).
+
+One real tuning run (a 2-block GPT, ~4 s) is shared by the module; estimate and verify run
+the model for real on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import autotune
+from autotune import cli
+from autotune.cli import Progress, main
+from autotune.config import TrainConfig, TuneResult
+from autotune.estimate import estimate
+from autotune.verify import Verifier
+
+MODELS = """
+import torch
+from autotune.models import gpt_batch, tiny_gpt
+
+
+def model():
+    return tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+def narrower():
+    return tiny_gpt(n_layer=2, n_embd=16, n_head=2, block_size=16, vocab_size=64)
+
+
+def batch():
+    return gpt_batch(model().config, 4)
+
+
+def float_batch():
+    return (torch.randn(4, 16), torch.randn(4, 16))
+
+
+def broken():
+    raise RuntimeError("no weights here")
+
+
+three = 3
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """The shared tuning run: the models file, the result file, and what was printed."""
+
+    models: Path
+    path: Path
+    out: str
+    err: str
+
+    def spec(self, attr: str) -> str:
+        return f"{self.models}:{attr}"
+
+    def inputs(self, model: str = "model") -> list[str]:
+        return [self.spec(model), "--batch", self.spec("batch")]
+
+    def result(self) -> TuneResult:
+        return autotune.load(self.path)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Tuned:
+    root = tmp_path_factory.mktemp("cli")
+    models = root / "models.py"
+    models.write_text(MODELS)
+    path = root / "tuned.yaml"
+    out, err = io.StringIO(), io.StringIO()
+    args = ["tune", f"{models}:model", "--batch", f"{models}:batch", "--budget-gb", "0.004"]
+    args += ["--global-batch", "8", "--device", "cpu", "--trials", "16", "-o", str(path)]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(args) == 0, err.getvalue()
+    return Tuned(models, path, out.getvalue(), err.getvalue())
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_error_line(err: str, *fragments: str) -> None:
+    assert err.startswith("autotune: error: ")
+    assert err.strip().count("\n") == 0, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+# --- tune and show ---------------------------------------------------------------------
+
+
+def test_tune_writes_a_result_and_shows_progress(tuned: Tuned) -> None:
+    result = tuned.result()
+    assert result.config.effective_batch_size == 8
+    assert result.measured.peak_bytes <= result.budget_bytes
+    assert f"written to {tuned.path}" in tuned.out
+    assert result.config.describe() in tuned.out
+    # The progress: the pipeline's stages, one line each (stderr is not a terminal here).
+    for stage in ("profiling memory", "profiling time", "searching", "verifying", "measured"):
+        assert stage in tuned.err
+
+
+def test_tune_quiet_json(capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_path: Path) -> None:
+    out_path = tmp_path / "small.yaml"
+    args = [*tuned.inputs(), "--budget-gb", "0.004", "--global-batch", "2", "--device", "cpu"]
+    code, out, err = run(capsys, "tune", *args, "--quiet", "--json", "-o", str(out_path))
+    assert code == 0
+    assert err == ""
+    data = json.loads(out)
+    assert data["config"]["effective_batch_size"] == 2
+    assert autotune.load(out_path).to_dict() == data
+
+
+def test_tune_passes_storage_and_study(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake(model: Any, batch: Any, budget_gb: float, *, study_name: Any = None, **kw: Any) -> Any:
+        seen.update(kw, study_name=study_name, budget_gb=budget_gb)
+        return tuned.result()
+
+    monkeypatch.setattr("autotune.tune.autotune", fake)
+    args = [*tuned.inputs(), "--budget-gb", "2", "--storage", "sqlite:///x.db", "--study", "s1"]
+    code, _, _ = run(capsys, "tune", *args, "-q", "-o", os.devnull)
+    assert code == 0
+    assert seen["storage"] == "sqlite:///x.db" and seen["study_name"] == "s1"
+    assert seen["budget_gb"] == 2.0
+
+    def older(model: Any, batch: Any, budget_gb: float, **kw: Any) -> Any:
+        return tuned.result()
+
+    monkeypatch.setattr("autotune.tune.autotune", older)  # no study_name: --study is refused
+    code, _, err = run(capsys, "tune", *args, "-q", "-o", os.devnull)
+    assert code == 2
+    assert_one_error_line(err, "--study")
+
+
+def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    code, out, _ = run(capsys, "show", str(tuned.path))
+    assert code == 0
+    result = tuned.result()
+    assert out.splitlines()[0] == f"config      {result.config.describe()}"
+    for word in ("predicted", "measured", "parameters", "gradients", "optimizer", "activations"):
+        assert word in out
+    assert out.count("fallback ") == len(result.fallbacks)
+    code, out, _ = run(capsys, "show", str(tuned.path), "--json")
+    assert json.loads(out) == result.to_dict()
+
+
+# --- estimate --------------------------------------------------------------------------
+
+
+def test_estimate_of_a_tuned_config_is_its_prediction(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned
+) -> None:
+    result = tuned.result()
+    code, out, _ = run(capsys, "estimate", *tuned.inputs(), "--config", str(tuned.path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["config"] == result.to_dict()["config"]
+    assert data["peak_bytes"] == result.predicted.peak_bytes
+    assert data["breakdown"] == result.to_dict()["breakdown"]
+
+
+def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    args = ["estimate", *tuned.inputs(), "--micro-batch", "8", "--json"]
+    _, kept, _ = run(capsys, *args, "--checkpoint", "none")
+    _, ckpt, _ = run(capsys, *args, "--checkpoint", "all", "--optimizer", "sgd")
+    kept_data, ckpt_data = json.loads(kept), json.loads(ckpt)
+    assert ckpt_data["config"]["checkpoint"] == ["blocks.0", "blocks.1"]
+    assert ckpt_data["config"]["optimizer"] == "sgd"
+    assert ckpt_data["breakdown"]["activations"] < kept_data["breakdown"]["activations"]
+    # SGD keeps one state per parameter, AdamW two (and a step count).
+    assert ckpt_data["breakdown"]["optimizer"] * 2 == pytest.approx(
+        kept_data["breakdown"]["optimizer"], rel=0.01
+    )
+    code, out, _ = run(capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.1")
+    assert code == 0
+    assert "checkpoint   blocks.1" in out
+    assert [line.split()[0] for line in out.splitlines()[-5:]] == list(cli._PARTS)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(micro_batch_size=4, grad_accum_steps=2),
+        TrainConfig(micro_batch_size=6, precision="bf16", checkpoint=("blocks.0", "blocks.1")),
+    ],
+)
+def test_estimate_predicts_the_measured_peak(config: TrainConfig) -> None:
+    from autotune.models import gpt_batch, tiny_gpt
+
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    sample = gpt_batch(model.config, 4)
+    peak, parts = estimate(model, sample, config, device="cpu")
+    assert parts.total == peak
+    verifier = Verifier(model, sample, device=torch.device("cpu"), budget_bytes=2**30, loss_fn=None)
+    measured, error = verifier.run(config)
+    assert error is None and measured is not None
+    assert peak == pytest.approx(measured.peak_bytes, rel=0.02)
+
+
+def test_estimate_rejects_what_it_cannot_model(tuned: Tuned) -> None:
+    from autotune.models import gpt_batch, tiny_gpt
+
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    with pytest.raises(autotune.ConfigError, match="offload"):
+        estimate(model, gpt_batch(model.config, 2), TrainConfig(offload_optimizer=True))
+    with pytest.raises(autotune.BlockError, match=r"blocks\.0, blocks\.1"):
+        estimate(model, gpt_batch(model.config, 2), TrainConfig(checkpoint=("head",)))
+
+
+# --- verify ----------------------------------------------------------------------------
+
+
+def test_verify_fits(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    code, out, err = run(capsys, "verify", str(tuned.path), *tuned.inputs())
+    assert code == 0, err
+    assert out.startswith("fits ")
+    assert err == ""  # same model, device and torch: no warning
+    code, out, _ = run(capsys, "verify", str(tuned.path), *tuned.inputs(), "--json")
+    data = json.loads(out)
+    assert data["fits"] is True and data["error"] is None
+    assert data["measured"]["peak_bytes"] <= data["budget_bytes"]
+
+
+def test_verify_over_budget_exits_1(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_path: Path
+) -> None:
+    data = yaml.safe_load(tuned.path.read_text())
+    data["budget_bytes"] = data["measured"]["peak_bytes"] // 2
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(data))
+    code, out, _ = run(capsys, "verify", str(small), *tuned.inputs())
+    assert code == 1
+    assert out.startswith("does not fit") and "out of memory" in out
+
+
+def test_verify_warns_about_another_model(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    code, _, err = run(capsys, "verify", str(tuned.path), *tuned.inputs("narrower"))
+    assert code == 0  # a narrower model needs less memory
+    assert err.startswith("autotune: warning: the model's structure differs")
+    assert err.count("\n") == 1
+
+
+def test_verify_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    code, _, err = run(capsys, "verify", str(tuned.path), *tuned.inputs("three"))
+    assert code == 2
+    assert_one_error_line(err, "MODEL must give a torch.nn.Module, got int")
+    # The model fails on the batch: an unexpected error, still one line.
+    args = [tuned.spec("model"), "--batch", tuned.spec("float_batch")]
+    code, _, err = run(capsys, "verify", str(tuned.path), *args)
+    assert code == 2
+    assert_one_error_line(err, "(run with --traceback for details)")
+    with pytest.raises(RuntimeError, match=r"Long|Int"):
+        main(["--traceback", "verify", str(tuned.path), *args])
+
+
+# --- export and report -----------------------------------------------------------------
+
+
+def test_export_to_stdout_and_file(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_path: Path
+) -> None:
+    result = tuned.result()
+    code, out, err = run(capsys, "export", str(tuned.path), "--to", "hf")
+    assert code == 0
+    settings = yaml.safe_load(out)
+    assert settings["per_device_train_batch_size"] == result.config.micro_batch_size
+    assert settings["gradient_accumulation_steps"] == result.config.grad_accum_steps
+    target = tmp_path / "trainer.yaml"
+    code, out, err = run(capsys, "export", str(tuned.path), "--to", "lightning", "-o", str(target))
+    assert code == 0 and out == f"written to {target}\n"
+    trainer = yaml.safe_load(target.read_text())["trainer"]
+    assert trainer["accumulate_grad_batches"] == result.config.grad_accum_steps
+    warnings_ = err.splitlines()  # what the Trainer cannot express, one line each
+    assert warnings_ and all(w.startswith("autotune: warning: ") for w in warnings_)
+    assert f"batch_size={result.config.micro_batch_size}" in err
+
+
+def test_report(capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_path: Path) -> None:
+    target = tmp_path / "report.html"
+    code, out, _ = run(capsys, "report", str(tuned.path), "-o", str(target))
+    assert code == 0 and out == f"written to {target}\n"
+    page = target.read_text()
+    assert page.count("<svg") == 2 and "http" not in page
+    for name in tuned.result().model.blocks:
+        assert name in page
+
+
+# --- errors, help, warnings, the installed script ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["show", "missing.yaml"], "cannot read missing.yaml"),
+        (["report", "missing.yaml"], "cannot read missing.yaml"),
+        (["tune", "nocolon", "--batch", "x:y", "--budget-gb", "1"], "package.module:attr"),
+        (["tune", "no_such_module_xyz:m", "--batch", "x:y", "--budget-gb", "1"], "cannot import"),
+        (["tune", "{models}:broken", "--batch", "x:y", "--budget-gb", "1"], "no weights here"),
+        (["tune", "{models}:nothing", "--batch", "x:y", "--budget-gb", "1"], "no attribute"),
+        (["tune", "{models}:model", "--batch", "{models}:batch", "--budget-gb", "-1"], "budget"),
+        (
+            ["estimate", "{models}:model", "--batch", "{models}:batch", "--optimizer", "lion"],
+            "lion",
+        ),
+        (["estimate", "{models}:model", "--batch", "{models}:batch", "--checkpoint", "x"], "x"),
+    ],
+)
+def test_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned, args: list[str], fragment: str
+) -> None:
+    args = [a.replace("{models}", str(tuned.models)) for a in args]
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert_one_error_line(err, fragment)
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
+    code, _, err = run(capsys, "export", str(tuned.path), "--to", "keras")
+    assert code == 2 and "invalid choice: 'keras'" in err
+
+
+@pytest.mark.parametrize("command", ["tune", "show", "estimate", "verify", "export", "report"])
+def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    assert out.startswith(f"usage: autotune {command}")
+
+
+def test_warnings_are_one_line(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def load(path: str) -> TuneResult:
+        warnings.warn("tuned with\nan older autotune", autotune.AutotuneWarning, stacklevel=2)
+        return autotune.load(path)
+
+    monkeypatch.setattr(cli, "load", load)
+    code, out, err = run(capsys, "show", str(tuned.path))
+    assert code == 0 and out
+    assert err == "autotune: warning: tuned with an older autotune\n"
+
+
+def test_installed_console_script(tuned: Tuned) -> None:
+    script = shutil.which("autotune", path=str(Path(sys.executable).parent)) or shutil.which(
+        "autotune"
+    )
+    if script is None:
+        pytest.skip("the autotune console script is not installed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [script, "export", str(tuned.path), "--to", "deepspeed"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["train_micro_batch_size_per_gpu"] == tuned.result().config.micro_batch_size
+
+
+# --- progress --------------------------------------------------------------------------
+
+
+def record(msg: str, *args: Any, level: int = logging.INFO, **extra: Any) -> logging.LogRecord:
+    return logging.makeLogRecord(
+        {"msg": msg, "args": args, "levelno": level, "levelname": logging.getLevelName(level)}
+        | extra
+    )
+
+
+def test_progress_bar_on_a_terminal() -> None:
+    stream = io.StringIO()
+    bar = Progress(stream, tty=True, width=10)
+    bar.handle(record("profiling memory on %s (%d blocks)", "CPU", 2))
+    assert bar.status().startswith("[##........] profiling memory")
+    bar.handle(record("searching: %d sizes", 4))
+    bar.handle(record("trial %d", 5, level=logging.DEBUG, trial=5, n_trials=10))
+    assert "searching 5/10" in bar.status()
+    bar.handle(record("verifying %s", "micro_batch=8 fp32"))
+    bar.handle(record("  measured %.1f samples/s, peak %s", 120.0, "1 MiB"))
+    bar.handle(record("verifying %s", "micro_batch=4 fp32"))
+    bar.handle(record("  rejected: %s", "out of memory"))
+    bar.handle(record("verifying %s", "micro_batch=2 fp32"))
+    bar.handle(record("  measured %.1f samples/s, peak %s", 80.0, "1 MiB"))
+    assert bar.status().endswith("3 run, 2 fit; best 120.0 samples/s: micro_batch=8 fp32")
+    text = stream.getvalue()
+    assert "\r\033[K[" in text  # redrawn in place
+    assert "  rejected: out of memory\n" in text  # log lines stay above the bar
+    assert "trial 5" not in text  # DEBUG records only move the bar
+    bar.finish()
+    assert stream.getvalue().endswith("\r\033[K")
+
+
+def test_progress_without_a_terminal_is_plain_lines() -> None:
+    stream = io.StringIO()
+    bar = Progress(stream, tty=False)
+    bar.handle(record("searching: %d sizes", 4))
+    bar.handle(record("trial %d", 1, level=logging.DEBUG, trial=1, n_trials=3))
+    bar.finish()
+    assert stream.getvalue() == "  searching: 4 sizes\n"
