@@ -9,6 +9,7 @@ objective is predicted throughput; the budget is a constraint (``constraints_fun
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from .config import TrainConfig
 from .cost import CostModel, Mask, Prediction
 
 __all__ = ["Candidate", "Study", "best_config", "largest_fitting"]
+
+log = logging.getLogger("autotune")
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,13 @@ class Study:
             done = sum(t.state.is_finished() for t in study.trials)
             remaining = max((n_trials or self.default_trials()) - done, 0)
             if remaining:
-                study.optimize(objective, n_trials=remaining, timeout=timeout_s)
+                total = done + remaining
+
+                def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                    n = trial.number + 1
+                    log.debug("trial %d of %d", n, total, extra={"trial": n, "n_trials": total})
+
+                study.optimize(objective, n_trials=remaining, timeout=timeout_s, callbacks=[report])
         seen: dict[tuple[int, str, str], Candidate] = {}
         for t in study.trials:
             if (

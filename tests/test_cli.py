@@ -25,9 +25,10 @@ import yaml
 
 import autotune
 from autotune import cli
-from autotune.cli import Progress, main
+from autotune.cli import main
 from autotune.config import TrainConfig, TuneResult
 from autotune.estimate import estimate
+from autotune.progress import Progress
 from autotune.verify import Verifier
 
 MODELS = """

@@ -1,0 +1,124 @@
+"""Progress of a tuning run on a terminal, drawn from the ``autotune`` logger.
+
+The library only logs (nothing is configured at import); the command line attaches
+:class:`Progress` for the length of a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+__all__ = ["Progress", "progress"]
+
+
+@contextlib.contextmanager
+def progress(*, quiet: bool) -> Iterator[None]:
+    """Show the ``autotune`` logger's progress on stderr while tuning (nothing when quiet)."""
+    if quiet:
+        yield
+        return
+    logger = logging.getLogger("autotune")
+    handler = Progress(sys.stderr, tty=sys.stderr.isatty())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)  # DEBUG records may carry per-trial progress
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.finish()
+
+
+class Progress(logging.Handler):
+    """The tuning pipeline's log records as progress on a stream.
+
+    Every INFO record is a line. On a terminal a status line stays under them, redrawn:
+    a bar over the pipeline's stages, the stage, how many configurations were verified,
+    and the best verified so far. A DEBUG record with ``trial`` and ``n_trials``
+    attributes (``log.debug(..., extra={"trial": i, "n_trials": n})``) moves the bar
+    through the search stage.
+    """
+
+    STAGES = ("starting", "profiling memory", "profiling time", "searching", "verifying")
+    _STAGE_OF = (  # message prefix -> stage; the first match wins
+        ("profiling memory", 1),
+        ("profile read", 2),
+        ("profiling time", 2),
+        ("searching", 3),
+        ("verifying", 4),
+    )
+
+    def __init__(self, stream: TextIO, *, tty: bool, width: int = 24) -> None:
+        super().__init__(logging.DEBUG)
+        self.stream, self.tty, self.width = stream, tty, width
+        self.stage, self.trial, self.n_trials = 0, 0, 0
+        self.verified, self.fitted = 0, 0
+        self.current = ""
+        self.best: tuple[float, str] | None = None
+        self._drawn = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._update(record)
+            if record.levelno >= logging.INFO:
+                self._line("  " + record.getMessage())
+            if self.tty:
+                self._draw()
+        except Exception:
+            self.handleError(record)
+
+    def _update(self, record: logging.LogRecord) -> None:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        trial, n_trials = getattr(record, "trial", None), getattr(record, "n_trials", None)
+        if isinstance(trial, int) and isinstance(n_trials, int) and n_trials > 0:
+            self.stage, self.trial, self.n_trials = max(self.stage, 3), trial, n_trials
+        stage = next((s for prefix, s in self._STAGE_OF if msg.startswith(prefix)), None)
+        if stage is not None:
+            self.stage = max(self.stage, stage)
+        if msg.startswith("verifying") and args:
+            self.current, self.verified = str(args[0]), self.verified + 1
+        elif msg.strip().startswith("measured") and args and isinstance(args[0], (int, float)):
+            self.fitted += 1
+            if self.best is None or args[0] > self.best[0]:
+                self.best = (float(args[0]), self.current)
+
+    def status(self) -> str:
+        """The status line: bar, stage, verified count and the best so far."""
+        done = self.stage / len(self.STAGES)
+        if self.stage == 3 and self.n_trials:
+            done += min(self.trial / self.n_trials, 1) / len(self.STAGES)
+        if self.stage == 4:
+            done += min(self.fitted / 3, 1) / len(self.STAGES)  # the tuner verifies ~3
+        filled = round(done * self.width)
+        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.STAGES[self.stage]}"
+        if self.stage == 3 and self.n_trials:
+            text += f" {self.trial}/{self.n_trials}"
+        if self.verified:
+            text += f"; {self.verified} run, {self.fitted} fit"
+        if self.best is not None:
+            text += f"; best {self.best[0]:.1f} samples/s: {self.best[1]}"
+        return text
+
+    def finish(self) -> None:
+        """Clear the status line."""
+        if self._drawn:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._drawn = False
+
+    def _line(self, text: str) -> None:
+        self.finish()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _draw(self) -> None:
+        columns = shutil.get_terminal_size((100, 20)).columns
+        self.stream.write("\r\033[K" + self.status()[: max(columns - 1, 20)])
+        self.stream.flush()
+        self._drawn = True
