@@ -48,8 +48,8 @@ def main() -> None:
     c, p, m = result.config, result.predicted, result.measured
     print(f"\nwinner: {c.describe()}  (tuned in {result.tuning_s:.1f} s)")
     print(
-        f"  peak     predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)}, "
-        f"budget {format_bytes(result.budget_bytes)}"
+        f"  peak     predicted {format_bytes(p.peak_bytes)}, "
+        f"measured {format_bytes(m.peak_bytes)}, budget {format_bytes(result.budget_bytes)}"
     )
     print(f"  speed    predicted {p.samples_per_s:.0f}, measured {m.samples_per_s:.0f} samples/s")
     for i, f in enumerate(result.fallbacks, 1):
