@@ -8,7 +8,6 @@ and 4, on a copy of the model) fed to the cost model. Nothing is timed or verifi
 
 from __future__ import annotations
 
-import copy
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +21,8 @@ from .config import Breakdown, TrainConfig
 from .cost import CostModel
 from .errors import BlockError, ConfigError, ProfileError
 from .loss import LossFn
-from .profile import OptimizerProfile, PrecisionProfile, Profile, Profiler, block_parameter_bytes
-from .target import Target, discover
+from .profile import Profiler, memory_profile, working_copy
+from .target import discover
 
 __all__ = ["estimate"]
 
@@ -68,9 +67,18 @@ def estimate(
     target = discover(device)
     names = _blocks(model, blocks, config.checkpoint)
     foreign = torch.cuda.memory_allocated(target.device) if target.device.type == "cuda" else 0
-    work = _copy_to(model, target.device)
+    work = working_copy(model, target.device)
     try:
-        profile = _memory_profile(work, sample_batch, names, target, config, loss_fn, foreign)
+        profiler = Profiler(
+            work, sample_batch, names, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
+        )
+        profile, _ = memory_profile(
+            profiler,
+            (config.precision,),
+            (config.optimizer,),
+            device_name=target.name,
+            context_bytes=target.context_bytes,
+        )
     finally:
         del work
         gc.collect()
@@ -99,56 +107,3 @@ def _blocks(
             f"blocks ({', '.join(names) or 'none'}); name the blocks to use with blocks=[...]."
         )
     return names
-
-
-def _memory_profile(
-    work: nn.Module,
-    sample: Any,
-    blocks: tuple[str, ...],
-    target: Target,
-    config: TrainConfig,
-    loss_fn: LossFn | None,
-    foreign: int,
-) -> Profile:
-    """The tuner's memory profile of one precision and one optimizer (no time curves)."""
-    profiler = Profiler(
-        work, sample, blocks, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
-    )
-    measured: tuple[OptimizerProfile, PrecisionProfile] | None = None
-    for b1, b2 in ((2, 4), (1, 2)):  # the smaller pair when the device cannot hold the first
-        try:
-            optimizer = profiler.optimizer(config.optimizer, b1)
-            measured = optimizer, profiler.memory(config.precision, config.optimizer, b1, b2)
-            break
-        except torch.OutOfMemoryError:
-            continue
-    if measured is None:
-        raise ProfileError(
-            f"the model does not fit {target.name} even at micro-batch 2; "
-            "use a larger device or a smaller model."
-        )
-    optimizer, precision = measured
-    params = {id(p): p for p in work.parameters()}
-    return Profile(
-        target.device.type,
-        blocks,
-        tuple(1.0 / len(blocks) for _ in blocks),  # time shares: unused for memory
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
-        grad_bytes=sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad),
-        precisions={config.precision: precision},
-        optimizers={config.optimizer: optimizer},
-        context_bytes=target.context_bytes,
-        alloc_ratio=precision.alloc_ratio,
-        block_bytes=block_parameter_bytes(work, blocks),
-    )
-
-
-def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
-    try:
-        work = copy.deepcopy(model)
-    except Exception as exc:
-        raise ProfileError(
-            f"estimating works on a copy of the model and copy.deepcopy failed: {exc}. "
-            "Make the model deep-copyable (e.g. drop non-picklable attributes)."
-        ) from exc
-    return work.to(device)

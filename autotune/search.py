@@ -18,8 +18,11 @@ import optuna
 
 from .config import TrainConfig
 from .cost import CostModel, Mask, Prediction
+from .errors import BudgetTooSmallError
+from .space import SearchSpace
+from .target import format_bytes
 
-__all__ = ["Candidate", "Study", "best_config", "largest_fitting"]
+__all__ = ["Candidate", "Study", "best_config", "largest_fitting", "too_small"]
 
 log = logging.getLogger("autotune")
 
@@ -234,3 +237,45 @@ def _quiet_optuna() -> Iterator[None]:
         yield
     finally:
         optuna.logging.set_verbosity(previous)
+
+
+def too_small(study: Study, space: SearchSpace, budget: int) -> BudgetTooSmallError:
+    """The error for a budget under the cheapest configuration, with what would lower it."""
+    cost = study.cost
+    full = (True,) * cost.n_blocks if study.checkpointing else (False,) * cost.n_blocks
+    best = None
+    for p in study.precisions:
+        for o in study.optimizers:
+            b = study.sizes[0]
+            peak = cost.peak(p, o, b, study.accum(b), full)
+            if best is None or peak < best[0]:
+                best = (peak, p, o, b)
+    assert best is not None
+    peak, p, o, b = best
+    names = tuple(n for n, m in zip(cost.profile.blocks, full, strict=True) if m)
+    config = TrainConfig(
+        micro_batch_size=b,
+        grad_accum_steps=study.accum(b),
+        precision=p,
+        optimizer=o,
+        checkpoint=names,
+    )
+    _, parts = cost.memory(config)
+    hints = ["raise budget_gb"]
+    if parts.optimizer > parts.parameters and "sgd" not in space.optimizers:
+        hints.append(
+            "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adafactor'])"
+        )
+    if not space.checkpointing:
+        hints.append("allow checkpointing (SearchSpace(checkpointing=True))")
+    hints.append("tune with shorter sequences or a smaller model")
+    return BudgetTooSmallError(
+        f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
+        f"{format_bytes(peak)} (micro-batch {b}, {p}, {o}, {len(names)} of {cost.n_blocks} blocks "
+        f"checkpointed): parameters {format_bytes(parts.parameters)}, gradients "
+        f"{format_bytes(parts.gradients)}, optimizer state {format_bytes(parts.optimizer)}, "
+        f"activations {format_bytes(parts.activations)}, other {format_bytes(parts.other)}. "
+        f"To fit: {'; '.join(hints)}.",
+        minimum_bytes=peak,
+        budget_bytes=budget,
+    )

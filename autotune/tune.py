@@ -6,7 +6,6 @@ The user's model is only read (deep-copied); every measurement runs on the copy.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -23,17 +22,23 @@ from .config import Measurement, ModelInfo, TrainConfig, TrialRecord, TuneResult
 from .cost import CostModel
 from .errors import (
     BudgetError,
-    BudgetTooSmallError,
     ConfigError,
     ProfileError,
 )
 from .identity import fingerprint
 from .loss import LossFn
-from .profile import PrecisionProfile, Profile, Profiler, TimeCurve, block_parameter_bytes
-from .search import Study, largest_fitting
+from .profile import (
+    PrecisionProfile,
+    Profile,
+    Profiler,
+    TimeCurve,
+    memory_profile,
+    working_copy,
+)
+from .search import Study, largest_fitting, too_small
 from .space import SearchSpace, micro_batch_candidates
 from .studies import StudyStore, resolve_storage
-from .target import Target, budget_bytes, discover, format_bytes
+from .target import Target, budget_bytes, discover
 from .verify import Measure, Verifier, choose_winner, fallback_ladder, fastest, settle
 
 __all__ = ["autotune"]
@@ -129,7 +134,7 @@ def autotune(
         name = study_name or f"autotune-{key['model']}-{budget}"
         store = StudyStore(resolve_storage(storage), name, key)
 
-    work = _copy_to(model, target.device)
+    work = working_copy(model, target.device)
     try:
         profile = store.profile() if store is not None else None
         if profile is None:
@@ -143,6 +148,7 @@ def autotune(
                 sizes,
                 loss_fn,
                 global_batch_size,
+                budget,
                 limit,
                 foreign,
             )
@@ -238,6 +244,7 @@ def _profile(
     sizes: Sequence[int],
     loss_fn: LossFn | None,
     global_batch_size: int | None,
+    budget: int,
     limit: int,
     foreign: int,
 ) -> Profile:
@@ -247,39 +254,14 @@ def _profile(
         work, sample, blocks, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
     )
     log.info("profiling memory on %s (%d blocks)", target.name, len(blocks))
-    notes: list[str] = []
-    memory: dict[str, PrecisionProfile] = {}
-    optimizers = {}
-    for b1, b2 in ((2, 4), (1, 2)):  # the smaller pair when the device cannot hold the first
-        try:
-            optimizers = {o: profiler.optimizer(o, b1) for o in space.optimizers}
-        except torch.OutOfMemoryError:
-            continue
-        for p in precisions:
-            try:
-                memory[p] = profiler.memory(p, space.optimizers[0], b1, b2)
-            except torch.OutOfMemoryError:
-                notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
-        if memory:
-            break
-    if not memory:
-        raise ProfileError(
-            f"the model does not fit {target.name} even at micro-batch 2 without "
-            "checkpointing; use a larger device or a smaller model."
-        )
-    params = {id(p): p for p in work.parameters()}
-    draft = Profile(
-        target.device.type,
-        tuple(blocks),
-        tuple(1.0 / max(len(blocks), 1) for _ in blocks),
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
-        grad_bytes=sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad),
-        precisions=memory,
-        optimizers=optimizers,
+    draft, notes = memory_profile(
+        profiler,
+        precisions,
+        space.optimizers,
+        device_name=target.name,
         context_bytes=target.context_bytes,
-        alloc_ratio=max(m.alloc_ratio for m in memory.values()),
-        block_bytes=block_parameter_bytes(work, blocks),
     )
+    memory = draft.precisions
     study = Study(
         CostModel(draft),
         sizes,
@@ -295,7 +277,7 @@ def _profile(
     }
     feasible = {p: b for p, b in caps.items() if b is not None}
     if not feasible:
-        raise _too_small(study, limit, space, global_batch_size)
+        raise too_small(study, space, budget)
 
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
@@ -337,51 +319,6 @@ def _profile(
 
 def _with_time(prof: PrecisionProfile, curve: TimeCurve) -> PrecisionProfile:
     return dataclasses.replace(prof, time=curve)
-
-
-def _too_small(
-    study: Study, limit: int, space: SearchSpace, global_batch_size: int | None
-) -> BudgetTooSmallError:
-    """The error for a budget under the cheapest configuration, with what would lower it."""
-    cost = study.cost
-    full = (True,) * cost.n_blocks if study.checkpointing else (False,) * cost.n_blocks
-    best = None
-    for p in study.precisions:
-        for o in study.optimizers:
-            b = study.sizes[0]
-            peak = cost.peak(p, o, b, study.accum(b), full)
-            if best is None or peak < best[0]:
-                best = (peak, p, o, b)
-    assert best is not None
-    peak, p, o, b = best
-    names = tuple(n for n, m in zip(cost.profile.blocks, full, strict=True) if m)
-    config = TrainConfig(
-        micro_batch_size=b,
-        grad_accum_steps=study.accum(b),
-        precision=p,
-        optimizer=o,
-        checkpoint=names,
-    )
-    _, parts = cost.memory(config)
-    budget = int(limit / (1 - _MARGIN.get(cost.profile.device_type, 0.04)))
-    hints = ["raise budget_gb"]
-    if parts.optimizer > parts.parameters and "sgd" not in space.optimizers:
-        hints.append(
-            "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adafactor'])"
-        )
-    if not space.checkpointing:
-        hints.append("allow checkpointing (SearchSpace(checkpointing=True))")
-    hints.append("tune with shorter sequences or a smaller model")
-    return BudgetTooSmallError(
-        f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
-        f"{format_bytes(peak)} (micro-batch {b}, {p}, {o}, {len(names)} of {cost.n_blocks} blocks "
-        f"checkpointed): parameters {format_bytes(parts.parameters)}, gradients "
-        f"{format_bytes(parts.gradients)}, optimizer state {format_bytes(parts.optimizer)}, "
-        f"activations {format_bytes(parts.activations)}, other {format_bytes(parts.other)}. "
-        f"To fit: {'; '.join(hints)}.",
-        minimum_bytes=peak,
-        budget_bytes=budget,
-    )
 
 
 def _time_ladder(
@@ -432,17 +369,6 @@ def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, .
     if not wanted:
         raise BudgetError(f"none of the precisions asked for runs on {target.name}.")
     return tuple(wanted)
-
-
-def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
-    try:
-        work = copy.deepcopy(model)
-    except Exception as exc:
-        raise ProfileError(
-            f"autotune works on a copy of the model and copy.deepcopy failed: {exc}. "
-            "Make the model deep-copyable (e.g. drop non-picklable attributes)."
-        ) from exc
-    return work.to(device)
 
 
 def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:
