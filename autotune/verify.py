@@ -34,6 +34,8 @@ log = logging.getLogger("autotune")
 
 _TIMED_S = 3.0
 """Stop timing a configuration once its timed steps add up to this many seconds."""
+_MIN_TIMED_S = 1.0
+_MAX_TIMED_STEPS = 20
 _MAX_ACCUM = 64
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
@@ -119,9 +121,14 @@ class Verifier:
         return reading.peak_bytes, statistics.median(self._timed_steps(runner, batch))
 
     def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
-        """Up to ``steps`` timed steps; one when a step is long enough to be its own median."""
+        """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
+        at most 20 steps or 3 s (one step when a step alone is that long)."""
         times = [self._timed(lambda: runner.step(batch))]
-        while len(times) < self.steps and sum(times) < _TIMED_S:
+        while (
+            sum(times) < _TIMED_S
+            and len(times) < _MAX_TIMED_STEPS
+            and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
+        ):
             times.append(self._timed(lambda: runner.step(batch)))
         return times
 

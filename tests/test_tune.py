@@ -80,9 +80,13 @@ def test_predicted_peak_is_within_three_percent(gpt_result) -> None:
 
 
 def test_winner_is_the_fastest_verified_config(gpt_result) -> None:
+    """Fastest measured; a config within 1% of it with a smaller peak may win the tie."""
     result, _ = gpt_result
-    measured = [t.measured.samples_per_s for t in result.trials if t.measured is not None]
-    assert result.measured.samples_per_s == max(measured)
+    passed = [t for t in result.trials if t.measured is not None]
+    best = max(t.measured.samples_per_s for t in passed)
+    tied = [t for t in passed if t.measured.samples_per_s >= 0.99 * best]
+    assert result.measured.samples_per_s >= 0.99 * best
+    assert result.measured.peak_bytes == min(t.measured.peak_bytes for t in tied)
 
 
 def test_fallbacks_are_verified_and_increasingly_frugal(gpt_result) -> None:
