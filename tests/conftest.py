@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autotune.models import GPT, gpt_batch, tiny_gpt
-from autotune.profile import Profile, Profiler, block_parameter_bytes
+from autotune.profile import Profile, Profiler, memory_profile
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -66,18 +66,7 @@ def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
     work = copy.deepcopy(gpt3_model)
     blocks = tuple(f"blocks.{i}" for i in range(len(work.blocks)))
     profiler = Profiler(work, gpt3_sample, blocks, device=torch.device("cpu"), loss_fn=None)
-    optimizers = {o: profiler.optimizer(o, 2) for o in ("adamw", "sgd")}
-    memory = {p: profiler.memory(p, "adamw", 2, 4) for p in ("fp32", "bf16")}
-    params = {id(p): p for p in work.parameters()}
-    nbytes = sum(p.untyped_storage().nbytes() for p in params.values())
-    weights = tuple(1 / len(blocks) for _ in blocks)
-    return Profile(
-        "cpu",
-        blocks,
-        weights,
-        nbytes,
-        nbytes,
-        memory,
-        optimizers,
-        block_bytes=block_parameter_bytes(work, blocks),
+    profile, _ = memory_profile(
+        profiler, ("fp32", "bf16"), ("adamw", "sgd"), device_name="cpu", context_bytes=0
     )
+    return profile

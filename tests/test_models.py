@@ -16,7 +16,7 @@ from torch import nn
 
 from autotune import TrainConfig, find_blocks
 from autotune.cost import CostModel
-from autotune.profile import Profile, Profiler, block_parameter_bytes
+from autotune.profile import Profile, Profiler, memory_profile
 from autotune.verify import Verifier
 
 transformers = pytest.importorskip("transformers")
@@ -84,22 +84,10 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, object]]] = {
 
 def profile(model: nn.Module, sample: object, blocks: tuple[str, ...]) -> Profile:
     profiler = Profiler(model, sample, blocks, device=CPU, loss_fn=None)
-    optimizers = {"adamw": profiler.optimizer("adamw", 2)}
-    memory = {p: profiler.memory(p, "adamw", 2, 4) for p in ("fp32", "bf16")}
-    nbytes = sum(
-        p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values()
+    profile, _ = memory_profile(
+        profiler, ("fp32", "bf16"), ("adamw",), device_name="cpu", context_bytes=0
     )
-    weights = tuple(1 / len(blocks) for _ in blocks)
-    return Profile(
-        "cpu",
-        blocks,
-        weights,
-        nbytes,
-        nbytes,
-        memory,
-        optimizers,
-        block_bytes=block_parameter_bytes(model, blocks),
-    )
+    return profile
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

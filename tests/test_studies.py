@@ -21,7 +21,7 @@ def model():
     return tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
 
 
-def tune(storage: str, **kwargs):
+def tune(storage: str, study_name: str = "s", **kwargs):
     m = model()
     return autotune.autotune(
         m,
@@ -30,7 +30,7 @@ def tune(storage: str, **kwargs):
         device="cpu",
         global_batch_size=16,
         storage=storage,
-        study_name="s",
+        study_name=study_name,
         n_trials=20,
         **kwargs,
     )
@@ -137,21 +137,7 @@ def test_two_processes_share_one_study(tmp_path) -> None:
     records = [
         autotune.config.from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified
     ]
-    final = tune_in(journal)
+    final = tune(journal, study_name="shared")
     assert {r.config for r in final.trials} >= {r.config for r in records}
     best = max(r.measured.samples_per_s for r in final.trials if r.measured is not None)
     assert final.measured.samples_per_s == best
-
-
-def tune_in(journal: str):
-    m = model()
-    return autotune.autotune(
-        m,
-        gpt_batch(m.config, 4),
-        BUDGET_GB,
-        device="cpu",
-        global_batch_size=16,
-        storage=journal,
-        study_name="shared",
-        n_trials=20,
-    )
