@@ -11,11 +11,17 @@
 On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget
 guard**: it raises ``torch.OutOfMemoryError`` the moment live bytes pass the budget. Every
 OOM path of autotune is tested on CPU with it.
+
+Host memory that offload keeps on purpose (pinned activation copies, host optimizer
+state) is not device memory. On CUDA the tracker never sees it; on CPU, where the host
+is the device, the offload code allocates it inside :func:`host_memory` and the tracker
+leaves it out, so that offload's accounting can be tested without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +31,42 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytesTracker", "PeakReading", "PhaseRecord", "measure_peak", "state_tensors"]
+__all__ = [
+    "LiveBytesTracker",
+    "PeakReading",
+    "PhaseRecord",
+    "host_memory",
+    "mark_host",
+    "measure_peak",
+    "state_tensors",
+]
+
+_HOST = threading.local()
+_HOST_STORAGES: dict[int, int] = {}  # id(storage) -> data_ptr, while the storage lives
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages allocated inside are host memory, not device memory: trackers skip them."""
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.depth -= 1
+
+
+def mark_host(tensors: Iterable[torch.Tensor]) -> None:
+    """Declare the storages of ``tensors`` host memory (e.g. a host optimizer's state)."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in _HOST_STORAGES:
+            _HOST_STORAGES[key] = storage.data_ptr()
+            weakref.finalize(storage, _HOST_STORAGES.pop, key, None)
+
+
+def _in_host_memory() -> bool:
+    return getattr(_HOST, "depth", 0) > 0
 
 
 @dataclass
@@ -73,6 +114,8 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if _in_host_memory():
+            return out
         inputs = {
             id(s): s
             for t in tree_flatten((args, kwargs))[0]
@@ -97,7 +140,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _add(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key = id(storage)
-        if key in self._sizes or storage.device.type != self.device_type:
+        if key in self._sizes or storage.device.type != self.device_type or key in _HOST_STORAGES:
             return
         nbytes = storage.nbytes()
         self._sizes[key] = nbytes

@@ -20,21 +20,21 @@ __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer"]
 class OptimizerSpec:
     """How to build one optimizer, and what its state costs."""
 
-    build: Callable[[Iterable[torch.nn.Parameter], float], torch.optim.Optimizer]
+    build: Callable[[Iterable[torch.Tensor], float], torch.optim.Optimizer]
     state_bytes_per_param: float
     """Approximate state bytes per fp32 parameter, for messages; the profile measures it."""
     summary: str
 
 
-def _adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _adamw(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def _sgd(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _sgd(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def _adafactor(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _adafactor(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adafactor(params, lr=lr)
 
 
@@ -46,7 +46,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 
 
 def build_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], lr: float
+    name: str, params: Iterable[torch.Tensor], lr: float
 ) -> torch.optim.Optimizer:
     """Build the optimizer called ``name`` over ``params``.
 

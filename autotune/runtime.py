@@ -20,9 +20,16 @@ from .config import TrainConfig, TuneResult
 from .errors import AutotuneWarning, BlockError, ConfigError
 from .identity import differences
 from .loss import LossFn, call_model, compute_loss
+from .offload import ActivationOffloader, OptimizerOffloader
 from .optimizers import build_optimizer
 
-__all__ = ["Runner", "apply_checkpointing", "prepare", "remove_checkpointing"]
+__all__ = [
+    "Runner",
+    "apply_checkpointing",
+    "apply_offloading",
+    "prepare",
+    "remove_checkpointing",
+]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _ORIGINAL = "_autotune_original_forward"
@@ -58,12 +65,28 @@ class Runner:
         self.loss_fn = loss_fn
         self.lr = lr
         self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
-        self.optimizer = build_optimizer(config.optimizer, params, lr)
+        self._host: OptimizerOffloader | None = None
+        self.optimizer = self._build_optimizer(config.offload_optimizer)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self.offloader = ActivationOffloader(model, device)
+        apply_offloading(model, config.offload_activations, self.offloader)
         self._in_optimizer_step = False
+
+    def _build_optimizer(self, offload: bool) -> torch.optim.Optimizer:
+        """The config's optimizer, on the device or (``offload``) over host master weights."""
+        name, lr = self.config.optimizer, self.lr
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        if not offload:
+            return build_optimizer(name, self.params, lr)
+        self._host = OptimizerOffloader(
+            self.params, self.device, lambda masters: build_optimizer(name, masters, lr)
+        )
+        return self._host.optimizer
 
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch``, in micro-batches of ``micro_batch_size``.
@@ -86,7 +109,7 @@ class Runner:
                     raise  # no fallback left, or weights already half-updated: not retried
                 reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
             # Outside the except block, so that the traceback no longer pins the step's tensors.
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             restore()
             previous = self.config
             self.switch(self.fallbacks.pop(0))
@@ -101,9 +124,15 @@ class Runner:
         self._in_optimizer_step = False  # read by step() when an OOM comes out of here
         n = batching.batch_size(batch)
         total = torch.zeros((), device=self.device)
-        for chunk in batching.split(batch, self.config.micro_batch_size):
+        chunks = batching.split(batch, self.config.micro_batch_size)
+        for i, chunk in enumerate(chunks):
             weight = batching.batch_size(chunk) / n
-            total += self.forward_backward(chunk, weight)
+            # Offloaded optimizer: the last micro-batch sends each gradient down as it is made.
+            self.last_micro_batch(i == len(chunks) - 1)
+            try:
+                total += self.forward_backward(chunk, weight)
+            finally:
+                self.last_micro_batch(False)
         self._in_optimizer_step = True
         self.optimizer_step()
         return total
@@ -121,11 +150,31 @@ class Runner:
             )
         remove_checkpointing(self.model)
         apply_checkpointing(self.model, config.checkpoint)
+        apply_offloading(self.model, config.offload_activations, self.offloader)
+        if config.offload_optimizer != self.config.offload_optimizer:
+            # The state moves with a state dict: load_state_dict puts it where the new
+            # optimizer's parameters are (host or device).
+            state = self.optimizer.state_dict()
+            self.zero_grad()
+            self.optimizer = self._build_optimizer(config.offload_optimizer)
+            self.optimizer.load_state_dict(state)
         if config.precision == "fp16" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         elif config.precision != "fp16":
             self.scaler = None
         self.config = config
+
+    def last_micro_batch(self, last: bool) -> None:
+        """Mark the coming backward as the step's last (offloaded optimizer: grads go down)."""
+        if self._host is not None:
+            self._host.collect = last
+
+    def zero_grad(self) -> None:
+        """Free every gradient (on the host too, with an offloaded optimizer)."""
+        if self._host is not None:
+            self._host.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _snapshot(self) -> Any:
         """A function that puts the random state and buffers back as they are now."""
@@ -168,12 +217,18 @@ class Runner:
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and free them."""
+        if self._host is not None:
+            self._host.step(self._apply)
+        else:
+            self._apply(self.optimizer)
+        self.zero_grad()
+
+    def _apply(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(optimizer)
             self.scaler.update()
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast context of the config's precision (a no-op for fp32)."""
@@ -194,8 +249,8 @@ def prepare(
 ) -> Runner:
     """Make ``model`` train exactly as ``config`` says.
 
-    The model is moved to the device, put in train mode, its checkpointed blocks are
-    wrapped (undo with :func:`remove_checkpointing`), and a Hugging Face model's
+    The model is moved to the device, put in train mode, its checkpointed and offloaded
+    blocks are wrapped (undo with :func:`remove_checkpointing`), and a Hugging Face model's
     ``config.use_cache`` is turned off (a key/value cache is for generation, not training).
 
     Args:
@@ -231,7 +286,7 @@ def prepare(
     model.train()
     _disable_kv_cache(model)
     remove_checkpointing(model)
-    apply_checkpointing(model, config.checkpoint)
+    apply_checkpointing(model, config.checkpoint)  # the runner wraps the offloaded blocks
     for p in model.parameters():
         p.grad = None
     fallbacks = result.fallbacks if result is not None else ()
@@ -265,25 +320,44 @@ def apply_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
     Raises:
         BlockError: a name is not a submodule of ``model``; then no block is wrapped.
     """
+    for module in _resolve(model, names, "checkpoints"):
+        _wrap(module, functools.partial(_checkpointed_forward, module.forward))
+
+
+def apply_offloading(
+    model: nn.Module, names: Sequence[str], offloader: ActivationOffloader
+) -> None:
+    """Send the saved activations of the named blocks to host memory (see :mod:`.offload`).
+
+    Raises:
+        BlockError: a name is not a submodule of ``model``; then no block is wrapped.
+    """
+    for name, module in zip(names, _resolve(model, names, "offloads"), strict=True):
+        _wrap(module, functools.partial(offloader.forward, name, module.forward))
+
+
+def _resolve(model: nn.Module, names: Sequence[str], verb: str) -> list[nn.Module]:
     modules = []
     for name in names:  # resolve every name first, so that an error leaves the model as it was
         try:
             modules.append(model.get_submodule(name))
         except AttributeError:
             raise BlockError(
-                f"the config checkpoints block {name!r}, which this model does not have; "
+                f"the config {verb} block {name!r}, which this model does not have; "
                 "was the config tuned for another model?"
             ) from None
-    for module in modules:
-        if _ORIGINAL in module.__dict__:
-            continue
-        original = module.forward
-        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-        module.forward = functools.partial(_checkpointed_forward, original)
+    return modules
+
+
+def _wrap(module: nn.Module, forward: Any) -> None:
+    if _ORIGINAL in module.__dict__:
+        return
+    module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+    module.forward = forward
 
 
 def remove_checkpointing(model: nn.Module) -> None:
-    """Undo :func:`apply_checkpointing` on every block of ``model``."""
+    """Undo :func:`apply_checkpointing` and :func:`apply_offloading` on every block."""
     for module in model.modules():
         if _ORIGINAL not in module.__dict__:
             continue
