@@ -63,6 +63,8 @@ class _Call:
     packed: list[weakref.ref[_Packed]] = field(default_factory=list)
     restore_event: Any = None
     restored: bool = False
+    started: bool = False
+    """Its backward has begun (it has prefetched the block below)."""
 
 
 class ActivationOffloader:
@@ -137,9 +139,12 @@ class ActivationOffloader:
         def unpack(packed: Any) -> torch.Tensor:
             if not isinstance(packed, _Packed):
                 return packed  # type: ignore[no-any-return]
-            if not packed.call.restored:
-                self._restore(packed.call)  # first use: this block's backward has begun
-                self._prefetch_below(packed.call)
+            call = packed.call
+            if not call.started:  # first use: this block's backward has begun
+                call.started = True
+                if not call.restored:  # nothing prefetched it (the top offloaded block)
+                    self._restore(call)
+                self._prefetch_below(call)
             if self.cuda and packed.call.restore_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(packed.call.restore_event)
             assert packed.restored is not None
@@ -257,22 +262,30 @@ class OptimizerOffloader:
     def step(self, run: Callable[[torch.optim.Optimizer], None]) -> None:
         """Gather gradients, run ``run(optimizer)`` on the host, send the weights back up."""
         self.gather()
+        self.host_step(run)
+        self.upload()
+
+    def host_step(self, run: Callable[[torch.optim.Optimizer], None]) -> None:
+        """Run ``run(optimizer)`` over the host master weights (gradients gathered)."""
         with host_memory():
             run(self.optimizer)
             mark_host(t for s in self.optimizer.state.values() for t in _tensors(s))
-        if self.cuda:
-            assert self._h2d is not None
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._h2d):
-                for p, master in zip(self.params, self.masters, strict=True):
-                    p.data.copy_(master, non_blocking=True)
-            # Whatever runs next on the compute stream (the next forward, a state_dict copy)
-            # sees the new weights; the CPU is not blocked.
-            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
-        else:
+
+    def upload(self) -> None:
+        """Copy the master weights into the device parameters (asynchronously on CUDA)."""
+        if not self.cuda:
             with torch.no_grad():
                 for p, master in zip(self.params, self.masters, strict=True):
                     p.copy_(master)
+            return
+        assert self._h2d is not None
+        self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._h2d):
+            for p, master in zip(self.params, self.masters, strict=True):
+                p.data.copy_(master, non_blocking=True)
+        # Whatever runs next on the compute stream (the next forward, a state_dict copy)
+        # sees the new weights; the CPU is not blocked.
+        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
 
     def zero_grad(self) -> None:
         """Drop the gradients, on the host and on the device."""

@@ -2,18 +2,25 @@
 
 The tuner never swaps the user's optimizer unless the search space is widened to other
 names: optimizers change the training math, not only its speed and memory.
+
+``adamw8bit`` is bitsandbytes' ``AdamW8bit`` (optional extra ``autotune[8bit]``): fused
+CUDA kernels, a CPU backend, plain uint8 state tensors that the memory tracker counts
+exactly, and no compilation on first use (torchao's ``AdamW8bit`` compiles its step with
+``torch.compile``, about 20 s on first use, which tuning cannot afford).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "available", "build_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -38,16 +45,52 @@ def _adafactor(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimiz
     return torch.optim.Adafactor(params, lr=lr)
 
 
+def _adamw8bit(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    # AdamW's defaults (betas, eps, weight decay 0.01), states quantised blockwise to 8 bits.
+    optimizer: torch.optim.Optimizer = _bitsandbytes().optim.AdamW8bit(params, lr=lr)
+    return optimizer
+
+
+def _bitsandbytes() -> Any:
+    """Import bitsandbytes, or say how to install it."""
+    # Its CPU backend logs a warning at import about optional 4-bit kernels we never use.
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError(
+            "optimizer adamw8bit needs bitsandbytes: pip install 'autotune[8bit]' "
+            "(or pip install bitsandbytes)."
+        ) from None
+    finally:
+        log.setLevel(level)
+    return bitsandbytes
+
+
+def available(name: str) -> bool:
+    """Whether optimizer ``name`` can be built here (its optional library is installed)."""
+    if name != "adamw8bit":
+        return name in OPTIMIZERS
+    try:
+        _bitsandbytes()
+    except ConfigError:
+        return False
+    return True
+
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(_adamw, 8.0, "AdamW, two fp32 states per parameter"),
     "sgd": OptimizerSpec(_sgd, 4.0, "SGD with momentum 0.9, one fp32 state per parameter"),
     "adafactor": OptimizerSpec(_adafactor, 0.5, "Adafactor, factored second moments"),
+    "adamw8bit": OptimizerSpec(
+        _adamw8bit, 2.0, "AdamW with 8-bit blockwise-quantised states (bitsandbytes)"
+    ),
 }
 
 
-def build_optimizer(
-    name: str, params: Iterable[torch.Tensor], lr: float
-) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     """Build the optimizer called ``name`` over ``params``.
 
     Raises:

@@ -27,7 +27,8 @@ from .config import TrainConfig
 from .errors import AutotuneError, ProfileError
 from .loss import LossFn
 from .memory import LiveBytesTracker, measure_peak, state_tensors
-from .runtime import Runner, apply_checkpointing, prepare, remove_checkpointing
+from .runtime import Runner, apply_checkpointing, apply_offloading, prepare, remove_checkpointing
+from .target import Transfer
 from .timeline import Line, Phase, fit_phases, tracked_step
 
 __all__ = ["OptimizerProfile", "PrecisionProfile", "Profile", "Profiler", "TimeCurve"]
@@ -86,6 +87,8 @@ class PrecisionProfile:
     time: TimeCurve | None = None
     alloc_ratio: float = 1.0
     """CUDA: the caching allocator's reserved peak per live byte at the peak (1 on CPU)."""
+    moved: tuple[Line, ...] = ()
+    """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class OptimizerProfile:
     step_peak_bytes: int
     """Transient bytes above the step's start during ``optimizer.step()``."""
     step_s: float
+    host_step_s: float | None = None
+    """Seconds of the step on the host, transfers excluded (``None``: not profiled)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class Profile:
     notes: tuple[str, ...] = ()
     block_bytes: tuple[int, ...] = ()
     """Parameter bytes of each block (empty: blocks taken as equal)."""
+    transfer: Transfer | None = None
+    """Host<->device copy speeds and host memory for offload (``None``: offload not profiled)."""
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -201,17 +208,46 @@ class Profiler:
             times.append(self._timed(runner.optimizer_step))
         return OptimizerProfile(name, state, reading.peak_bytes - start, statistics.median(times))
 
-    def memory(self, precision: str, optimizer: str, b1: int, b2: int) -> PrecisionProfile:
-        """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``."""
+    def host_step(self, name: str, b: int) -> float:
+        """Median seconds of optimizer ``name``'s step on the host (offloaded), no transfers."""
+        runner = self.first_step(
+            TrainConfig(micro_batch_size=b, optimizer=name, offload_optimizer=True), b
+        )
+        assert runner.host is not None
+        chunk = batching.resize(self.sample, b)
+        times = []
+        for _ in range(self.repeats):
+            runner.forward_backward(chunk)
+            runner.host.gather()
+            start = time.perf_counter()
+            runner.host.host_step(runner._apply)
+            times.append(time.perf_counter() - start)
+            runner.host.upload()
+            runner.zero_grad()
+        return statistics.median(times)
+
+    def memory(
+        self, precision: str, optimizer: str, b1: int, b2: int, *, offload: bool = False
+    ) -> PrecisionProfile:
+        """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``.
+
+        Variants: every block kept, every block checkpointed, and (``offload``) every block
+        offloaded, with the bytes each block sends to the host.
+        """
         runner = self.first_step(
             TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
         )
         state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
         runs = {}
+        moved: dict[int, list[int]] = {}
         ratio = 1.0
-        for variant, names in ((0, ()), (1, self.blocks)):
+        variants = 3 if offload and self.blocks else 2
+        for variant in range(variants):
             remove_checkpointing(self.model)
-            apply_checkpointing(self.model, names)
+            if variant == 1:
+                apply_checkpointing(self.model, self.blocks)
+            elif variant == 2:
+                apply_offloading(self.model, self.blocks, runner.offloader)
             for b in (b1, b2):
                 if self.device.type == "cuda":  # start from no cached blocks, as verify does
                     torch.cuda.empty_cache()
@@ -219,18 +255,28 @@ class Profiler:
                 runs[b, variant] = records = tracked_step(
                     runner, batching.resize(self.sample, b), self.modules
                 )
+                if variant == 2:
+                    moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
                 if self.device.type == "cuda":
                     # Same step, two views: live tensor bytes and what the allocator reserved.
                     reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
                     ratio = max(ratio, reserved / max(r.peak for r in records))
         remove_checkpointing(self.model)
-        base, phases = fit_phases(b1, (runs[b1, 0], runs[b1, 1]), b2, (runs[b2, 0], runs[b2, 1]))
+        base, phases = fit_phases(
+            b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
+        )
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key[0] in (1, 2))
+        lines: tuple[Line, ...] = ()
+        if variants == 3:
+            lines = tuple(
+                Line.through(b1, m1, b2, m2) for m1, m2 in zip(moved[b1], moved[b2], strict=True)
+            )
+            micro = tuple(_own_backward(ph, lines) for ph in micro)
         # Micro-batches 2 and 4 are small: block rounding weighs more than at the sizes
         # the search picks. Bound the ratio; verification measures the real peak anyway.
         return PrecisionProfile(
-            precision, base - state, micro, alloc_ratio=min(ratio, _MAX_ALLOC_RATIO)
+            precision, base - state, micro, alloc_ratio=min(ratio, _MAX_ALLOC_RATIO), moved=lines
         )
 
     def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
@@ -287,6 +333,26 @@ class Profiler:
         return self._now() - start
 
 
+def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
+    """The offloaded variant of a block's backward without the restores it triggered.
+
+    With every block offloaded, block k's backward begins by restoring the block below it
+    (the prefetch; for the top block also itself). The cost model adds the restores the
+    actual choice of offloaded blocks triggers, so they are taken out of the measurement.
+    """
+    if phase.block is None or phase.key[1] != "bwd" or len(phase.delta) < 3:
+        return phase
+    k = phase.block
+    extra = Line(0.0, 0.0)
+    if k >= 1:
+        extra = extra + moved[k - 1]
+    if k == len(moved) - 1:
+        extra = extra + moved[k]
+    delta = (*phase.delta[:2], phase.delta[2] - extra)
+    peak = (*phase.peak[:2], phase.peak[2] - extra)
+    return dataclasses.replace(phase, delta=delta, peak=peak)
+
+
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A deep copy of ``model`` on ``device``: every measurement runs on one."""
     try:
@@ -306,11 +372,14 @@ def memory_profile(
     *,
     device_name: str,
     context_bytes: int,
+    transfer: Transfer | None = None,
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
     Optimizers are measured at micro-batch 2, precisions at 2 and 4; at 1 and 2 when
     the device cannot hold those. A precision that runs out of device memory is left out.
+    With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
+    host step are measured too.
 
     Raises:
         ProfileError: nothing fits the device.
@@ -321,11 +390,16 @@ def memory_profile(
     for b1, b2 in ((2, 4), (1, 2)):
         try:
             measured = {o: profiler.optimizer(o, b1) for o in optimizers}
+            if transfer is not None:
+                measured = {
+                    o: dataclasses.replace(m, host_step_s=profiler.host_step(o, b1))
+                    for o, m in measured.items()
+                }
         except torch.OutOfMemoryError:
             continue
         for p in precisions:
             try:
-                memory[p] = profiler.memory(p, optimizers[0], b1, b2)
+                memory[p] = profiler.memory(p, optimizers[0], b1, b2, offload=transfer is not None)
             except torch.OutOfMemoryError:
                 notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
         if memory:
@@ -348,6 +422,7 @@ def memory_profile(
         context_bytes=context_bytes,
         alloc_ratio=max(m.alloc_ratio for m in memory.values()),
         block_bytes=block_parameter_bytes(profiler.model, blocks),
+        transfer=transfer,
     )
     return profile, notes
 
@@ -361,8 +436,8 @@ def profile_from_json(text: str) -> Profile:
     """Inverse of :func:`profile_to_json`."""
     d = json.loads(text)
 
-    def lines(pair: list[dict[str, float]]) -> tuple[Line, Line]:
-        return (Line(**pair[0]), Line(**pair[1]))
+    def lines(values: list[dict[str, float]]) -> tuple[Line, ...]:
+        return tuple(Line(**v) for v in values)
 
     def precision(p: dict[str, Any]) -> PrecisionProfile:
         phases = tuple(
@@ -371,7 +446,9 @@ def profile_from_json(text: str) -> Profile:
         )
         t = p["time"]
         curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
-        return PrecisionProfile(p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"])
+        return PrecisionProfile(
+            p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"], lines(p["moved"])
+        )
 
     return Profile(
         device_type=d["device_type"],
@@ -386,4 +463,5 @@ def profile_from_json(text: str) -> Profile:
         seconds=d["seconds"],
         notes=tuple(d["notes"]),
         block_bytes=tuple(d["block_bytes"]),
+        transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
     )

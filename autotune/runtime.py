@@ -68,7 +68,8 @@ class Runner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
-        self._host: OptimizerOffloader | None = None
+        self.host: OptimizerOffloader | None = None
+        """The host side of an offloaded optimizer (``None`` without optimizer offload)."""
         self.optimizer = self._build_optimizer(config.offload_optimizer)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
         self.offloader = ActivationOffloader(model, device)
@@ -78,15 +79,15 @@ class Runner:
     def _build_optimizer(self, offload: bool) -> torch.optim.Optimizer:
         """The config's optimizer, on the device or (``offload``) over host master weights."""
         name, lr = self.config.optimizer, self.lr
-        if self._host is not None:
-            self._host.close()
-            self._host = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
         if not offload:
             return build_optimizer(name, self.params, lr)
-        self._host = OptimizerOffloader(
+        self.host = OptimizerOffloader(
             self.params, self.device, lambda masters: build_optimizer(name, masters, lr)
         )
-        return self._host.optimizer
+        return self.host.optimizer
 
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch``, in micro-batches of ``micro_batch_size``.
@@ -166,13 +167,13 @@ class Runner:
 
     def last_micro_batch(self, last: bool) -> None:
         """Mark the coming backward as the step's last (offloaded optimizer: grads go down)."""
-        if self._host is not None:
-            self._host.collect = last
+        if self.host is not None:
+            self.host.collect = last
 
     def zero_grad(self) -> None:
         """Free every gradient (on the host too, with an offloaded optimizer)."""
-        if self._host is not None:
-            self._host.zero_grad()
+        if self.host is not None:
+            self.host.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -217,8 +218,8 @@ class Runner:
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and free them."""
-        if self._host is not None:
-            self._host.step(self._apply)
+        if self.host is not None:
+            self.host.step(self._apply)
         else:
             self._apply(self.optimizer)
         self.zero_grad()

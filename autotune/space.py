@@ -16,8 +16,15 @@ class SearchSpace:
     """Narrows or widens the knobs ``autotune()`` searches.
 
     The default never changes the training math beyond precision: the optimizer stays
-    ``adamw`` (the user's) unless ``optimizers`` names others.
+    ``adamw`` (the user's) unless ``optimizers`` names others. Offload and checkpointing
+    do not change the math (same losses and weights), so they are searched by default.
     """
+
+    def offloads(self, device_type: str) -> tuple[bool, bool]:
+        """(optimizer offload, activation offload) allowed on a device of this type."""
+        auto = device_type == "cuda"
+        pick = (self.offload_optimizer, self.offload_activations)
+        return tuple(auto if v is None else v for v in pick)  # type: ignore[return-value]
 
     precisions: tuple[str, ...] = PRECISIONS
     """Precisions to consider; those the device lacks are dropped."""
@@ -25,6 +32,11 @@ class SearchSpace:
     """Optimizers to consider; the first is the user's, the rest are opt-in swaps."""
     checkpointing: bool = True
     """Whether blocks may be checkpointed."""
+    offload_optimizer: bool | None = None
+    """Whether the optimizer may live on the host; ``None``: on CUDA yes, on CPU no (the
+    host is the device there, so offload saves nothing)."""
+    offload_activations: bool | None = None
+    """Whether blocks' saved activations may go to host memory; ``None`` as above."""
     blocks: tuple[str, ...] | None = None
     """Qualified names of the blocks; default ``autotune.find_blocks(model)``."""
     max_micro_batch_size: int = 4096
@@ -53,6 +65,9 @@ class SearchSpace:
                     f"SearchSpace.micro_batch_sizes must be positive integers, got {sizes}."
                 )
             object.__setattr__(self, "micro_batch_sizes", sizes)
+        for name in ("offload_optimizer", "offload_activations"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"SearchSpace.{name} must be True, False or None.")
         if self.max_micro_batch_size < 1:
             raise ConfigError("SearchSpace.max_micro_batch_size must be at least 1.")
 

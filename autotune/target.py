@@ -1,4 +1,5 @@
-"""The target device: what it is, how much memory it has, and the budget on it.
+"""The target device: what it is, how much memory it has, how fast it copies to and from
+the host, and the budget on it.
 
 GB in autotune means GiB (2**30 bytes), as ``nvidia-smi`` and torch report memory.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 import platform
+import statistics
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -16,7 +19,15 @@ import torch
 from .config import TargetInfo
 from .errors import BudgetError
 
-__all__ = ["GIB", "Target", "budget_bytes", "discover", "format_bytes"]
+__all__ = [
+    "GIB",
+    "Target",
+    "Transfer",
+    "budget_bytes",
+    "discover",
+    "format_bytes",
+    "measure_transfer",
+]
 
 GIB = 2**30
 
@@ -57,6 +68,57 @@ def discover(device: torch.device | str | None = None) -> Target:
         raise BudgetError(f"device {device} is not supported; use 'cuda' or 'cpu'.")
     host = _host_available_bytes()
     return Target(device, _cpu_name(), _host_total_bytes(), host, 0, host)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Host<->device copy speeds measured on the target, and the host memory offload may use.
+
+    Attributes:
+        d2h_bytes_per_s: Device to pinned host memory.
+        h2d_bytes_per_s: Pinned host memory to device.
+        host_limit_bytes: Host bytes offload may plan to hold (a share of what is free).
+    """
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    host_limit_bytes: int
+
+
+_PROBE_BYTES = 256 * 2**20
+_HOST_SHARE = 0.8
+"""Offload plans at most this share of the host memory free at tuning time (pinned memory
+cannot be swapped out; the rest is left to the data loader and the system)."""
+
+
+def measure_transfer(target: Target, *, nbytes: int = _PROBE_BYTES) -> Transfer:
+    """Time copies between pinned host memory and the device, in both directions.
+
+    On CPU the host is the device: the "transfer" is a memory copy, timed the same way.
+    Each direction is the median of three copies after a warm-up copy.
+    """
+    device = target.device
+    cuda = device.type == "cuda"
+    n = nbytes // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
+    dev = torch.empty(n, dtype=torch.float32, device=device)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for i in range(4):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i:  # the first copy warms up
+                times.append(time.perf_counter() - start)
+        return nbytes / max(statistics.median(times), 1e-9)
+
+    d2h, h2d = timed(host, dev), timed(dev, host)
+    del host, dev
+    return Transfer(d2h, h2d, int(target.host_available_bytes * _HOST_SHARE))
 
 
 def budget_bytes(budget_gb: float, target: Target) -> int:

@@ -36,6 +36,12 @@ class Line:
     def __call__(self, b: float) -> float:
         return self.const + self.slope * b
 
+    def __add__(self, other: Line) -> Line:
+        return Line(self.const + other.const, self.slope + other.slope)
+
+    def __sub__(self, other: Line) -> Line:
+        return Line(self.const - other.const, self.slope - other.slope)
+
     @staticmethod
     def through(b1: int, v1: float, b2: int, v2: float) -> Line:
         slope = (v2 - v1) / (b2 - b1)
@@ -44,13 +50,16 @@ class Line:
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of a micro-batch, kept (index 0) and checkpointed (index 1) variants."""
+    """One phase of a micro-batch: kept (index 0), checkpointed (1), offloaded (2) variants.
+
+    The offloaded variant is present only when offload was profiled.
+    """
 
     key: PhaseKey
     block: int | None
-    """The block whose checkpointing changes this phase, or ``None``."""
-    delta: tuple[Line, Line]
-    peak: tuple[Line, Line]
+    """The block whose choice (kept, checkpointed, offloaded) changes this phase, or ``None``."""
+    delta: tuple[Line, ...]
+    peak: tuple[Line, ...]
     grads: int
     """Gradient bytes alive when the phase begins (for the memory breakdown)."""
 
@@ -141,11 +150,11 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
 
 def fit_phases(
     b1: int,
-    runs1: tuple[list[PhaseRecord], list[PhaseRecord]],
+    runs1: Sequence[list[PhaseRecord]],
     b2: int,
-    runs2: tuple[list[PhaseRecord], list[PhaseRecord]],
+    runs2: Sequence[list[PhaseRecord]],
 ) -> tuple[int, list[Phase]]:
-    """Fit the phases of kept/checkpointed runs at micro-batch sizes ``b1`` and ``b2``.
+    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``.
 
     Phases are matched by label; the sequence is the kept run's at ``b1``. A phase missing
     from another run (data-dependent control flow) takes the kept run's values.
@@ -163,12 +172,13 @@ def fit_phases(
             out.setdefault(r.key[:-1], r)
         return out
 
-    tables = [[table(runs1[v]), table(runs2[v])] for v in (0, 1)]
+    variants = range(len(runs1))
+    tables = [[table(runs1[v]), table(runs2[v])] for v in variants]
     phases = []
     for r in reference:
         key = r.key[:-1]
         lines_delta, lines_peak = [], []
-        for v in (0, 1):
+        for v in variants:
             a = tables[v][0].get(key) or tables[0][0][key]
             b = tables[v][1].get(key) or tables[0][1].get(key) or a
             lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
@@ -177,13 +187,5 @@ def fit_phases(
         # (e.g. autocast dropping cached weight casts when the forward ends) depends on
         # every block's choice, and the cost model interpolates it.
         block = key[2] if key[1] in ("fwd", "bwd") else None
-        phases.append(
-            Phase(
-                key,
-                block,
-                (lines_delta[0], lines_delta[1]),
-                (lines_peak[0], lines_peak[1]),
-                r.key[-1],
-            )
-        )
+        phases.append(Phase(key, block, tuple(lines_delta), tuple(lines_peak), r.key[-1]))
     return base, phases

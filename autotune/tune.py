@@ -27,6 +27,7 @@ from .errors import (
 )
 from .identity import fingerprint
 from .loss import LossFn
+from .optimizers import available, build_optimizer
 from .profile import (
     PrecisionProfile,
     Profile,
@@ -38,7 +39,7 @@ from .profile import (
 from .search import Study, largest_fitting, too_small
 from .space import SearchSpace, micro_batch_candidates
 from .studies import StudyStore, resolve_storage
-from .target import Target, budget_bytes, discover
+from .target import Target, budget_bytes, discover, measure_transfer
 from .verify import Measure, Verifier, choose_winner, fallback_ladder, fastest, settle
 
 __all__ = ["autotune"]
@@ -112,8 +113,12 @@ def autotune(
             f"global_batch_size must be a positive integer, got {global_batch_size!r}; pass "
             "the number of samples per optimizer step, or None for no accumulation."
         )
+    for name in space.optimizers:
+        if not available(name):
+            build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
+    offload_optimizer, offload_activations = space.offloads(target.device.type)
     batching.batch_size(sample_batch)
     blocks = resolve_blocks(model, space.blocks) if space.checkpointing else ()
     sizes = micro_batch_candidates(space, global_batch_size)
@@ -151,6 +156,7 @@ def autotune(
                 budget,
                 limit,
                 foreign,
+                offload_optimizer or offload_activations,
             )
             if store is not None:
                 store.save_profile(profile)
@@ -165,6 +171,8 @@ def autotune(
             global_batch_size,
             limit,
             space.checkpointing,
+            (False, True) if offload_optimizer and cost.can_offload else (False,),
+            offload_activations and cost.can_offload,
         )
         log.info(
             "searching: %d micro-batch sizes x %s x %s",
@@ -247,29 +255,40 @@ def _profile(
     budget: int,
     limit: int,
     foreign: int,
+    offload: bool,
 ) -> Profile:
-    """Measure memory first (cheap, decides what fits), then time only what can fit."""
+    """Measure memory first (cheap, decides what fits), then time only what can fit.
+
+    With ``offload``, host<->device bandwidth, the offloaded variant and the host step of
+    each optimizer are measured too.
+    """
     t0 = time.perf_counter()
     profiler = Profiler(
         work, sample, blocks, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
     )
     log.info("profiling memory on %s (%d blocks)", target.name, len(blocks))
+    transfer = measure_transfer(target) if offload else None
     draft, notes = memory_profile(
         profiler,
         precisions,
         space.optimizers,
         device_name=target.name,
         context_bytes=target.context_bytes,
+        transfer=transfer,
     )
     memory = draft.precisions
+    draft_cost = CostModel(draft)
+    off_opt, off_act = space.offloads(target.device.type)
     study = Study(
-        CostModel(draft),
+        draft_cost,
         sizes,
         tuple(memory),
         space.optimizers,
         global_batch_size,
         limit,
         space.checkpointing,
+        (False, True) if off_opt and draft_cost.can_offload else (False,),
+        off_act and draft_cost.can_offload,
     )
     caps = {
         p: max((b for o in space.optimizers if (b := largest_fitting(study, p, o))), default=None)

@@ -282,27 +282,40 @@ def fallback_ladder(
         effective,
         int(winner.measured.peak_bytes * 0.75),
         study.checkpointing,
+        study.offload_optimizer,
+        study.offload_activations,
     )
     names = cost.profile.blocks if study.checkpointing else ()
     # The smallest micro-batch that keeps accumulation sane (at most 64 micro-batches).
     smallest = next((b for b in sizes if effective // b <= _MAX_ACCUM), sizes[-1])
+    placements: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(names, ())]
+    if study.offload_activations:
+        placements.append(((), cost.profile.blocks))
     frugal = [
-        TrainConfig(
-            micro_batch_size=smallest,
-            grad_accum_steps=effective // smallest,
-            precision=p,
-            checkpoint=names,
-            optimizer=config.optimizer,
-        )
+        c
         for p in study.precisions
+        for h in study.offload_optimizer
+        for ckpt, off in placements
+        if study.host_fits(
+            c := TrainConfig(
+                micro_batch_size=smallest,
+                grad_accum_steps=effective // smallest,
+                precision=p,
+                checkpoint=ckpt,
+                offload_activations=off,
+                optimizer=config.optimizer,
+                offload_optimizer=h,
+            )
+        )
     ]
     extra = [c for c in (best_config(ladder),) if c is not None]
-    extra.append(
-        min(
-            (Candidate(c, cost.predict(c)) for c in frugal),
-            key=lambda c: c.prediction.measurement.peak_bytes,
+    if frugal:
+        extra.append(
+            min(
+                (Candidate(c, cost.predict(c)) for c in frugal),
+                key=lambda c: c.prediction.measurement.peak_bytes,
+            )
         )
-    )
     for cand in extra:
         if all(r.config != cand.config for r in records):
             log.info("verifying fallback %s", cand.config.describe())
