@@ -19,10 +19,10 @@ from . import batch as batching
 from .blocks import find_blocks, resolve_blocks
 from .config import Breakdown, TrainConfig
 from .cost import CostModel
-from .errors import BlockError, ConfigError, ProfileError
+from .errors import BlockError, ProfileError
 from .loss import LossFn
 from .profile import Profiler, memory_profile, working_copy
-from .target import discover
+from .target import discover, measure_transfer
 
 __all__ = ["estimate"]
 
@@ -51,22 +51,18 @@ def estimate(
         holds them at the peak.
 
     Raises:
-        ConfigError: the config offloads (not modelled yet).
-        BlockError: the config checkpoints a module that is not one of the blocks.
+        BlockError: the config checkpoints or offloads a module that is not one of the blocks.
         ProfileError: the model does not train on the sample batch, or does not fit.
     """
     config = config or TrainConfig()
-    if config.offload_activations or config.offload_optimizer:
-        raise ConfigError(
-            "offload_activations and offload_optimizer are not modelled by the cost model "
-            "yet; estimate the config without them."
-        )
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     batching.batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
-    names = _blocks(model, blocks, config.checkpoint)
+    names = _blocks(model, blocks, (*config.checkpoint, *config.offload_activations))
     foreign = torch.cuda.memory_allocated(target.device) if target.device.type == "cuda" else 0
+    offloads = bool(config.offload_activations or config.offload_optimizer)
+    offload_facts = measure_transfer(target) if offloads else None
     work = working_copy(model, target.device)
     try:
         profiler = Profiler(
@@ -78,6 +74,7 @@ def estimate(
             (config.optimizer,),
             device_name=target.name,
             context_bytes=target.context_bytes,
+            transfer=offload_facts,
         )
     finally:
         del work
@@ -103,7 +100,8 @@ def _blocks(
     unknown = [n for n in checkpoint if n not in names]
     if unknown:
         raise BlockError(
-            f"the config checkpoints {', '.join(unknown)}, which are not among the model's "
+            f"the config checkpoints or offloads {', '.join(unknown)}, which are not among the "
+            "model's "
             f"blocks ({', '.join(names) or 'none'}); name the blocks to use with blocks=[...]."
         )
     return names

@@ -207,6 +207,7 @@ def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -
     [
         TrainConfig(micro_batch_size=4, grad_accum_steps=2),
         TrainConfig(micro_batch_size=6, precision="bf16", checkpoint=("blocks.0", "blocks.1")),
+        TrainConfig(micro_batch_size=4, offload_activations=("blocks.1",), offload_optimizer=True),
     ],
 )
 def test_estimate_predicts_the_measured_peak(config: TrainConfig) -> None:
@@ -219,15 +220,20 @@ def test_estimate_predicts_the_measured_peak(config: TrainConfig) -> None:
     verifier = Verifier(model, sample, device=torch.device("cpu"), budget_bytes=2**30, loss_fn=None)
     measured, error = verifier.run(config)
     assert error is None and measured is not None
-    assert peak == pytest.approx(measured.peak_bytes, rel=0.02)
+    if config.offload_optimizer:
+        # Gradients leave one by one in the last backward; the model frees a phase's
+        # gradients when the next phase starts, so it may over-predict, never under.
+        assert measured.peak_bytes <= peak <= 1.05 * measured.peak_bytes
+    else:
+        assert peak == pytest.approx(measured.peak_bytes, rel=0.02)
 
 
-def test_estimate_rejects_what_it_cannot_model(tuned: Tuned) -> None:
+def test_estimate_rejects_blocks_the_model_lacks(tuned: Tuned) -> None:
     from autotune.models import gpt_batch, tiny_gpt
 
     model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-    with pytest.raises(autotune.ConfigError, match="offload"):
-        estimate(model, gpt_batch(model.config, 2), TrainConfig(offload_optimizer=True))
+    with pytest.raises(autotune.BlockError, match="head"):
+        estimate(model, gpt_batch(model.config, 2), TrainConfig(offload_activations=("head",)))
     with pytest.raises(autotune.BlockError, match=r"blocks\.0, blocks\.1"):
         estimate(model, gpt_batch(model.config, 2), TrainConfig(checkpoint=("head",)))
 

@@ -1,0 +1,344 @@
+"""Offload on CPU: the same math as without it, and the accounting the cost model relies on.
+
+On CPU the host is the device; the offload code runs all the same (plain copies), and
+what it keeps on the host is left out of the tracker, as on CUDA it is not device memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+import autotune
+from autotune.config import TrainConfig
+from autotune.cost import CHECKPOINT, KEEP, OFFLOAD, CostModel, _min_cost_choice
+from autotune.memory import LiveBytesTracker, state_tensors
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.profile import Profiler, memory_profile
+from autotune.search import Study, too_small
+from autotune.space import SearchSpace
+from autotune.target import Transfer, discover, measure_transfer
+from autotune.verify import Verifier
+
+CPU = torch.device("cpu")
+BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
+FAST = Transfer(d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12, host_limit_bytes=2**40)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_gpt(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def sample(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return gpt_batch(model.config, 4)
+
+
+@pytest.fixture(scope="module")
+def offload_profile(model: torch.nn.Module, sample: object) -> autotune.profile.Profile:
+    profiler = Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None)
+    profile, _ = memory_profile(
+        profiler,
+        ("fp32", "bf16"),
+        ("adamw", "sgd"),
+        device_name="cpu",
+        context_bytes=0,
+        transfer=FAST,
+    )
+    return profile
+
+
+def train(model: torch.nn.Module, config: TrainConfig, steps: int = 3, switch=None):
+    torch.manual_seed(1)
+    work = copy.deepcopy(model)
+    runner = autotune.prepare(work, config, lr=1e-3, device="cpu")
+    batch = gpt_batch(work.config, config.effective_batch_size, seed=3)
+    losses = []
+    for i in range(steps):
+        if switch is not None and i == steps // 2:
+            runner.switch(switch)
+        losses.append(runner.step(batch).item())
+    return losses, [p.detach().clone() for p in work.parameters()]
+
+
+SAME_MATH = [
+    TrainConfig(micro_batch_size=4, grad_accum_steps=2, offload_activations=("blocks.1",)),
+    TrainConfig(micro_batch_size=4, offload_activations=BLOCKS),
+    TrainConfig(micro_batch_size=4, grad_accum_steps=2, offload_optimizer=True),
+    TrainConfig(
+        micro_batch_size=2,
+        grad_accum_steps=3,
+        precision="bf16",
+        checkpoint=("blocks.0",),
+        offload_activations=("blocks.1", "blocks.2"),
+        offload_optimizer=True,
+    ),
+    TrainConfig(micro_batch_size=4, precision="fp16", offload_optimizer=True),
+    TrainConfig(
+        micro_batch_size=4,
+        optimizer="sgd",
+        offload_optimizer=True,
+        offload_activations=("blocks.0",),
+    ),
+]
+
+
+@pytest.mark.parametrize("config", SAME_MATH, ids=lambda c: c.describe())
+def test_offload_trains_exactly_like_no_offload(model, config: TrainConfig) -> None:
+    plain = config.replace(offload_activations=(), offload_optimizer=False)
+    losses, weights = train(model, config)
+    ref_losses, ref_weights = train(model, plain)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+
+
+def test_switching_the_optimizer_to_and_from_the_host_keeps_its_state(model) -> None:
+    base = TrainConfig(micro_batch_size=4)
+    host = base.replace(offload_optimizer=True, offload_activations=("blocks.2",))
+    ref = train(model, base, steps=4)
+    for first, then in ((base, host), (host, base)):
+        losses, weights = train(model, first, steps=4, switch=then)
+        assert losses == ref[0]
+        assert all(torch.equal(a, b) for a, b in zip(weights, ref[1], strict=True))
+
+
+def test_the_optimizer_state_leaves_the_device(model, sample) -> None:
+    runner = autotune.prepare(
+        copy.deepcopy(model), TrainConfig(offload_optimizer=True), device="cpu"
+    )
+    runner.step(sample)
+    assert runner.host is not None
+    assert runner.optimizer.state  # it has state, on the host
+    tracker = LiveBytesTracker("cpu")
+    tracker.track(state_tensors(runner.model, runner.optimizer, runner.scaler))
+    params = sum(p.untyped_storage().nbytes() for p in runner.model.parameters())
+    assert tracker.live == params  # no gradients, no optimizer state on the device
+    # Host: master weights and two AdamW states (and step counts); gradients are freed.
+    assert runner.host.host_bytes() >= 3 * params
+
+
+def test_activation_offload_moves_saved_tensors_to_the_host(model, sample) -> None:
+    peaks = {}
+    for name, config in {
+        "kept": TrainConfig(micro_batch_size=4),
+        "offloaded": TrainConfig(micro_batch_size=4, offload_activations=BLOCKS),
+    }.items():
+        runner = autotune.prepare(copy.deepcopy(model), config, device="cpu")
+        tracker = LiveBytesTracker("cpu")
+        tracker.track(state_tensors(runner.model))
+        with tracker:
+            loss = runner.forward_loss(sample)
+            peaks[name] = tracker.live  # what the forward leaves for the backward
+            runner.backward(loss)
+        if name == "offloaded":
+            moved = runner.offloader.moved_bytes
+            assert set(moved) == set(BLOCKS) and all(v > 0 for v in moved.values())
+            assert peaks["kept"] - peaks[name] >= 0.9 * sum(moved.values())
+
+
+def test_bandwidth_probe_measures_both_directions() -> None:
+    facts = measure_transfer(discover("cpu"), nbytes=8 * 2**20)
+    assert facts.d2h_bytes_per_s > 1e7 and facts.h2d_bytes_per_s > 1e7
+    assert 0 < facts.host_limit_bytes < discover("cpu").host_available_bytes
+
+
+# --- the cost model --------------------------------------------------------------------
+
+
+def measured_peak(model, sample, config: TrainConfig) -> int:
+    verifier = Verifier(copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None)
+    measured, error = verifier.run(config)
+    assert error is None and measured is not None
+    return measured.peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("config", "rel"),
+    [
+        (TrainConfig(micro_batch_size=4, offload_activations=BLOCKS), 0.001),
+        (TrainConfig(micro_batch_size=2, offload_activations=("blocks.1",)), 0.001),
+        (
+            TrainConfig(
+                micro_batch_size=16, offload_activations=("blocks.0",), checkpoint=("blocks.2",)
+            ),
+            0.03,
+        ),
+        (
+            TrainConfig(
+                micro_batch_size=6,
+                grad_accum_steps=3,
+                precision="bf16",
+                offload_activations=("blocks.1",),
+            ),
+            0.03,
+        ),
+        (TrainConfig(micro_batch_size=8, offload_optimizer=True), 0.001),
+        (TrainConfig(micro_batch_size=8, grad_accum_steps=3, offload_optimizer=True), 0.001),
+        (
+            TrainConfig(
+                micro_batch_size=12,
+                grad_accum_steps=2,
+                precision="bf16",
+                optimizer="sgd",
+                checkpoint=BLOCKS[:2],
+                offload_optimizer=True,
+            ),
+            0.001,
+        ),
+    ],
+    ids=lambda v: v.describe() if isinstance(v, TrainConfig) else "",
+)
+def test_offload_peak_is_predicted(offload_profile, model, sample, config, rel) -> None:
+    predicted, parts = CostModel(offload_profile).memory(config)
+    measured = measured_peak(model, sample, config)
+    assert abs(predicted - measured) <= rel * measured, (predicted, measured)
+    assert parts.total == predicted
+    if config.offload_optimizer:
+        assert parts.optimizer == 0
+
+
+def test_host_bytes_match_what_offload_holds(offload_profile, model, sample) -> None:
+    config = TrainConfig(micro_batch_size=4, offload_activations=BLOCKS[1:], offload_optimizer=True)
+    runner = autotune.prepare(copy.deepcopy(model), config, device="cpu")
+    runner.step(sample)
+    assert runner.host is not None
+    runner.last_micro_batch(True)
+    runner.forward_backward(sample)
+    runner.host.gather()  # the most the host holds: weights, gradients, state, activations
+    real = runner.host.host_bytes() + sum(runner.offloader.moved_bytes.values())
+    assert CostModel(offload_profile).host_bytes(config) == pytest.approx(real, rel=0.02)
+
+
+def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
+    import dataclasses
+
+    from autotune.profile import TimeCurve
+
+    curve = TimeCurve((1, 16), (0.01, 0.16), (1, 16), (0.3, 0.3))
+    precisions = {
+        k: dataclasses.replace(v, time=curve) for k, v in offload_profile.precisions.items()
+    }
+    timed = dataclasses.replace(offload_profile, precisions=precisions)
+    fast = CostModel(timed)
+    mask = (OFFLOAD,) * 3
+    plain = fast.step_s("fp32", "adamw", 8, 1, (KEEP,) * 3)
+    assert fast.step_s("fp32", "adamw", 8, 1, mask) == pytest.approx(plain, rel=1e-4)
+    moved = sum(line(8) for line in timed.precisions["fp32"].moved)
+    slow = CostModel(dataclasses.replace(timed, transfer=Transfer(1e6, 1e6, 2**40)))
+    stall = slow.step_s("fp32", "adamw", 8, 1, mask) - plain
+    # Every byte goes down and comes back at 1 MB/s; little of it hides behind compute.
+    assert 2 * moved / 1e6 - 0.1 <= stall <= 2 * moved / 1e6
+
+
+# --- the plan and the search -----------------------------------------------------------
+
+
+def test_multiple_choice_knapsack_is_exact() -> None:
+    rng = random.Random(0)
+    for _ in range(30):
+        options = [
+            [(0.0, 0.0)] + [(rng.uniform(0, 10), rng.uniform(0, 5)) for _ in range(2)]
+            for _ in range(5)
+        ]
+        need = rng.uniform(1, 30)
+        pick = _min_cost_choice(options, need)
+        covers = [
+            combo
+            for combo in itertools.product(range(3), repeat=5)
+            if sum(options[i][v][0] for i, v in enumerate(combo)) >= need
+        ]
+        if not covers:
+            assert pick is None
+            continue
+        assert pick is not None
+        cost = sum(options[i][v][1] for i, v in enumerate(pick))
+        best = min(sum(options[i][v][1] for i, v in enumerate(c)) for c in covers)
+        assert sum(options[i][v][0] for i, v in enumerate(pick)) >= need
+        assert cost == pytest.approx(best)
+
+
+def study(profile, limit: int, *, offload: bool) -> Study:
+    return Study(
+        CostModel(profile),
+        (1, 2, 4, 8, 16),
+        ("fp32",),
+        ("adamw",),
+        16,
+        limit,
+        True,
+        (False, True) if offload else (False,),
+        offload,
+    )
+
+
+def test_offload_lets_the_search_fit_a_budget_nothing_else_fits(offload_profile) -> None:
+    cost = CostModel(offload_profile)
+    full = cost.peak("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3)
+    limit = full - 1  # below the most frugal config without offload
+    assert study(offload_profile, limit, offload=False).config("fp32", "adamw", 1) is None
+    s = study(offload_profile, limit, offload=True)
+    found = [c for b in s.sizes for h in (False, True) if (c := s.config("fp32", "adamw", b, h))]
+    assert found
+    for c in found:
+        assert c.offload_optimizer or c.offload_activations
+        assert cost.memory(c)[0] <= limit
+
+
+def test_host_memory_limits_offload(offload_profile) -> None:
+    import dataclasses
+
+    tiny_host = dataclasses.replace(offload_profile, transfer=Transfer(1e12, 1e12, 1024))
+    limit = CostModel(offload_profile).peak("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3) - 1
+    s = study(tiny_host, limit, offload=True)
+    assert all(s.config("fp32", "adamw", b, h) is None for b in s.sizes for h in (False, True))
+
+
+def test_too_small_accounts_for_offload_and_says_what_to_allow(offload_profile) -> None:
+    space = SearchSpace(offload_optimizer=False, offload_activations=False)
+    without = too_small(study(offload_profile, 1, offload=False), space, 1)
+    assert "SearchSpace(offload_optimizer=True)" in str(without)
+    assert "adamw8bit" in str(without)
+    with_offload = too_small(study(offload_profile, 1, offload=True), SearchSpace(), 1)
+    assert with_offload.minimum_bytes < without.minimum_bytes
+    assert "optimizer on the host" in str(with_offload)
+
+
+def test_default_space_offloads_on_cuda_only() -> None:
+    assert SearchSpace().offloads("cuda") == (True, True)
+    assert SearchSpace().offloads("cpu") == (False, False)
+    assert SearchSpace(offload_optimizer=True).offloads("cpu") == (True, False)
+    with pytest.raises(autotune.ConfigError, match="offload_activations"):
+        SearchSpace(offload_activations="yes")  # type: ignore[arg-type]
+
+
+def test_tune_with_offload_on_cpu_verifies_what_it_picks(model, sample) -> None:
+    # On CPU offload is opt-in (it saves nothing real there), which lets CI run its path.
+    cost = CostModel(
+        memory_profile(
+            Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None),
+            ("fp32",),
+            ("adamw",),
+            device_name="cpu",
+            context_bytes=0,
+        )[0]
+    )
+    frugal = cost.peak("fp32", "adamw", 1, 8, (CHECKPOINT,) * 3)
+    budget_gb = frugal * 0.97 / 2**30
+    space = SearchSpace(precisions=("fp32",), offload_optimizer=True, offload_activations=True)
+    result = autotune.autotune(
+        model,
+        sample,
+        budget_gb=budget_gb,
+        global_batch_size=8,
+        space=space,
+        device="cpu",
+        n_trials=20,
+    )
+    assert result.config.offload_optimizer or result.config.offload_activations
+    assert result.measured.peak_bytes <= result.budget_bytes
+    assert result.measured.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.05)
