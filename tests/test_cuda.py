@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autotune
+from autotune.estimate import estimate
 from autotune.memory import measure_peak
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.target import GIB, discover
@@ -84,3 +85,105 @@ def test_budget_below_the_context_is_too_small() -> None:
     model = tiny_gpt(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=64)
     with pytest.raises(autotune.BudgetTooSmallError):
         autotune.autotune(model, gpt_batch(model.config, 4), 0.01, device="cuda")
+
+
+# --- offload ---------------------------------------------------------------------------
+
+
+def _train(model: torch.nn.Module, config: autotune.TrainConfig, steps: int = 3):
+    torch.manual_seed(0)
+    work = copy.deepcopy(model)
+    runner = autotune.prepare(work, config, device="cuda", lr=1e-3)
+    batch = gpt_batch(work.config, config.effective_batch_size, seed=1)
+    losses = [runner.step(batch).item() for _ in range(steps)]
+    return losses, [p.detach().cpu() for p in work.parameters()]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        autotune.TrainConfig(micro_batch_size=4, grad_accum_steps=2, offload_optimizer=True),
+        autotune.TrainConfig(micro_batch_size=8, offload_activations=("blocks.0", "blocks.1")),
+        autotune.TrainConfig(
+            micro_batch_size=4,
+            grad_accum_steps=2,
+            precision="bf16",
+            offload_activations=("blocks.1",),
+            offload_optimizer=True,
+        ),
+    ],
+    ids=lambda c: c.describe(),
+)
+def test_offload_on_cuda_trains_like_no_offload(config: autotune.TrainConfig) -> None:
+    if config.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("no bf16 on this GPU")
+    model = tiny_gpt(n_layer=2, n_embd=128, n_head=4, block_size=64, vocab_size=256)
+    plain = config.replace(offload_optimizer=False, offload_activations=())
+    losses, weights = _train(model, config)
+    ref_losses, ref_weights = _train(model, plain)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for a, b in zip(weights, ref_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _cuda_peak(model: torch.nn.Module, config: autotune.TrainConfig) -> int:
+    from autotune.verify import Verifier
+
+    sample = gpt_batch(model.config, 4)
+    verifier = Verifier(
+        copy.deepcopy(model),
+        sample,
+        device=torch.device("cuda"),
+        budget_bytes=64 * GIB,
+        loss_fn=None,
+    )
+    measured, error = verifier.run(config)
+    assert error is None and measured is not None
+    return measured.peak_bytes
+
+
+def test_offload_frees_device_memory_on_cuda() -> None:
+    model = tiny_gpt(n_layer=4, n_embd=512, n_head=8, block_size=256, vocab_size=1024)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    base = autotune.TrainConfig(micro_batch_size=16)
+    kept = _cuda_peak(model, base)
+    host_opt = _cuda_peak(model, base.replace(offload_optimizer=True))
+    assert kept - host_opt >= 1.5 * params  # AdamW's two states (and the gradients) left
+    blocks = tuple(f"blocks.{i}" for i in range(4))
+    host_acts = _cuda_peak(model, base.replace(offload_activations=blocks))
+    assert host_acts < 0.9 * kept
+
+
+def test_offload_is_predicted_on_cuda() -> None:
+    model = tiny_gpt(n_layer=4, n_embd=256, n_head=4, block_size=256, vocab_size=1024)
+    sample = gpt_batch(model.config, 8)
+    for config in (
+        autotune.TrainConfig(micro_batch_size=8, offload_optimizer=True),
+        autotune.TrainConfig(micro_batch_size=8, offload_activations=("blocks.1", "blocks.2")),
+    ):
+        predicted, _ = estimate(model, sample, config, device="cuda")
+        measured = _cuda_peak(model, config)
+        assert abs(predicted - measured) <= 0.08 * measured, (
+            config.describe(),
+            predicted,
+            measured,
+        )
+
+
+def test_bandwidth_probe_on_cuda() -> None:
+    from autotune.target import measure_transfer
+
+    facts = measure_transfer(discover("cuda"))
+    assert facts.d2h_bytes_per_s > 2e9 and facts.h2d_bytes_per_s > 2e9  # PCIe 3 x16 or better
+
+
+def test_autotune_on_cuda_offloads_when_nothing_else_fits() -> None:
+    model = tiny_gpt(n_layer=4, n_embd=512, n_head=8, block_size=128, vocab_size=1024)
+    sample = gpt_batch(model.config, 8)
+    target = discover("cuda")
+    params = sum(p.numel() * 4 for p in model.parameters())
+    # Weights, gradients and one AdamW state: below weights + gradients + two states.
+    budget = target.context_bytes + 3 * params + 64 * MIB
+    result = autotune.autotune(model, sample, budget / GIB, global_batch_size=16, device="cuda")
+    assert result.config.offload_optimizer
+    assert result.measured.peak_bytes <= result.budget_bytes
