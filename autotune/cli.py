@@ -31,6 +31,7 @@ from typing import Any, TextIO
 from .config import PRECISIONS, TrainConfig, TuneResult, load, to_plain
 from .errors import AutotuneError, AutotuneWarning, ConfigError
 from .progress import progress
+from .space import SearchSpace
 from .target import format_bytes
 
 __all__ = ["main"]
@@ -99,6 +100,16 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--trials", type=int, help="Optuna trials on the cost model")
     tune.add_argument("--timeout", type=float, help="time limit of the search, seconds")
     tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
+    tune.add_argument(
+        "--optimizers",
+        help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw)",
+    )
+    tune.add_argument(
+        "--offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="search optimizer and activation offload (auto: on CUDA only)",
+    )
     tune.add_argument("--storage", help="keep the study: sqlite:///tune.db, a *.journal file...")
     tune.add_argument("--study", help="name of the study in --storage")
     tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
@@ -124,7 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--accum", type=int, help="micro-batches per optimizer step")
     est.add_argument("--precision", choices=PRECISIONS)
     est.add_argument("--checkpoint", help="blocks to checkpoint: all, none, or a comma list")
-    est.add_argument("--optimizer", help="adamw, sgd or adafactor")
+    est.add_argument("--optimizer", help="adamw, adamw8bit, adafactor or sgd")
+    est.add_argument(
+        "--offload-activations", help="blocks to offload to the host: all, none, or a comma list"
+    )
+    est.add_argument(
+        "--offload-optimizer", action="store_true", help="optimizer state and step on the host"
+    )
     est.add_argument("--json", action="store_true", help="print as JSON")
     est.set_defaults(run=_estimate)
 
@@ -173,6 +190,12 @@ def _tune(args: argparse.Namespace) -> int:
         if "study_name" not in inspect.signature(autotune).parameters:
             raise ConfigError("--study needs an autotune() that takes study_name.")
         extra["study_name"] = args.study
+    offload = {"auto": None, "on": True, "off": False}[args.offload]
+    space = SearchSpace(
+        optimizers=tuple(args.optimizers.split(",")) if args.optimizers else ("adamw",),
+        offload_optimizer=offload,
+        offload_activations=offload,
+    )
     with progress(quiet=args.quiet):
         result = autotune(
             model,
@@ -185,6 +208,7 @@ def _tune(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             seed=args.seed,
             storage=args.storage,
+            space=space,
             **extra,
         )
     path = result.save(args.output)
@@ -219,6 +243,10 @@ def _estimate(args: argparse.Namespace) -> int:
     }
     if args.checkpoint is not None:
         knobs["checkpoint"] = _checkpoint(args.checkpoint, model, blocks)
+    if args.offload_activations is not None:
+        knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
+    if args.offload_optimizer:
+        knobs["offload_optimizer"] = True
     config = config.replace(**{k: v for k, v in knobs.items() if v is not None})
     peak, parts = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
     target = discover(args.device)
@@ -228,6 +256,9 @@ def _estimate(args: argparse.Namespace) -> int:
         return 0
     print(f"config       {config.describe()} (effective batch {config.effective_batch_size})")
     print(f"checkpoint   {', '.join(config.checkpoint) or 'none'}")
+    if config.offload_activations or config.offload_optimizer:
+        print(f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}", end="")
+        print(", optimizer on the host" if config.offload_optimizer else "")
     print(f"device       {target.name} ({target.device})")
     print(f"peak         {format_bytes(peak)} predicted")
     for name in _PARTS:

@@ -8,15 +8,11 @@ Everything runs on a copy of the user's model that the caller owns.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
-import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,111 +23,32 @@ from .config import TrainConfig
 from .errors import AutotuneError, ProfileError
 from .loss import LossFn
 from .memory import LiveBytesTracker, measure_peak, state_tensors
+from .profile_data import (
+    OptimizerProfile,
+    PrecisionProfile,
+    Profile,
+    TimeCurve,
+    profile_from_json,
+    profile_to_json,
+)
 from .runtime import Runner, apply_checkpointing, apply_offloading, prepare, remove_checkpointing
 from .target import Transfer
 from .timeline import Line, Phase, fit_phases, tracked_step
 
-__all__ = ["OptimizerProfile", "PrecisionProfile", "Profile", "Profiler", "TimeCurve"]
+__all__ = [
+    "OptimizerProfile",
+    "PrecisionProfile",
+    "Profile",
+    "Profiler",
+    "TimeCurve",
+    "memory_profile",
+    "profile_from_json",
+    "profile_to_json",
+    "working_copy",
+]
 
 _PROFILE_LR = 1e-6
 _MAX_ALLOC_RATIO = 1.25  # the copy trains while it is measured; keep its weights sane
-
-
-@dataclass(frozen=True)
-class TimeCurve:
-    """Seconds of one micro-batch's forward+backward against its size."""
-
-    batch_sizes: tuple[int, ...]
-    seconds: tuple[float, ...]
-    ckpt_batch_sizes: tuple[int, ...] = ()
-    ckpt_ratio: tuple[float, ...] = ()
-    """Extra time with every block checkpointed, as a fraction of ``seconds``."""
-
-    def fwd_bwd(self, b: int) -> float:
-        """Interpolated piecewise-linearly; past the ends, at the nearest end's per-sample cost."""
-        xs, ys = self.batch_sizes, self.seconds
-        if b <= xs[0]:
-            return ys[0] * b / xs[0] if b < xs[0] and xs[0] > 1 else ys[0]
-        if b >= xs[-1]:
-            return ys[-1] * b / xs[-1]
-        i = bisect.bisect_left(xs, b)
-        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
-
-    def recompute(self, b: int) -> float:
-        """Extra seconds of one micro-batch when every block is checkpointed."""
-        if not self.ckpt_batch_sizes:
-            return 0.0
-        xs = [math.log(x) for x in self.ckpt_batch_sizes]
-        x = math.log(b)
-        if x <= xs[0] or len(xs) == 1:
-            ratio = self.ckpt_ratio[0]
-        elif x >= xs[-1]:
-            ratio = self.ckpt_ratio[-1]
-        else:
-            i = bisect.bisect_left(xs, x)
-            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            ratio = self.ckpt_ratio[i - 1] + w * (self.ckpt_ratio[i] - self.ckpt_ratio[i - 1])
-        return max(ratio, 0.0) * self.fwd_bwd(b)
-
-
-@dataclass(frozen=True)
-class PrecisionProfile:
-    """What one precision costs."""
-
-    precision: str
-    base_bytes: int
-    """Live bytes at step start without optimizer state (parameters, buffers, scaler)."""
-    phases: tuple[Phase, ...]
-    """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
-    time: TimeCurve | None = None
-    alloc_ratio: float = 1.0
-    """CUDA: the caching allocator's reserved peak per live byte at the peak (1 on CPU)."""
-    moved: tuple[Line, ...] = ()
-    """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
-
-
-@dataclass(frozen=True)
-class OptimizerProfile:
-    """What one optimizer costs."""
-
-    name: str
-    state_bytes: int
-    step_peak_bytes: int
-    """Transient bytes above the step's start during ``optimizer.step()``."""
-    step_s: float
-    host_step_s: float | None = None
-    """Seconds of the step on the host, transfers excluded (``None``: not profiled)."""
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Everything the cost model needs, measured on the target."""
-
-    device_type: str
-    blocks: tuple[str, ...]
-    block_weights: tuple[float, ...]
-    """Each block's share of the blocks' forward time (sums to 1)."""
-    param_bytes: int
-    grad_bytes: int
-    precisions: dict[str, PrecisionProfile]
-    optimizers: dict[str, OptimizerProfile]
-    context_bytes: int = 0
-    alloc_ratio: float = 1.0
-    """CUDA reserved bytes per live byte (1 on CPU)."""
-    seconds: float = 0.0
-    notes: tuple[str, ...] = ()
-    block_bytes: tuple[int, ...] = ()
-    """Parameter bytes of each block (empty: blocks taken as equal)."""
-    transfer: Transfer | None = None
-    """Host<->device copy speeds and host memory for offload (``None``: offload not profiled)."""
-
-    def block_shares(self) -> tuple[float, ...]:
-        """Each block's share of the blocks' parameter bytes (sums to 1)."""
-        total = sum(self.block_bytes)
-        if len(self.block_bytes) != len(self.blocks) or total <= 0:
-            return tuple(1.0 / len(self.blocks) for _ in self.blocks)
-        return tuple(n / total for n in self.block_bytes)
 
 
 def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
@@ -220,7 +137,7 @@ class Profiler:
             runner.forward_backward(chunk)
             runner.host.gather()
             start = time.perf_counter()
-            runner.host.host_step(runner._apply)
+            runner.host.host_step(runner.apply_step)
             times.append(time.perf_counter() - start)
             runner.host.upload()
             runner.zero_grad()
@@ -425,43 +342,3 @@ def memory_profile(
         transfer=transfer,
     )
     return profile, notes
-
-
-def profile_to_json(profile: Profile) -> str:
-    """The profile as JSON, to keep it with a study and resume without measuring again."""
-    return json.dumps(dataclasses.asdict(profile))
-
-
-def profile_from_json(text: str) -> Profile:
-    """Inverse of :func:`profile_to_json`."""
-    d = json.loads(text)
-
-    def lines(values: list[dict[str, float]]) -> tuple[Line, ...]:
-        return tuple(Line(**v) for v in values)
-
-    def precision(p: dict[str, Any]) -> PrecisionProfile:
-        phases = tuple(
-            Phase(tuple(ph["key"]), ph["block"], lines(ph["delta"]), lines(ph["peak"]), ph["grads"])
-            for ph in p["phases"]
-        )
-        t = p["time"]
-        curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
-        return PrecisionProfile(
-            p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"], lines(p["moved"])
-        )
-
-    return Profile(
-        device_type=d["device_type"],
-        blocks=tuple(d["blocks"]),
-        block_weights=tuple(d["block_weights"]),
-        param_bytes=d["param_bytes"],
-        grad_bytes=d["grad_bytes"],
-        precisions={k: precision(v) for k, v in d["precisions"].items()},
-        optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
-        context_bytes=d["context_bytes"],
-        alloc_ratio=d["alloc_ratio"],
-        seconds=d["seconds"],
-        notes=tuple(d["notes"]),
-        block_bytes=tuple(d["block_bytes"]),
-        transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
-    )

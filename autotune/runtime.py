@@ -219,12 +219,13 @@ class Runner:
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and free them."""
         if self.host is not None:
-            self.host.step(self._apply)
+            self.host.step(self.apply_step)
         else:
-            self._apply(self.optimizer)
+            self.apply_step(self.optimizer)
         self.zero_grad()
 
-    def _apply(self, optimizer: torch.optim.Optimizer) -> None:
+    def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` (through the GradScaler for fp16); gradients are kept."""
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

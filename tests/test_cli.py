@@ -430,3 +430,20 @@ def test_progress_without_a_terminal_is_plain_lines() -> None:
     bar.handle(record("trial %d", 1, level=logging.DEBUG, trial=1, n_trials=3))
     bar.finish()
     assert stream.getvalue() == "  searching: 4 sizes\n"
+
+
+def test_estimate_takes_offload_flags(tuned: Tuned, capsys) -> None:
+    code, out, _ = run(
+        capsys,
+        "estimate",
+        *tuned.inputs(),
+        "--offload-activations",
+        "blocks.1",
+        "--offload-optimizer",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["config"]["offload_activations"] == ["blocks.1"]
+    assert data["config"]["offload_optimizer"] is True
+    assert data["breakdown"]["optimizer"] == 0

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from autotune.config import TrainConfig
-from autotune.cost import CostModel, _min_cost_cover
+from autotune.cost import CostModel
+from autotune.knapsack import min_cost_cover as _min_cost_cover
 from autotune.profile import TimeCurve
 from autotune.verify import Verifier
 

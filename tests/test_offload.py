@@ -15,7 +15,8 @@ import torch
 
 import autotune
 from autotune.config import TrainConfig
-from autotune.cost import CHECKPOINT, KEEP, OFFLOAD, CostModel, _min_cost_choice
+from autotune.cost import CHECKPOINT, KEEP, OFFLOAD, CostModel
+from autotune.knapsack import min_cost_choice as _min_cost_choice
 from autotune.memory import LiveBytesTracker, state_tensors
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.profile import Profiler, memory_profile
