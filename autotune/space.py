@@ -23,8 +23,11 @@ class SearchSpace:
     def offloads(self, device_type: str) -> tuple[bool, bool]:
         """(optimizer offload, activation offload) allowed on a device of this type."""
         auto = device_type == "cuda"
-        pick = (self.offload_optimizer, self.offload_activations)
-        return tuple(auto if v is None else v for v in pick)  # type: ignore[return-value]
+        optimizer, activations = self.offload_optimizer, self.offload_activations
+        return (
+            auto if optimizer is None else optimizer,
+            auto if activations is None else activations,
+        )
 
     precisions: tuple[str, ...] = PRECISIONS
     """Precisions to consider; those the device lacks are dropped."""

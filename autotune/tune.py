@@ -118,7 +118,7 @@ def autotune(
             build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
-    offload_optimizer, offload_activations = space.offloads(target.device.type)
+    offload = any(space.offloads(target.device.type))  # profile offload only if searched
     batching.batch_size(sample_batch)
     blocks = resolve_blocks(model, space.blocks) if space.checkpointing else ()
     sizes = micro_batch_candidates(space, global_batch_size)
@@ -156,23 +156,15 @@ def autotune(
                 budget,
                 limit,
                 foreign,
-                offload_optimizer or offload_activations,
+                offload,
             )
             if store is not None:
                 store.save_profile(profile)
         else:
             log.info("profile read from study %s", store.name if store else "")
         cost = CostModel(profile)
-        study = Study(
-            cost,
-            sizes,
-            tuple(profile.precisions),
-            space.optimizers,
-            global_batch_size,
-            limit,
-            space.checkpointing,
-            (False, True) if offload_optimizer and cost.can_offload else (False,),
-            offload_activations and cost.can_offload,
+        study = _study(
+            cost, sizes, tuple(profile.precisions), space, global_batch_size, limit, target
         )
         log.info(
             "searching: %d micro-batch sizes x %s x %s",
@@ -277,19 +269,7 @@ def _profile(
         transfer=transfer,
     )
     memory = draft.precisions
-    draft_cost = CostModel(draft)
-    off_opt, off_act = space.offloads(target.device.type)
-    study = Study(
-        draft_cost,
-        sizes,
-        tuple(memory),
-        space.optimizers,
-        global_batch_size,
-        limit,
-        space.checkpointing,
-        (False, True) if off_opt and draft_cost.can_offload else (False,),
-        off_act and draft_cost.can_offload,
-    )
+    study = _study(CostModel(draft), sizes, tuple(memory), space, global_batch_size, limit, target)
     caps = {
         p: max((b for o in space.optimizers if (b := largest_fitting(study, p, o))), default=None)
         for p in memory
@@ -333,6 +313,30 @@ def _profile(
         precisions=precision_profiles,
         seconds=time.perf_counter() - t0,
         notes=tuple(notes),
+    )
+
+
+def _study(
+    cost: CostModel,
+    sizes: Sequence[int],
+    precisions: tuple[str, ...],
+    space: SearchSpace,
+    global_batch_size: int | None,
+    limit: int,
+    target: Target,
+) -> Study:
+    """The study of ``space`` on ``cost``; offload only where it was profiled."""
+    offload_optimizer, offload_activations = space.offloads(target.device.type)
+    return Study(
+        cost,
+        sizes,
+        precisions,
+        space.optimizers,
+        global_batch_size,
+        limit,
+        space.checkpointing,
+        (False, True) if offload_optimizer and cost.can_offload else (False,),
+        offload_activations and cost.can_offload,
     )
 
 
