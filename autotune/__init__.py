@@ -5,11 +5,19 @@
 >>> runner = autotune.prepare(model, autotune.load("tuned.yaml"), lr=3e-4)
 >>> for batch in loader:
 ...     runner.step(batch)
+
+The names below are the public API; the modules behind them are private. The names that
+need torch (and the tuner, which needs optuna) load on first use, so that importing one
+layer, e.g. ``autotune.train`` in a training job, loads nothing it does not need.
 """
 
-from .blocks import find_blocks
-from .config import Breakdown, Measurement, TrainConfig, TrialRecord, TuneResult, load
-from .errors import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from autotune.config import TrainConfig
+from autotune.errors import (
     AutotuneError,
     AutotuneWarning,
     BatchError,
@@ -21,9 +29,15 @@ from .errors import (
     ProfileError,
     VerificationError,
 )
-from .runtime import Runner, prepare
-from .space import SearchSpace
-from .tune import autotune
+from autotune.result import Breakdown, Measurement, TrialRecord, TuneResult, load
+from autotune.space import SearchSpace
+
+if TYPE_CHECKING:
+    from autotune._blocks import find_blocks
+    from autotune._estimate import estimate
+    from autotune.train._prepare import prepare
+    from autotune.train._runner import Runner
+    from autotune.tune import autotune
 
 __all__ = [
     "AutotuneError",
@@ -45,9 +59,31 @@ __all__ = [
     "VerificationError",
     "__version__",
     "autotune",
+    "estimate",
     "find_blocks",
     "load",
     "prepare",
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "autotune": "autotune.tune",
+    "estimate": "autotune._estimate",
+    "find_blocks": "autotune._blocks",
+    "prepare": "autotune.train._prepare",
+    "Runner": "autotune.train._runner",
+}
+"""Public names that import torch, by the module that defines them."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

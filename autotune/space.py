@@ -1,14 +1,13 @@
-"""``SearchSpace``: which knobs the tuner may turn, and the micro-batch sizes it tries."""
+"""``SearchSpace``: which knobs the tuner may turn."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import PRECISIONS
-from .errors import ConfigError
-from .optimizers import OPTIMIZERS
+from autotune.config import OPTIMIZERS, PRECISIONS
+from autotune.errors import ConfigError
 
-__all__ = ["SearchSpace", "micro_batch_candidates"]
+__all__ = ["SearchSpace"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class SearchSpace:
     """Only these micro-batch sizes (default: every size that fits)."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("precisions", PRECISIONS), ("optimizers", tuple(OPTIMIZERS))):
+        for name, allowed in (("precisions", PRECISIONS), ("optimizers", OPTIMIZERS)):
             value = tuple(getattr(self, name))
             bad = [v for v in value if v not in allowed]
             if not value or bad:
@@ -73,26 +72,3 @@ class SearchSpace:
                 raise ConfigError(f"SearchSpace.{name} must be True, False or None.")
         if self.max_micro_batch_size < 1:
             raise ConfigError("SearchSpace.max_micro_batch_size must be at least 1.")
-
-
-def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) -> tuple[int, ...]:
-    """Micro-batch sizes the search may pick, ascending.
-
-    With a global batch size only its divisors qualify, so that micro-batch times
-    accumulation equals it exactly.
-    """
-    cap = space.max_micro_batch_size
-    if global_batch_size is not None:
-        cap = min(cap, global_batch_size)
-    if space.micro_batch_sizes is not None:
-        sizes = [s for s in space.micro_batch_sizes if s <= cap]
-    else:
-        sizes = list(range(1, cap + 1))
-    if global_batch_size is not None:
-        sizes = [s for s in sizes if global_batch_size % s == 0]
-    if not sizes:
-        raise ConfigError(
-            f"no micro-batch size in the search space divides global_batch_size="
-            f"{global_batch_size}; widen SearchSpace.micro_batch_sizes."
-        )
-    return tuple(sizes)

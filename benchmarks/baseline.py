@@ -41,8 +41,9 @@ from accelerate.utils.memory import should_reduce_batch_size
 from torch import nn
 
 from autotune import TrainConfig, prepare
-from autotune.batch import resize
-from autotune.memory import measure_peak, state_tensors
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
+from autotune.train._batch import resize
 
 from .cases import Case
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig
-from autotune.target import GIB
-from autotune.verify import Verifier
+from autotune._format import GIB
+from autotune.verify._verifier import Verifier
 
 from .cases import Case
 

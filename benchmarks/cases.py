@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import autotune
-from autotune.loss import LossFn
 from autotune.models import GPTConfig, gpt_batch, tiny_gpt
+from autotune.train._loss import LossFn
 
 __all__ = ["Case", "cases_for"]
 

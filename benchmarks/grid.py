@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from autotune import Measurement, TrainConfig, TuneResult
-from autotune.loss import LossFn
-from autotune.verify import Verifier
+from autotune.train._loss import LossFn
+from autotune.verify._verifier import Verifier
 
 __all__ = ["SKIPPED", "Point", "Sweep", "grid_configs", "median_throughput", "sizes_for"]
 

@@ -27,11 +27,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 import autotune
-from autotune.cost import CostModel
+from autotune.measure._devices import discover, measure_transfer
+from autotune.measure._memory_profile import memory_profile
+from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.profile import Profiler, memory_profile
-from autotune.target import discover, measure_transfer
-from autotune.verify import Verifier
+from autotune.plan._cost import CostModel
+from autotune.verify._verifier import Verifier
 
 
 def overhead_and_prediction(device: torch.device, size: dict[str, int], b: int) -> list[dict]:
@@ -85,7 +86,7 @@ def overhead_and_prediction(device: torch.device, size: dict[str, int], b: int) 
 def _with_time(profile, model, sample, device, precision, b):
     import dataclasses
 
-    from autotune.profile import TimeCurve
+    from autotune.measure._profile_data import TimeCurve
 
     profiler = Profiler(
         copy.deepcopy(model).to(device), sample, profile.blocks, device=device, loss_fn=None

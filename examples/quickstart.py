@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import autotune
+from autotune._format import format_bytes
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.target import format_bytes
 
 
 def main() -> None:

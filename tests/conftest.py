@@ -8,8 +8,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from autotune.measure._memory_profile import memory_profile
+from autotune.measure._profile_data import Profile
+from autotune.measure._profiler import Profiler
 from autotune.models import GPT, gpt_batch, tiny_gpt
-from autotune.profile import Profile, Profiler, memory_profile
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from autotune.batch import batch_size, map_tensors, resize, split, to_device
 from autotune.errors import BatchError
+from autotune.train._batch import batch_size, map_tensors, resize, split, to_device
 
 
 class Pair(NamedTuple):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.blocks import find_blocks, resolve_blocks
+from autotune._blocks import find_blocks, resolve_blocks
 from autotune.errors import BlockError
 
 # --- small models of our own -------------------------------------------------------------

@@ -24,12 +24,12 @@ import torch
 import yaml
 
 import autotune
-from autotune import cli
+from autotune._estimate import estimate
 from autotune.cli import main
-from autotune.config import TrainConfig, TuneResult
-from autotune.estimate import estimate
-from autotune.progress import Progress
-from autotune.verify import Verifier
+from autotune.cli._progress import Progress
+from autotune.config import TrainConfig
+from autotune.result import PARTS, TuneResult
+from autotune.verify._verifier import Verifier
 
 MODELS = """
 import torch
@@ -199,7 +199,7 @@ def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -
     code, out, _ = run(capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.1")
     assert code == 0
     assert "checkpoint   blocks.1" in out
-    assert [line.split()[0] for line in out.splitlines()[-5:]] == list(cli._PARTS)
+    assert [line.split()[0] for line in out.splitlines()[-5:]] == list(PARTS)
 
 
 @pytest.mark.parametrize(
@@ -364,7 +364,7 @@ def test_warnings_are_one_line(
         warnings.warn("tuned with\nan older autotune", autotune.AutotuneWarning, stacklevel=2)
         return autotune.load(path)
 
-    monkeypatch.setattr(cli, "load", load)
+    monkeypatch.setattr("autotune.cli._commands.load", load)
     code, out, err = run(capsys, "show", str(tuned.path))
     assert code == 0 and out
     assert err == "autotune: warning: tuned with an older autotune\n"

@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 
 import autotune
-from autotune.config import (
-    Breakdown,
-    Measurement,
-    ModelInfo,
-    TargetInfo,
-    TrainConfig,
-    TrialRecord,
-    TuneResult,
-    config_from_dict,
-)
+from autotune._plain import config_from_dict
+from autotune.config import TrainConfig
 from autotune.errors import ConfigError
+from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TrialRecord, TuneResult
 
 
 def make_result(**changes: object) -> TuneResult:

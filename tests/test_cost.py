@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from autotune.config import TrainConfig
-from autotune.cost import CostModel
-from autotune.knapsack import min_cost_cover as _min_cost_cover
-from autotune.profile import TimeCurve
-from autotune.verify import Verifier
+from autotune.measure._profile_data import TimeCurve
+from autotune.plan._cost import CostModel
+from autotune.plan._knapsack import min_cost_cover as _min_cost_cover
+from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")
 
@@ -121,7 +121,7 @@ def test_time_curve_interpolates_and_extrapolates():
 
 
 def test_profile_survives_json(gpt_profile) -> None:
-    from autotune.profile import profile_from_json, profile_to_json
+    from autotune.measure._profile_data import profile_from_json, profile_to_json
 
     timed = dataclasses.replace(
         gpt_profile,

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import autotune
-from autotune.estimate import estimate
-from autotune.memory import measure_peak
+from autotune._estimate import estimate
+from autotune._format import GIB
+from autotune.measure._devices import discover
+from autotune.measure._peak import measure_peak
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.target import GIB, discover
 
 pytestmark = pytest.mark.cuda
 MIB = 2**20
@@ -127,7 +128,7 @@ def test_offload_on_cuda_trains_like_no_offload(config: autotune.TrainConfig) ->
 
 
 def _cuda_peak(model: torch.nn.Module, config: autotune.TrainConfig) -> int:
-    from autotune.verify import Verifier
+    from autotune.verify._verifier import Verifier
 
     sample = gpt_batch(model.config, 4)
     verifier = Verifier(
@@ -171,7 +172,7 @@ def test_offload_is_predicted_on_cuda() -> None:
 
 
 def test_bandwidth_probe_on_cuda() -> None:
-    from autotune.target import measure_transfer
+    from autotune.measure._devices import measure_transfer
 
     facts = measure_transfer(discover("cuda"))
     assert facts.d2h_bytes_per_s > 2e9 and facts.h2d_bytes_per_s > 2e9  # PCIe 3 x16 or better

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.config import Breakdown, Measurement, ModelInfo, TargetInfo, TrainConfig, TuneResult
+from autotune.cli._export import TARGETS, export, to_accelerate, to_deepspeed, to_hf, to_lightning
+from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.export import TARGETS, export, to_accelerate, to_deepspeed, to_hf, to_lightning
+from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TuneResult
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 

@@ -11,13 +11,15 @@ import torch
 from torch import nn
 
 import autotune
-from autotune.config import Breakdown, Measurement, ModelInfo, TrainConfig, TuneResult
+from autotune._identity import fingerprint
+from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
-from autotune.identity import fingerprint
-from autotune.memory import measure_peak, state_tensors
+from autotune.measure._devices import discover
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.target import discover
-from autotune.verify import Verifier
+from autotune.result import Breakdown, Measurement, ModelInfo, TuneResult
+from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")
 

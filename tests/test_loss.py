@@ -12,7 +12,7 @@ from torch import nn
 
 from autotune import TrainConfig, prepare
 from autotune.errors import AutotuneError, LossError
-from autotune.loss import call_model, compute_loss
+from autotune.train._loss import call_model, compute_loss
 
 
 class Recorder(nn.Module):

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig, prepare
-from autotune.memory import LiveBytesTracker, measure_peak, state_tensors
+from autotune.measure._peak import measure_peak
+from autotune.measure._profile_data import PhaseKey
+from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.models import GPT
 
 CPU = torch.device("cpu")
@@ -170,18 +172,18 @@ def test_phases_record_entry_peak_and_exit() -> None:
     tracker = LiveBytesTracker()
     with tracker:
         base = torch.empty(100)  # 400 bytes before any phase
-        tracker.phase("a")
+        tracker.phase(PhaseKey(1, "a"))
         tmp = torch.empty(1000)  # +4000
         del tmp
         keep = torch.empty(50)  # +200
-        tracker.phase("b")
+        tracker.phase(PhaseKey(1, "b"))
         del keep
-        tracker.phase("c")
+        tracker.phase(PhaseKey(1, "c"))
     tracker.close()
     a, b, c = tracker.phases
-    assert (a.key, a.entry, a.peak, a.exit) == ("a", 400, 4400, 600)
-    assert (b.key, b.entry, b.peak, b.exit) == ("b", 600, 600, 400)
-    assert (c.key, c.entry, c.peak, c.exit) == ("c", 400, 400, 400)
+    assert (a.key, a.entry, a.peak, a.exit) == (PhaseKey(1, "a"), 400, 4400, 600)
+    assert (b.key, b.entry, b.peak, b.exit) == (PhaseKey(1, "b"), 600, 600, 400)
+    assert (c.key, c.entry, c.peak, c.exit) == (PhaseKey(1, "c"), 400, 400, 400)
     del base
 
 
@@ -317,11 +319,11 @@ def test_measure_peak_with_a_tracker_returns_its_phases() -> None:
     tracker = LiveBytesTracker()
     kept = torch.empty(10)
     with measure_peak(CPU, existing=[kept], tracker=tracker) as reading:
-        tracker.phase("alloc")
+        tracker.phase(PhaseKey(1, "alloc"))
         tmp = torch.empty(100)
         del tmp
     assert reading.peak_bytes == 440
-    assert [(p.key, p.entry, p.peak, p.exit) for p in reading.phases] == [("alloc", 40, 440, 40)]
+    assert [(p.key, p.entry, p.peak, p.exit) for p in reading.phases] == [(PhaseKey(1, "alloc"), 40, 440, 40)]
 
 
 # --- state_tensors ---------------------------------------------------------------------------

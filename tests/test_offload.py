@@ -15,15 +15,18 @@ import torch
 
 import autotune
 from autotune.config import TrainConfig
-from autotune.cost import CHECKPOINT, KEEP, OFFLOAD, CostModel
-from autotune.knapsack import min_cost_choice as _min_cost_choice
-from autotune.memory import LiveBytesTracker, state_tensors
+from autotune.measure._devices import Transfer, discover, measure_transfer
+from autotune.measure._memory_profile import memory_profile
+from autotune.measure._profile_data import Profile
+from autotune.measure._profiler import Profiler
+from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.profile import Profiler, memory_profile
-from autotune.search import Study, too_small
+from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, CostModel
+from autotune.plan._knapsack import min_cost_choice as _min_cost_choice
+from autotune.plan._planner import Planner
+from autotune.plan._too_small import too_small
 from autotune.space import SearchSpace
-from autotune.target import Transfer, discover, measure_transfer
-from autotune.verify import Verifier
+from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
@@ -41,7 +44,7 @@ def sample(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def offload_profile(model: torch.nn.Module, sample: object) -> autotune.profile.Profile:
+def offload_profile(model: torch.nn.Module, sample: object) -> Profile:
     profiler = Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
         profiler,
@@ -218,7 +221,7 @@ def test_host_bytes_match_what_offload_holds(offload_profile, model, sample) -> 
 def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
     import dataclasses
 
-    from autotune.profile import TimeCurve
+    from autotune.measure._profile_data import TimeCurve
 
     curve = TimeCurve((1, 16), (0.01, 0.16), (1, 16), (0.3, 0.3))
     precisions = {
@@ -263,17 +266,16 @@ def test_multiple_choice_knapsack_is_exact() -> None:
         assert cost == pytest.approx(best)
 
 
-def study(profile, limit: int, *, offload: bool) -> Study:
-    return Study(
-        CostModel(profile),
-        (1, 2, 4, 8, 16),
-        ("fp32",),
-        ("adamw",),
-        16,
-        limit,
-        True,
-        (False, True) if offload else (False,),
-        offload,
+def study(profile, limit: int, *, offload: bool) -> Planner:
+    return Planner(
+        cost=CostModel(profile),
+        sizes=(1, 2, 4, 8, 16),
+        precisions=("fp32",),
+        optimizers=("adamw",),
+        global_batch_size=16,
+        limit=limit,
+        offload_optimizer=(False, True) if offload else (False,),
+        offload_activations=offload,
     )
 
 

@@ -10,9 +10,9 @@ import torch
 
 import autotune
 from autotune.config import TrainConfig
-from autotune.memory import state_tensors
+from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.optimizers import available, build_optimizer
+from autotune.train._optimizers import available, build_optimizer
 
 
 def state_bytes(optimizer_name: str) -> tuple[int, int]:

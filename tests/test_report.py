@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from autotune.config import (
-    Breakdown,
-    Measurement,
-    ModelInfo,
-    TargetInfo,
-    TrainConfig,
-    TrialRecord,
-    TuneResult,
-)
+from autotune.cli._chart import pareto_front
+from autotune.cli._report import render_html, write_report
+from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.report import pareto_front, render_html, write_report
+from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TrialRecord, TuneResult
 
 MIB = 2**20
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig, TuneResult, prepare
-from autotune.config import Breakdown, Measurement, ModelInfo, TargetInfo
 from autotune.errors import AutotuneWarning, BlockError, ConfigError
-from autotune.memory import LiveBytesTracker
+from autotune.measure._tracker import LiveBytesTracker
 from autotune.models import GPT, Block, gpt_batch, tiny_gpt
-from autotune.runtime import Runner, apply_checkpointing, remove_checkpointing
+from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo
+from autotune.train._checkpoint import apply_checkpointing, remove_checkpointing
+from autotune.train._runner import Runner
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

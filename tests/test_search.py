@@ -6,9 +6,11 @@ import dataclasses
 
 import pytest
 
-from autotune.cost import CostModel
-from autotune.profile import Profile, TimeCurve
-from autotune.search import Study, best_config, largest_fitting
+from autotune.measure._profile_data import Profile, TimeCurve
+from autotune.plan._candidates import best_config, largest_fitting
+from autotune.plan._cost import CostModel
+from autotune.plan._planner import Planner
+from autotune.plan._search import search
 
 # bf16 per-sample cost falls faster with size than fp32's; checkpointing costs 30%.
 CURVES = {
@@ -23,17 +25,24 @@ def cost(gpt_profile: Profile) -> CostModel:
     return CostModel(dataclasses.replace(gpt_profile, precisions=timed))
 
 
-def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Study:
+def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Planner:
     sizes = [b for b in range(1, 65) if global_batch is None or global_batch % b == 0]
     none = (False,) * cost.n_blocks
     top = cost.peak("fp32", "adamw", 64, 1, none)
-    return Study(cost, sizes, ("fp32", "bf16"), ("adamw",), global_batch, int(top * limit_fraction))
+    return Planner(
+        cost=cost,
+        sizes=sizes,
+        precisions=("fp32", "bf16"),
+        optimizers=("adamw",),
+        global_batch_size=global_batch,
+        limit=int(top * limit_fraction),
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.8])
 def test_candidates_fit_and_keep_the_global_batch(cost: CostModel, fraction: float) -> None:
     s = study(cost, fraction)
-    found = s.run(n_trials=40, timeout_s=None, seed=0)
+    found = search(s, n_trials=40, timeout_s=None, seed=0)
     assert found
     for c in found:
         assert c.prediction.measurement.peak_bytes <= s.limit
@@ -46,7 +55,7 @@ def test_candidates_fit_and_keep_the_global_batch(cost: CostModel, fraction: flo
 def test_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) -> None:
     s = study(cost, fraction)
     best = best_config(s)
-    found = s.run(n_trials=40, timeout_s=None, seed=0)
+    found = search(s, n_trials=40, timeout_s=None, seed=0)
     assert best is not None
     got = found[0].prediction.measurement.samples_per_s
     assert got >= 0.99 * best.prediction.measurement.samples_per_s
@@ -54,7 +63,7 @@ def test_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) ->
 
 def test_study_without_global_batch_searches_sizes(cost: CostModel) -> None:
     s = study(cost, 0.5, global_batch=None)
-    found = s.run(n_trials=60, timeout_s=None, seed=0)
+    found = search(s, n_trials=60, timeout_s=None, seed=0)
     assert all(c.config.grad_accum_steps == 1 for c in found)
     best = best_config(s)
     assert best is not None
@@ -65,15 +74,15 @@ def test_study_without_global_batch_searches_sizes(cost: CostModel) -> None:
 
 
 def test_seeded_studies_agree(cost: CostModel) -> None:
-    a = study(cost, 0.4).run(n_trials=30, timeout_s=None, seed=7)
-    b = study(cost, 0.4).run(n_trials=30, timeout_s=None, seed=7)
+    a = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7)
+    b = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7)
     assert [c.config for c in a] == [c.config for c in b]
 
 
 def test_tight_budget_prefers_checkpointing_or_bf16(cost: CostModel) -> None:
     s = study(cost, 0.3)
-    winner = s.run(n_trials=40, timeout_s=None, seed=0)[0].config
-    unconstrained = study(cost, 10.0).run(n_trials=40, timeout_s=None, seed=0)[0].config
+    winner = search(s, n_trials=40, timeout_s=None, seed=0)[0].config
+    unconstrained = search(study(cost, 10.0), n_trials=40, timeout_s=None, seed=0)[0].config
     assert winner != unconstrained
     assert (
         winner.checkpoint
@@ -89,20 +98,23 @@ def test_largest_fitting_is_monotone_in_the_limit(cost: CostModel) -> None:
 
 
 def test_no_checkpointing_space_never_checkpoints(cost: CostModel) -> None:
-    s = study(cost, 0.5)
-    s.checkpointing = False
-    assert all(not c.config.checkpoint for c in s.run(n_trials=30, timeout_s=None, seed=0))
+    s = dataclasses.replace(study(cost, 0.5), checkpointing=False)
+    assert all(not c.config.checkpoint for c in search(s, n_trials=30, timeout_s=None, seed=0))
 
 
 def test_storage_keeps_the_study_and_n_trials_counts_its_trials(cost: CostModel, tmp_path) -> None:
     import optuna
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    first = study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
+    first = search(
+        study(cost, 0.5), n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s"
+    )
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
     # Resuming with the same n_trials runs nothing more, and finds the same candidates.
-    again = study(cost, 0.5).run(n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s")
+    again = search(
+        study(cost, 0.5), n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s"
+    )
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
     assert [c.config for c in again] == [c.config for c in first]
-    study(cost, 0.5).run(n_trials=17, timeout_s=None, seed=0, storage=url, study_name="s")
+    search(study(cost, 0.5), n_trials=17, timeout_s=None, seed=0, storage=url, study_name="s")
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 17

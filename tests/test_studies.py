@@ -10,9 +10,10 @@ import optuna
 import pytest
 
 import autotune
+from autotune._plain import from_plain
 from autotune.errors import ConfigError
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.studies import StudyStore, resolve_storage
+from autotune.verify._studies import StudyStore, resolve_storage
 
 BUDGET_GB = 48 / 1024
 
@@ -52,7 +53,7 @@ def test_resume_reuses_the_profile_and_the_verifications(tmp_path, monkeypatch) 
         raise AssertionError("measured again")
 
     monkeypatch.setattr("autotune.tune._profile", boom)
-    monkeypatch.setattr("autotune.verify.Verifier.record", boom)
+    monkeypatch.setattr("autotune.verify._verifier.Verifier.record", boom)
     again = tune(path)
     assert again.config == first.config and again.measured == first.measured
     assert len(optuna.load_study(study_name="s", storage=f"sqlite:///{path}").trials) == 20
@@ -135,7 +136,7 @@ def test_two_processes_share_one_study(tmp_path) -> None:
     assert 1 <= len(workers) <= 2
     # A run afterwards sees every verification of both and picks the fastest of them all.
     records = [
-        autotune.config.from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified
+        from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified
     ]
     final = tune(journal, study_name="shared")
     assert {r.config for r in final.trials} >= {r.config for r in records}

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import autotune
+from autotune._format import GIB
 from autotune.errors import BatchError, BudgetError, BudgetTooSmallError, ConfigError, LossError
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.target import GIB
 
 MIB = 2**20
 
@@ -26,7 +26,7 @@ def tune(
 
 def floor_and_top(model: nn.Module, sample: object, global_batch: int) -> tuple[int, int]:
     """Measured peaks of the most frugal and the roomiest fp32 configs (a budget range that bites)."""
-    from autotune.verify import Verifier
+    from autotune.verify._verifier import Verifier
 
     names = autotune.find_blocks(model)
     low = autotune.TrainConfig(micro_batch_size=1, grad_accum_steps=global_batch, checkpoint=names)

@@ -1,0 +1,61 @@
+"""Whether a tuned result belongs to this model, device and torch.
+
+A configuration tuned on one model or GPU can run out of memory on another; using it
+there gives a warning (or, with ``strict=True``, an error) that says what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+
+import torch
+from torch import nn
+
+from autotune.result import TuneResult
+
+__all__ = ["device_name", "differences", "fingerprint"]
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A hash of the model's structure: module names and classes, tensor shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def differences(result: TuneResult, model: nn.Module, device: torch.device) -> list[str]:
+    """What differs between where ``result`` was tuned and where it is about to run."""
+    out = []
+    if fingerprint(model) != result.model.fingerprint:
+        out.append(
+            f"the model's structure differs from the {result.model.class_name} it was tuned on"
+        )
+    tuned = torch.device(result.target.device)
+    if tuned.type != device.type:
+        out.append(f"it was tuned on {tuned.type}, this run is on {device.type}")
+    else:
+        name = device_name(device)
+        if name != result.target.name:
+            out.append(f"it was tuned on {result.target.name}, this device is {name}")
+    if str(torch.__version__) != result.target.torch_version:
+        tuned_with = result.target.torch_version
+        out.append(f"it was tuned with torch {tuned_with}, this is {torch.__version__}")
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name: the GPU's (CUDA), or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"

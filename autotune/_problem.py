@@ -1,0 +1,125 @@
+"""``Problem``: one tuning run's inputs, validated fast, and what follows from them on the
+target (budget in bytes, blocks, micro-batch sizes, precisions the device runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune._blocks import resolve_blocks
+from autotune.errors import BudgetError, ConfigError, ProfileError
+from autotune.measure._devices import Target, budget_bytes, discover
+from autotune.plan._candidates import micro_batch_candidates
+from autotune.plan._cost import CostModel
+from autotune.plan._planner import Planner
+from autotune.space import SearchSpace
+from autotune.train import _batch as batching
+from autotune.train._loss import LossFn
+from autotune.train._optimizers import available, build_optimizer
+
+__all__ = ["Problem", "make_problem"]
+
+_MARGIN = {"cpu": 0.01, "cuda": 0.04}
+"""Head-room the search keeps below the budget; verification is the final judge."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One tuning run's inputs, validated, and what follows from them on the target."""
+
+    sample: Any
+    """The user's sample batch."""
+    loss_fn: LossFn | None
+    target: Target
+    space: SearchSpace
+    blocks: tuple[str, ...]
+    """The blocks that may be checkpointed or offloaded (none without checkpointing)."""
+    sizes: tuple[int, ...]
+    """Micro-batch sizes the search may pick, ascending."""
+    precisions: tuple[str, ...]
+    """The space's precisions that the device runs."""
+    global_batch_size: int | None
+    budget: int
+    """The budget in bytes; verification holds every configuration to it."""
+    limit: int
+    """The budget less the search's head-room: what a prediction may reach."""
+    foreign: int
+    """CUDA bytes held by other tensors of the process when tuning began."""
+
+    @property
+    def offload(self) -> bool:
+        """Whether offload is searched (and so profiled) on this device."""
+        return any(self.space.offloads(self.target.device.type))
+
+    def planner(self, cost: CostModel, precisions: Sequence[str]) -> Planner:
+        """The planner of this run's space on ``cost``; offload only where it was profiled."""
+        offload_optimizer, offload_activations = self.space.offloads(self.target.device.type)
+        return Planner(
+            cost=cost,
+            sizes=self.sizes,
+            precisions=tuple(precisions),
+            optimizers=self.space.optimizers,
+            global_batch_size=self.global_batch_size,
+            limit=self.limit,
+            checkpointing=self.space.checkpointing,
+            offload_optimizer=(False, True) if offload_optimizer and cost.can_offload else (False,),
+            offload_activations=offload_activations and cost.can_offload,
+        )
+
+
+def make_problem(
+    model: nn.Module,
+    sample_batch: Any,
+    budget_gb: float,
+    *,
+    loss_fn: LossFn | None,
+    global_batch_size: int | None,
+    device: torch.device | str | None,
+    space: SearchSpace,
+) -> Problem:
+    """Validate the inputs (fast, before anything runs) and set the run up on the target."""
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ProfileError("loss_fn must be callable as loss_fn(output, batch) -> scalar tensor.")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or global_batch_size <= 0
+    ):
+        raise ConfigError(
+            f"global_batch_size must be a positive integer, got {global_batch_size!r}; pass "
+            "the number of samples per optimizer step, or None for no accumulation."
+        )
+    for name in space.optimizers:
+        if not available(name):
+            build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
+    target = discover(device)
+    budget = budget_bytes(budget_gb, target)
+    batching.batch_size(sample_batch)
+    cuda = target.device.type == "cuda"
+    return Problem(
+        sample=sample_batch,
+        loss_fn=loss_fn,
+        target=target,
+        space=space,
+        blocks=resolve_blocks(model, space.blocks) if space.checkpointing else (),
+        sizes=micro_batch_candidates(space, global_batch_size),
+        precisions=_supported_precisions(space.precisions, target),
+        global_batch_size=global_batch_size,
+        budget=budget,
+        limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
+        foreign=torch.cuda.memory_allocated(target.device) if cuda else 0,
+    )
+
+
+def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, ...]:
+    if target.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        wanted = [p for p in wanted if p != "bf16"]
+    if not wanted:
+        raise BudgetError(f"none of the precisions asked for runs on {target.name}.")
+    return tuple(wanted)

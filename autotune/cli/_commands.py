@@ -1,0 +1,208 @@
+"""The commands of the ``autotune`` command line, one function each (see ``_main``)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from autotune._format import format_bytes
+from autotune._plain import to_plain
+from autotune.cli._inputs import inputs
+from autotune.cli._progress import progress
+from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+from autotune.result import PARTS, TuneResult, load
+from autotune.space import SearchSpace
+
+__all__ = ["estimate_command", "export_command", "report", "show", "tune", "verify"]
+
+
+def tune(args: argparse.Namespace) -> int:
+    from autotune.tune import autotune  # torch and optuna load only for commands that tune
+
+    model, batch, loss = inputs(args)
+    extra: dict[str, Any] = {}
+    if args.study is not None:
+        if "study_name" not in inspect.signature(autotune).parameters:
+            raise ConfigError("--study needs an autotune() that takes study_name.")
+        extra["study_name"] = args.study
+    offload = {"auto": None, "on": True, "off": False}[args.offload]
+    space = SearchSpace(
+        optimizers=tuple(args.optimizers.split(",")) if args.optimizers else ("adamw",),
+        offload_optimizer=offload,
+        offload_activations=offload,
+    )
+    with progress(quiet=args.quiet):
+        result = autotune(
+            model,
+            batch,
+            args.budget_gb,
+            loss_fn=loss,
+            global_batch_size=args.global_batch,
+            device=args.device,
+            n_trials=args.trials,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            storage=args.storage,
+            space=space,
+            **extra,
+        )
+    path = result.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(_describe(result))
+        print(f"\nwritten to {path}")
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    result = load(args.path)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else _describe(result))
+    return 0
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    from autotune._estimate import estimate
+    from autotune.measure._devices import discover
+
+    model, batch, loss = inputs(args)
+    config, blocks = TrainConfig(), None
+    if args.config:
+        result = load(args.config)
+        config, blocks = result.config, (result.model.blocks or None)
+    knobs = {
+        "micro_batch_size": args.micro_batch,
+        "grad_accum_steps": args.accum,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+    }
+    if args.checkpoint is not None:
+        knobs["checkpoint"] = _checkpoint(args.checkpoint, model, blocks)
+    if args.offload_activations is not None:
+        knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
+    if args.offload_optimizer:
+        knobs["offload_optimizer"] = True
+    config = config.replace(**{k: v for k, v in knobs.items() if v is not None})
+    peak, parts = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
+    target = discover(args.device)
+    if args.json:
+        out = {"config": to_plain(config), "device": str(target.device), "peak_bytes": peak}
+        print(json.dumps({**out, "breakdown": to_plain(parts)}, indent=2))
+        return 0
+    print(f"config       {config.describe()} (effective batch {config.effective_batch_size})")
+    print(f"checkpoint   {', '.join(config.checkpoint) or 'none'}")
+    if config.offload_activations or config.offload_optimizer:
+        print(f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}", end="")
+        print(", optimizer on the host" if config.offload_optimizer else "")
+    print(f"device       {target.name} ({target.device})")
+    print(f"peak         {format_bytes(peak)} predicted")
+    for name in PARTS:
+        value = getattr(parts, name)
+        print(f"  {name:<11}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from autotune._identity import differences
+    from autotune.measure._devices import discover
+    from autotune.verify._verifier import Verifier
+
+    result = load(args.path)
+    model, batch, loss = inputs(args)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"MODEL must give a torch.nn.Module, got {type(model).__name__}.")
+    target = discover(args.device or result.target.device)
+    for difference in differences(result, model, target.device):
+        print(f"autotune: warning: {difference}", file=sys.stderr)
+    cuda = target.device.type == "cuda"
+    verifier = Verifier(
+        model,
+        batch,
+        device=target.device,
+        budget_bytes=result.budget_bytes,
+        loss_fn=loss,
+        context_bytes=target.context_bytes,
+        foreign_bytes=torch.cuda.memory_allocated(target.device) if cuda else 0,
+    )
+    measured, error = verifier.run(result.config)
+    budget, predicted = result.budget_bytes, result.predicted
+    if args.json:
+        out = {"fits": measured is not None, "device": str(target.device), "error": error}
+        out |= {"budget_bytes": budget, "predicted": to_plain(predicted)}
+        print(json.dumps({**out, "measured": to_plain(measured)}, indent=2))
+    elif measured is None:
+        print(f"does not fit  {result.config.describe()} on {target.name}: {error}")
+        print(f"              budget {format_bytes(budget)}, predicted {_peak(predicted)}")
+    else:
+        print(f"fits         {result.config.describe()} on {target.name}")
+        print(f"peak         measured {_peak(measured)} within the {format_bytes(budget)} budget")
+        print(f"             predicted {_peak(predicted)}; when tuned {_peak(result.measured)}")
+        print(
+            f"throughput   measured {measured.samples_per_s:.1f} samples/s; "
+            f"when tuned {result.measured.samples_per_s:.1f}"
+        )
+    return 0 if measured is not None else 1
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from autotune.cli._export import export
+
+    exported = export(load(args.path), args.to)
+    for warning in exported.warnings:
+        print(f"autotune: warning: {warning}", file=sys.stderr)
+    if args.output is None:
+        sys.stdout.write(exported.text)
+    else:
+        Path(args.output).write_text(exported.text)
+        print(f"written to {args.output}")
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from autotune.cli._report import write_report
+
+    path = write_report(load(args.path), args.output)
+    print(f"written to {path}")
+    return 0
+
+
+def _describe(result: TuneResult) -> str:
+    c, p, m, b = result.config, result.predicted, result.measured, result.breakdown
+    lines = [
+        f"config      {c.describe()}",
+        f"            effective batch {c.effective_batch_size}; checkpoint: "
+        + (", ".join(c.checkpoint) or "none"),
+        f"budget      {format_bytes(result.budget_bytes)} on {result.target.name} "
+        f"({result.target.device})",
+        f"peak        predicted {format_bytes(p.peak_bytes)}, "
+        f"measured {format_bytes(m.peak_bytes)}",
+        f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
+        "memory      " + ", ".join(f"{name} {format_bytes(getattr(b, name))}" for name in PARTS),
+    ]
+    for i, f in enumerate(result.fallbacks, 1):
+        lines.append(f"fallback {i}  {f.describe()}")
+    lines.append(f"tuned in    {result.tuning_s:.1f} s; {len(result.trials)} configs run for real")
+    return "\n".join(lines)
+
+
+def _peak(measurement: Any) -> str:
+    return format_bytes(measurement.peak_bytes)
+
+
+def _checkpoint(spec: str, model: Any, blocks: Sequence[str] | None) -> tuple[str, ...]:
+    """``--checkpoint``: ``all`` (every block), ``none``, or block names separated by commas."""
+    if spec.strip() == "none":
+        return ()
+    if spec.strip() == "all":
+        from autotune._blocks import resolve_blocks
+
+        return resolve_blocks(model, blocks)
+    return tuple(name.strip() for name in spec.split(",") if name.strip())

@@ -1,0 +1,177 @@
+"""The ``autotune`` command line: a thin front end over the library.
+
+    autotune tune autotune.models:tiny_gpt --batch autotune.models:example_batch \\
+        --budget-gb 0.09 --global-batch 64 -o tuned.yaml
+    autotune show tuned.yaml
+    autotune estimate MODEL --batch BATCH [--config tuned.yaml] [--micro-batch 8 ...]
+    autotune verify tuned.yaml MODEL --batch BATCH
+    autotune export tuned.yaml --to hf|lightning|deepspeed|accelerate [-o FILE]
+    autotune report tuned.yaml -o report.html
+
+MODEL, BATCH and LOSS name an object or a zero-argument factory, as
+``package.module:attr`` or ``path/to/file.py:attr``. Exit codes: 0 done, 1 the config
+does not fit (verify), 2 an error (one line on stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from autotune.cli import _commands as commands
+from autotune.config import PRECISIONS
+from autotune.errors import AutotuneError, AutotuneWarning
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("default", category=AutotuneWarning)
+        warnings.filterwarnings("default", module=r"autotune(\.|$)")
+        warnings.showwarning = _show_warning
+        try:
+            return int(args.run(args))
+        except KeyboardInterrupt:
+            print("autotune: interrupted", file=sys.stderr)
+            return 130
+        except Exception as exc:
+            if args.traceback:
+                raise
+            print(f"autotune: error: {_error_line(exc)}", file=sys.stderr)
+            return 2
+
+
+def _error_line(exc: Exception) -> str:
+    message = " ".join(str(exc).split())  # one line, whatever the message held
+    if isinstance(exc, AutotuneError):
+        return message
+    return f"{type(exc).__name__}: {message} (run with --traceback for details)"
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """A warning as one line on stderr (clearing a progress bar first on a terminal)."""
+    clear = "\r\033[K" if sys.stderr.isatty() else ""
+    print(f"{clear}autotune: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+# --- the parser ---------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autotune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="on an error, show the traceback (bug reports)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_tune(sub)  # and show
+    _add_estimate(sub)
+    _add_checks(sub)
+    return parser
+
+
+def _add_tune(sub: Any) -> None:
+    tune = sub.add_parser("tune", help="find the fastest config that fits a memory budget")
+    _add_inputs(tune)
+    tune.add_argument("--budget-gb", type=float, required=True, help="device memory, GiB")
+    tune.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    tune.add_argument("--trials", type=int, help="Optuna trials on the cost model")
+    tune.add_argument("--timeout", type=float, help="time limit of the search, seconds")
+    tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
+    tune.add_argument(
+        "--optimizers",
+        help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw)",
+    )
+    tune.add_argument(
+        "--offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="search optimizer and activation offload (auto: on CUDA only)",
+    )
+    tune.add_argument("--storage", help="keep the study: sqlite:///tune.db, a *.journal file...")
+    tune.add_argument("--study", help="name of the study in --storage")
+    tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
+    tune.add_argument("--json", action="store_true", help="print the result as JSON")
+    tune.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    tune.set_defaults(run=commands.tune)
+
+    show = sub.add_parser("show", help="print a tuned YAML file for people")
+    show.add_argument("path", help="a tuned YAML file")
+    show.add_argument("--json", action="store_true", help="print as JSON")
+    show.set_defaults(run=commands.show)
+
+
+def _add_checks(sub: Any) -> None:
+    """The commands that use a tuned YAML file: verify, export, report."""
+    ver = sub.add_parser(
+        "verify",
+        help="run a tuned config on this machine: exit 0 if it fits, 1 if not",
+        description="Train a few steps with the tuned config under its budget and measure "
+        "the peak. Exit 0 if it fits the budget, 1 if it does not, 2 on bad input.",
+    )
+    ver.add_argument("path", help="a tuned YAML file")
+    _add_inputs(ver, device_help="where to run (default: the device it was tuned on)")
+    ver.add_argument("--json", action="store_true", help="print as JSON")
+    ver.set_defaults(run=commands.verify)
+
+    exp = sub.add_parser("export", help="a tuned config as another trainer's settings")
+    exp.add_argument("path", help="a tuned YAML file")
+    exp.add_argument("--to", required=True, choices=("hf", "lightning", "deepspeed", "accelerate"))
+    exp.add_argument("-o", "--output", help="file to write (default: stdout)")
+    exp.set_defaults(run=commands.export_command)
+
+    rep = sub.add_parser("report", help="an HTML page (or PNG) of the trials and the memory")
+    rep.add_argument("path", help="a tuned YAML file")
+    rep.add_argument("-o", "--output", default="report.html", help="*.html or *.png")
+    rep.set_defaults(run=commands.report)
+
+
+def _add_estimate(sub: Any) -> None:
+    est = sub.add_parser(
+        "estimate",
+        help="predicted peak memory of one config, without tuning",
+        description="Profile the memory of two small training steps on the device and "
+        "predict the peak of one configuration, split by owner. Knob flags override "
+        "--config; nothing is timed or verified.",
+    )
+    _add_inputs(est)
+    est.add_argument("--config", help="take the knobs from a tuned YAML file")
+    est.add_argument("--micro-batch", type=int, help="samples per forward/backward")
+    est.add_argument("--accum", type=int, help="micro-batches per optimizer step")
+    est.add_argument("--precision", choices=PRECISIONS)
+    est.add_argument("--checkpoint", help="blocks to checkpoint: all, none, or a comma list")
+    est.add_argument("--optimizer", help="adamw, adamw8bit, adafactor or sgd")
+    est.add_argument(
+        "--offload-activations", help="blocks to offload to the host: all, none, or a comma list"
+    )
+    est.add_argument(
+        "--offload-optimizer", action="store_true", help="optimizer state and step on the host"
+    )
+    est.add_argument("--json", action="store_true", help="print as JSON")
+    est.set_defaults(run=commands.estimate_command)
+
+
+def _add_inputs(parser: argparse.ArgumentParser, *, device_help: str | None = None) -> None:
+    parser.add_argument("model", metavar="MODEL", help="module:attr or file.py:attr of a model")
+    parser.add_argument("--batch", required=True, help="module:attr of a sample batch")
+    parser.add_argument("--loss", help="module:attr of loss_fn(output, batch) -> scalar")
+    parser.add_argument(
+        "--device", help=device_help or "cuda, cuda:N or cpu (default: cuda if available)"
+    )

@@ -1,0 +1,95 @@
+"""The memory half of a profile: what every precision and optimizer holds, no timing.
+
+Cheap (a few tracked steps at micro-batch 2 and 4), and enough to decide what can fit:
+``autotune()`` runs it first, ``estimate()`` only it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from autotune.errors import ProfileError
+from autotune.measure._devices import Transfer
+from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
+from autotune.measure._profiler import Profiler, block_parameter_bytes
+
+__all__ = ["memory_profile", "working_copy"]
+
+
+def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """A deep copy of ``model`` on ``device``: every measurement runs on one."""
+    try:
+        work = copy.deepcopy(model)
+    except Exception as exc:
+        raise ProfileError(
+            f"autotune measures a copy of the model, and copy.deepcopy failed: {exc}. "
+            "Make the model deep-copyable (e.g. drop non-picklable attributes)."
+        ) from exc
+    return work.to(device)
+
+
+def memory_profile(
+    profiler: Profiler,
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    *,
+    device_name: str,
+    context_bytes: int,
+    transfer: Transfer | None = None,
+) -> tuple[Profile, list[str]]:
+    """The memory half of a profile (no time curves), and notes on what was left out.
+
+    Optimizers are measured at micro-batch 2, precisions at 2 and 4; at 1 and 2 when
+    the device cannot hold those. A precision that runs out of device memory is left out.
+    With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
+    host step are measured too.
+
+    Raises:
+        ProfileError: nothing fits the device.
+    """
+    notes: list[str] = []
+    memory: dict[str, PrecisionProfile] = {}
+    measured: dict[str, OptimizerProfile] = {}
+    for b1, b2 in ((2, 4), (1, 2)):
+        try:
+            measured = {o: profiler.optimizer(o, b1) for o in optimizers}
+            if transfer is not None:
+                measured = {
+                    o: dataclasses.replace(m, host_step_s=profiler.host_step(o, b1))
+                    for o, m in measured.items()
+                }
+        except torch.OutOfMemoryError:
+            continue
+        for p in precisions:
+            try:
+                memory[p] = profiler.memory(p, optimizers[0], b1, b2, offload=transfer is not None)
+            except torch.OutOfMemoryError:
+                notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+        if memory:
+            break
+    if not memory:
+        raise ProfileError(
+            f"the model does not fit {device_name} even at micro-batch 2 without "
+            "checkpointing; use a larger device or a smaller model."
+        )
+    params = {id(p): p for p in profiler.model.parameters()}
+    blocks = profiler.blocks
+    profile = Profile(
+        profiler.device.type,
+        blocks,
+        tuple(1.0 / max(len(blocks), 1) for _ in blocks),  # time shares: measured later
+        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
+        grad_bytes=sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad),
+        precisions=memory,
+        optimizers=measured,
+        context_bytes=context_bytes,
+        alloc_ratio=max(m.alloc_ratio for m in memory.values()),
+        block_bytes=block_parameter_bytes(profiler.model, blocks),
+        transfer=transfer,
+    )
+    return profile, notes

@@ -1,0 +1,221 @@
+"""What a profile holds: the measurements of a model on the target, and their JSON form.
+
+The profiler (:mod:`autotune.measure._profiler`) fills these records; the cost model
+(:mod:`autotune.plan._cost`) reads them. This module imports no training code, so the
+planner can read a profile without loading the runtime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from autotune.measure._devices import Transfer
+
+__all__ = [
+    "Line",
+    "OptimizerProfile",
+    "Phase",
+    "PhaseKey",
+    "PrecisionProfile",
+    "Profile",
+    "TimeCurve",
+    "profile_from_json",
+    "profile_to_json",
+]
+
+
+class PhaseKey(NamedTuple):
+    """Where a phase sits in a tracked step (see :mod:`autotune.measure._timeline`)."""
+
+    micro: int
+    """Micro-batch 1 (gradients being created), 2 (accumulating), or 3 (optimizer step)."""
+    label: str
+    """``start``, ``pre``, ``fwd``, ``after``, ``head_bwd``, ``bwd``, ``end`` or ``opt``."""
+    block: int | None = None
+    """The block a ``fwd``, ``after`` or ``bwd`` phase belongs to."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """``value(b) = const + slope * b``: a quantity linear in the micro-batch size."""
+
+    const: float
+    slope: float
+
+    def __call__(self, b: float) -> float:
+        return self.const + self.slope * b
+
+    def __add__(self, other: Line) -> Line:
+        return Line(self.const + other.const, self.slope + other.slope)
+
+    def __sub__(self, other: Line) -> Line:
+        return Line(self.const - other.const, self.slope - other.slope)
+
+    @staticmethod
+    def through(b1: int, v1: float, b2: int, v2: float) -> Line:
+        slope = (v2 - v1) / (b2 - b1)
+        return Line(v1 - slope * b1, slope)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a micro-batch: kept (index 0), checkpointed (1), offloaded (2) variants.
+
+    The offloaded variant is present only when offload was profiled.
+    """
+
+    key: PhaseKey
+    block: int | None
+    """The block whose choice (kept, checkpointed, offloaded) changes this phase, or ``None``."""
+    delta: tuple[Line, ...]
+    peak: tuple[Line, ...]
+    grads: int
+    """Gradient bytes alive when the phase begins (for the memory breakdown)."""
+
+
+@dataclass(frozen=True)
+class TimeCurve:
+    """Seconds of one micro-batch's forward+backward against its size."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    ckpt_batch_sizes: tuple[int, ...] = ()
+    ckpt_ratio: tuple[float, ...] = ()
+    """Extra time with every block checkpointed, as a fraction of ``seconds``."""
+
+    def fwd_bwd(self, b: int) -> float:
+        """Interpolated piecewise-linearly; past the ends, at the nearest end's per-sample cost."""
+        xs, ys = self.batch_sizes, self.seconds
+        if b <= xs[0]:
+            return ys[0] * b / xs[0] if b < xs[0] and xs[0] > 1 else ys[0]
+        if b >= xs[-1]:
+            return ys[-1] * b / xs[-1]
+        i = bisect.bisect_left(xs, b)
+        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    def recompute(self, b: int) -> float:
+        """Extra seconds of one micro-batch when every block is checkpointed."""
+        if not self.ckpt_batch_sizes:
+            return 0.0
+        xs = [math.log(x) for x in self.ckpt_batch_sizes]
+        x = math.log(b)
+        if x <= xs[0] or len(xs) == 1:
+            ratio = self.ckpt_ratio[0]
+        elif x >= xs[-1]:
+            ratio = self.ckpt_ratio[-1]
+        else:
+            i = bisect.bisect_left(xs, x)
+            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            ratio = self.ckpt_ratio[i - 1] + w * (self.ckpt_ratio[i] - self.ckpt_ratio[i - 1])
+        return max(ratio, 0.0) * self.fwd_bwd(b)
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """What one precision costs."""
+
+    precision: str
+    base_bytes: int
+    """Live bytes at step start without optimizer state (parameters, buffers, scaler)."""
+    phases: tuple[Phase, ...]
+    """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
+    time: TimeCurve | None = None
+    alloc_ratio: float = 1.0
+    """CUDA: the caching allocator's reserved peak per live byte at the peak (1 on CPU)."""
+    moved: tuple[Line, ...] = ()
+    """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What one optimizer costs."""
+
+    name: str
+    state_bytes: int
+    step_peak_bytes: int
+    """Transient bytes above the step's start during ``optimizer.step()``."""
+    step_s: float
+    host_step_s: float | None = None
+    """Seconds of the step on the host, transfers excluded (``None``: not profiled)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the cost model needs, measured on the target."""
+
+    device_type: str
+    blocks: tuple[str, ...]
+    block_weights: tuple[float, ...]
+    """Each block's share of the blocks' forward time (sums to 1)."""
+    param_bytes: int
+    grad_bytes: int
+    precisions: dict[str, PrecisionProfile]
+    optimizers: dict[str, OptimizerProfile]
+    context_bytes: int = 0
+    alloc_ratio: float = 1.0
+    """CUDA reserved bytes per live byte (1 on CPU)."""
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+    block_bytes: tuple[int, ...] = ()
+    """Parameter bytes of each block (empty: blocks taken as equal)."""
+    transfer: Transfer | None = None
+    """Host<->device copy speeds and host memory for offload (``None``: offload not profiled)."""
+
+    def block_shares(self) -> tuple[float, ...]:
+        """Each block's share of the blocks' parameter bytes (sums to 1)."""
+        total = sum(self.block_bytes)
+        if len(self.block_bytes) != len(self.blocks) or total <= 0:
+            return tuple(1.0 / len(self.blocks) for _ in self.blocks)
+        return tuple(n / total for n in self.block_bytes)
+
+
+def profile_to_json(profile: Profile) -> str:
+    """The profile as JSON, to keep it with a study and resume without measuring again."""
+    return json.dumps(dataclasses.asdict(profile))
+
+
+def profile_from_json(text: str) -> Profile:
+    """Inverse of :func:`profile_to_json`."""
+    d = json.loads(text)
+
+    def lines(values: list[dict[str, float]]) -> tuple[Line, ...]:
+        return tuple(Line(**v) for v in values)
+
+    def precision(p: dict[str, Any]) -> PrecisionProfile:
+        phases = tuple(
+            Phase(
+                PhaseKey(*ph["key"]),
+                ph["block"],
+                lines(ph["delta"]),
+                lines(ph["peak"]),
+                ph["grads"],
+            )
+            for ph in p["phases"]
+        )
+        t = p["time"]
+        curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
+        return PrecisionProfile(
+            p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"], lines(p["moved"])
+        )
+
+    return Profile(
+        device_type=d["device_type"],
+        blocks=tuple(d["blocks"]),
+        block_weights=tuple(d["block_weights"]),
+        param_bytes=d["param_bytes"],
+        grad_bytes=d["grad_bytes"],
+        precisions={k: precision(v) for k, v in d["precisions"].items()},
+        optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
+        context_bytes=d["context_bytes"],
+        alloc_ratio=d["alloc_ratio"],
+        seconds=d["seconds"],
+        notes=tuple(d["notes"]),
+        block_bytes=tuple(d["block_bytes"]),
+        transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
+    )

@@ -1,0 +1,256 @@
+"""The profiler: single measurements of a model on the target device.
+
+Per precision: a phase-labelled memory timeline (see :mod:`autotune.measure._timeline`)
+at two micro-batch sizes, kept, checkpointed and offloaded, and forward+backward times.
+Per optimizer: state bytes, the step's transient peak and its time, on the device and on
+the host. Everything runs on a copy of the user's model that the caller owns; the
+routines that assemble a :class:`~autotune.measure._profile_data.Profile` from these are
+in ``_memory_profile`` and ``_time_profile``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.config import TrainConfig
+from autotune.errors import AutotuneError, ProfileError
+from autotune.measure._peak import measure_peak
+from autotune.measure._profile_data import Line, OptimizerProfile, Phase, PrecisionProfile
+from autotune.measure._timeline import fit_phases, tracked_step
+from autotune.measure._tracker import LiveBytesTracker, state_tensors
+from autotune.train import _batch as batching
+from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
+from autotune.train._loss import LossFn
+from autotune.train._prepare import prepare
+from autotune.train._runner import Runner
+
+__all__ = ["Profiler", "block_parameter_bytes"]
+
+_PROFILE_LR = 1e-6
+_MAX_ALLOC_RATIO = 1.25  # the copy trains while it is measured; keep its weights sane
+
+
+def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
+    """Parameter bytes of each named block of ``model``."""
+    return tuple(
+        sum(p.untyped_storage().nbytes() for p in model.get_submodule(name).parameters())
+        for name in blocks
+    )
+
+
+class Profiler:
+    """Runs the measurements on ``model`` (a copy the tuner owns, on the target device).
+
+    Args:
+        model: The model to measure; it is trained a little, at a tiny learning rate.
+        sample: The user's sample batch.
+        blocks: Qualified names of the blocks.
+        device: The target device.
+        loss_fn: The user's loss function, or ``None``.
+        foreign_bytes: CUDA bytes held by other tensors of the process (not the model's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        blocks: Sequence[str],
+        *,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        foreign_bytes: int = 0,
+    ) -> None:
+        self.model = model
+        self.sample = sample
+        self.blocks = tuple(blocks)
+        self.modules = [model.get_submodule(n) for n in self.blocks]
+        self.device = device
+        self.loss_fn = loss_fn
+        self.foreign_bytes = foreign_bytes
+        self.repeats = 3
+
+    def runner(self, config: TrainConfig) -> Runner:
+        return prepare(self.model, config, lr=_PROFILE_LR, loss_fn=self.loss_fn, device=self.device)
+
+    def first_step(self, config: TrainConfig, b: int) -> Runner:
+        """Build a runner and take one step; user-model failures become ProfileError."""
+        runner = self.runner(config)
+        try:
+            runner.step(batching.resize(self.sample, b))
+        except (AutotuneError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            raise ProfileError(
+                f"training the model on the sample batch failed with {type(exc).__name__}: "
+                f"{exc}. The batch is fed as model(batch) for a tensor, model(**batch) for a "
+                "dict, model(*batch) for a tuple (model(*batch[:-1]) when a loss_fn is given)."
+            ) from exc
+        return runner
+
+    def optimizer(self, name: str, b: int) -> OptimizerProfile:
+        """State bytes, step transient and step time of optimizer ``name``."""
+        runner = self.first_step(TrainConfig(micro_batch_size=b, optimizer=name), b)
+        chunk = batching.resize(self.sample, b)
+        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
+        runner.forward_backward(chunk)
+        tracker = LiveBytesTracker(self.device.type)
+        existing = state_tensors(runner.model, runner.optimizer)
+        with measure_peak(self.device, existing=existing, tracker=tracker) as reading:
+            start = tracker.live
+            runner.optimizer_step()
+        times = []
+        for _ in range(self.repeats):
+            runner.forward_backward(chunk)
+            times.append(self._timed(runner.optimizer_step))
+        return OptimizerProfile(name, state, reading.peak_bytes - start, statistics.median(times))
+
+    def host_step(self, name: str, b: int) -> float:
+        """Median seconds of optimizer ``name``'s step on the host (offloaded), no transfers."""
+        runner = self.first_step(
+            TrainConfig(micro_batch_size=b, optimizer=name, offload_optimizer=True), b
+        )
+        assert runner.host is not None
+        chunk = batching.resize(self.sample, b)
+        times = []
+        for _ in range(self.repeats):
+            runner.forward_backward(chunk)
+            runner.host.gather()
+            start = time.perf_counter()
+            runner.host.host_step(runner.apply_step)
+            times.append(time.perf_counter() - start)
+            runner.host.upload()
+            runner.zero_grad()
+        return statistics.median(times)
+
+    def memory(
+        self, precision: str, optimizer: str, b1: int, b2: int, *, offload: bool = False
+    ) -> PrecisionProfile:
+        """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``.
+
+        Variants: every block kept, every block checkpointed, and (``offload``) every block
+        offloaded, with the bytes each block sends to the host.
+        """
+        runner = self.first_step(
+            TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
+        )
+        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
+        runs = {}
+        moved: dict[int, list[int]] = {}
+        ratio = 1.0
+        variants = 3 if offload and self.blocks else 2
+        for variant in range(variants):
+            remove_checkpointing(self.model)
+            if variant == 1:
+                apply_checkpointing(self.model, self.blocks)
+            elif variant == 2:
+                apply_offloading(self.model, self.blocks, runner.offloader)
+            for b in (b1, b2):
+                if self.device.type == "cuda":  # start from no cached blocks, as verify does
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                runs[b, variant] = records = tracked_step(
+                    runner, batching.resize(self.sample, b), self.modules
+                )
+                if variant == 2:
+                    moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
+                if self.device.type == "cuda":
+                    # Same step, two views: live tensor bytes and what the allocator reserved.
+                    reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
+                    ratio = max(ratio, reserved / max(r.peak for r in records))
+        remove_checkpointing(self.model)
+        base, phases = fit_phases(
+            b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
+        )
+        # The tracked step ends with one optimizer's step; the cost model adds each one's own.
+        micro = tuple(p for p in phases if p.key.micro in (1, 2))
+        lines: tuple[Line, ...] = ()
+        if variants == 3:
+            lines = tuple(
+                Line.through(b1, m1, b2, m2) for m1, m2 in zip(moved[b1], moved[b2], strict=True)
+            )
+            micro = tuple(_own_backward(ph, lines) for ph in micro)
+        # Micro-batches 2 and 4 are small: block rounding weighs more than at the sizes
+        # the search picks. Bound the ratio; verification measures the real peak anyway.
+        return PrecisionProfile(
+            precision, base - state, micro, alloc_ratio=min(ratio, _MAX_ALLOC_RATIO), moved=lines
+        )
+
+    def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+        """Median seconds of one micro-batch's forward+backward at size ``b``."""
+        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        if checkpoint_all:
+            apply_checkpointing(self.model, self.blocks)
+        chunk = batching.resize(self.sample, b)
+        try:
+            first = self._timed(lambda: runner.forward_backward(chunk))
+            repeats = self.repeats if first < 0.2 else 1
+            times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
+        finally:
+            remove_checkpointing(self.model)
+            runner.optimizer.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
+        """Each block's share of the blocks' forward time, from one timed forward."""
+        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        starts: dict[int, float] = {}
+        spent = [0.0] * len(self.modules)
+        handles = []
+        for i, module in enumerate(self.modules):
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, i=i: starts.__setitem__(i, self._now())
+                )
+            )
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, o, i=i: spent.__setitem__(i, spent[i] + self._now() - starts[i])
+                )
+            )
+        try:
+            with torch.no_grad():
+                runner.forward_loss(batching.resize(self.sample, b))
+        finally:
+            for h in handles:
+                h.remove()
+        total = sum(spent)
+        if total <= 0 or not self.modules:
+            return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)
+        return tuple(s / total for s in spent)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        start = self._now()
+        fn()
+        return self._now() - start
+
+
+def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
+    """The offloaded variant of a block's backward without the restores it triggered.
+
+    With every block offloaded, block k's backward begins by restoring the block below it
+    (the prefetch; for the top block also itself). The cost model adds the restores the
+    actual choice of offloaded blocks triggers, so they are taken out of the measurement.
+    """
+    if phase.block is None or phase.key.label != "bwd" or len(phase.delta) < 3:
+        return phase
+    k = phase.block
+    extra = Line(0.0, 0.0)
+    if k >= 1:
+        extra = extra + moved[k - 1]
+    if k == len(moved) - 1:
+        extra = extra + moved[k]
+    delta = (*phase.delta[:2], phase.delta[2] - extra)
+    peak = (*phase.peak[:2], phase.peak[2] - extra)
+    return dataclasses.replace(phase, delta=delta, peak=peak)

@@ -1,0 +1,119 @@
+"""The time half of a profile: forward+backward seconds over micro-batch sizes, per precision.
+
+Only what can fit is timed: the caller passes, per precision, the largest micro-batch
+the memory profile says fits. A precision much slower than fp32 at the same micro-batch
+cannot win and is dropped (with a note); the others are timed up a ladder of sizes until
+the device saturates, and with every block checkpointed at two of those sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from autotune.measure._profile_data import Profile, TimeCurve
+from autotune.measure._profiler import Profiler
+
+__all__ = ["time_profile"]
+
+_SATURATED_S = 0.5
+_LONGEST_PASS_S = 2.0
+_SLOW_PRECISION = 1.6
+"""A precision this many times slower than fp32 at the same micro-batch cannot win."""
+
+
+def time_profile(
+    profiler: Profiler,
+    draft: Profile,
+    caps: Mapping[str, int],
+    sizes: Sequence[int],
+    *,
+    device_name: str,
+) -> Profile:
+    """``draft`` (a memory profile) with time curves and block weights measured.
+
+    Args:
+        profiler: The profiler of the tuner's copy of the model.
+        draft: The memory profile; its notes are kept and added to.
+        caps: Per precision to time, the largest micro-batch that fits.
+        sizes: The micro-batch sizes the search may pick (ascending).
+        device_name: For notes.
+
+    Returns:
+        The profile with only the precisions that were timed.
+    """
+    feasible = dict(caps)
+    notes = list(draft.notes)
+    probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
+    reference = "fp32" if "fp32" in feasible else next(iter(feasible))
+    times: dict[str, dict[int, float]] = {p: {} for p in feasible}
+    times[reference][probe[reference]] = profiler.fwd_bwd_time(reference, probe[reference])
+    for p in list(feasible):
+        if p == reference:
+            continue
+        b = probe[reference] if probe[reference] <= feasible[p] else probe[p]
+        times[p][b] = profiler.fwd_bwd_time(p, b)
+        ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
+        if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
+            notes.append(
+                f"{p}: {times[p][b] / ref:.1f}x slower than fp32 on {device_name}, not searched"
+            )
+            del feasible[p], times[p]
+    precision_profiles = {}
+    for p, cap in feasible.items():
+        ladder = _time_ladder(profiler, p, _ladder(sizes, cap), times[p])
+        xs = tuple(sorted(times[p]))
+        ckpt_points = (
+            sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
+        )
+        ratios = tuple(
+            profiler.fwd_bwd_time(p, b, checkpoint_all=True) / times[p][b] - 1 for b in ckpt_points
+        )
+        curve = TimeCurve(xs, tuple(times[p][x] for x in xs), tuple(ckpt_points), ratios)
+        precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
+    weights = profiler.block_weights(reference, probe[reference]) if profiler.blocks else ()
+    return dataclasses.replace(
+        draft, block_weights=weights, precisions=precision_profiles, notes=tuple(notes)
+    )
+
+
+def _time_ladder(
+    profiler: Profiler, precision: str, ladder: list[int], times: dict[int, float]
+) -> list[int]:
+    """Time forward+backward up the ladder into ``times``; returns the sizes timed.
+
+    Stops once the device is saturated (a doubling that no longer lowers the per-sample
+    time by 3%, at a size whose pass takes over half a second) or a pass takes over 2 s.
+    Larger sizes are then predicted at the last per-sample cost, and tuning does not
+    spend minutes on them.
+    """
+    done: list[int] = []
+    for b in ladder:
+        if b not in times:
+            times[b] = profiler.fwd_bwd_time(precision, b)
+        done.append(b)
+        if times[b] > _LONGEST_PASS_S:
+            break
+        if len(done) >= 3 and times[b] > _SATURATED_S:
+            previous = done[-2]
+            if times[b] / b > 0.97 * times[previous] / previous:
+                break
+    return done
+
+
+def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
+    """Micro-batch sizes to time: about powers of two up to ``cap``, and ``cap``."""
+    out, target = [], 1
+    allowed = [s for s in sizes if s <= cap]
+    while target <= cap:
+        pick = next((s for s in allowed if s >= target), None)
+        if pick is not None and pick not in out:
+            out.append(pick)
+        target *= 2
+    if cap not in out:
+        out.append(cap)
+    return sorted(out)
+
+
+def _nearest(sizes: Sequence[int], b: int) -> int:
+    return min(sizes, key=lambda s: (abs(s - b), s))

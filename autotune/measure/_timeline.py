@@ -1,0 +1,152 @@
+"""Phase-labelled memory timelines of one training step, and their fit in batch size.
+
+A tracked step (two micro-batches and an optimizer step) is cut into phases by hooks:
+the forward of each block, the stretch after it, the backward of each block (from the
+moment the gradient of its output is ready), and so on. Each phase records the live
+bytes it adds (``delta``) and its peak above its entry (``peak``). Measured at two
+micro-batch sizes, with every block kept and with every block checkpointed, the phases
+give a cost model that replays any checkpoint mask at any micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autotune.measure._peak import measure_peak
+from autotune.measure._profile_data import Line, Phase, PhaseKey
+from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
+
+__all__ = ["fit_phases", "tracked_step"]
+
+
+@dataclass
+class _Recorder:
+    tracker: LiveBytesTracker
+    model: nn.Module
+    micro: int = 0
+    in_backward: bool = False
+
+    def mark(self, label: str, block: int | None = None) -> None:
+        grads = sum(
+            p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
+        )
+        self.tracker.phase(PhaseKey(self.micro, label, block), grads=grads)
+
+
+@contextlib.contextmanager
+def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
+    handles: list[Any] = []
+
+    def pre(i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not rec.in_backward:
+                rec.mark("fwd", i)
+
+        return hook
+
+    def post(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if rec.in_backward:
+                return
+            rec.mark("after", i)
+            first = next(
+                (
+                    t
+                    for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ),
+                None,
+            )
+            if first is not None:
+                first.register_hook(lambda grad: rec.mark("bwd", i))
+
+        return hook
+
+    for i, module in enumerate(blocks):
+        handles.append(module.register_forward_pre_hook(pre(i)))
+        handles.append(module.register_forward_hook(post(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[PhaseRecord]:
+    """Run two micro-batches of ``chunk`` and an optimizer step under a tracker.
+
+    The runner must have taken one step already, so that optimizer state exists and the
+    step is at steady state.
+
+    Returns:
+        The phase records; micro-batches are ``micro`` 1 and 2, the optimizer step 3.
+    """
+    tracker = LiveBytesTracker(runner.device.type)
+    rec = _Recorder(tracker, runner.model)
+    existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
+    with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
+        rec.mark("start")
+        for micro in (1, 2):
+            rec.micro = micro
+            rec.mark("pre")
+            loss = runner.forward_loss(chunk, 0.5)
+            rec.mark("head_bwd")
+            rec.in_backward = True
+            runner.backward(loss)
+            rec.in_backward = False
+            del loss
+            rec.mark("end")
+        rec.micro = 3
+        rec.mark("opt")
+        runner.optimizer_step()
+    return tracker.phases
+
+
+def fit_phases(
+    b1: int,
+    runs1: Sequence[list[PhaseRecord]],
+    b2: int,
+    runs2: Sequence[list[PhaseRecord]],
+) -> tuple[int, list[Phase]]:
+    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``.
+
+    Phases are matched by label; the sequence is the kept run's at ``b1``. A phase missing
+    from another run (data-dependent control flow) takes the kept run's values.
+
+    Returns:
+        The live bytes at step start, and the phases of micro-batches 1, 2 and the
+        optimizer step, in order.
+    """
+    reference = runs1[0]
+    base = reference[0].entry
+
+    def table(records: list[PhaseRecord]) -> dict[PhaseKey, PhaseRecord]:
+        out: dict[PhaseKey, PhaseRecord] = {}
+        for r in records:
+            out.setdefault(r.key, r)
+        return out
+
+    variants = range(len(runs1))
+    tables = [[table(runs1[v]), table(runs2[v])] for v in variants]
+    phases = []
+    for r in reference:
+        key = r.key
+        lines_delta, lines_peak = [], []
+        for v in variants:
+            a = tables[v][0].get(key) or tables[0][0][key]
+            b = tables[v][1].get(key) or tables[0][1].get(key) or a
+            lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
+            lines_peak.append(Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry))
+        # Only a block's own forward and backward are its; what happens between blocks
+        # (e.g. autocast dropping cached weight casts when the forward ends) depends on
+        # every block's choice, and the cost model interpolates it.
+        block = key.block if key.label in ("fwd", "bwd") else None
+        phases.append(Phase(key, block, tuple(lines_delta), tuple(lines_peak), r.grads))
+    return base, phases

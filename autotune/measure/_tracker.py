@@ -1,0 +1,160 @@
+"""The live-bytes tracker: exact live tensor-storage bytes, phase by phase, and a budget guard.
+
+:class:`LiveBytesTracker` is a ``TorchDispatchMode`` that sees every storage an op
+allocates and is told (by a weak-reference finalizer) when it is freed. Storages that
+existed before the measured region (parameters, buffers, gradients, optimizer state) are
+registered with :meth:`LiveBytesTracker.track`. Host memory that offload keeps on purpose
+is left out (see :mod:`autotune.train._host`).
+
+On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget
+guard**: it raises ``torch.OutOfMemoryError`` the moment live bytes pass the budget. Every
+OOM path of autotune is tested on CPU with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autotune.measure._profile_data import PhaseKey
+from autotune.train._host import in_host_memory, is_host_storage
+
+__all__ = ["LiveBytesTracker", "PhaseRecord", "state_tensors"]
+
+
+@dataclass
+class PhaseRecord:
+    """Live bytes around one labelled stretch of a step (see :meth:`LiveBytesTracker.phase`)."""
+
+    key: PhaseKey
+    entry: int
+    peak: int
+    exit: int = 0
+    grads: int = 0
+    """Gradient bytes alive when the phase began."""
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts live storage bytes on one device type; optionally enforces a budget.
+
+    Args:
+        device_type: Only storages on this device type are counted (``"cpu"``, ``"cuda"``).
+        budget_bytes: If given, raise ``torch.OutOfMemoryError`` when live bytes exceed it.
+    """
+
+    def __init__(self, device_type: str = "cpu", *, budget_bytes: int | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.device_type = device_type
+        self.budget_bytes = budget_bytes
+        self.live = 0
+        self.peak = 0
+        self.phases: list[PhaseRecord] = []
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of tensors that already exist (model and optimizer state)."""
+        for t in tensors:
+            self._add(t.untyped_storage(), check_budget=False)
+
+    def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
+        """Close the current phase and open one labelled ``key`` at the current live bytes."""
+        if self.phases:
+            self.phases[-1].exit = self.live
+        self.phases.append(PhaseRecord(key, self.live, self.live, grads=grads))
+
+    def close(self) -> None:
+        """Close the last phase (call once the measured region is over)."""
+        if self.phases:
+            self.phases[-1].exit = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if in_host_memory():
+            return out
+        inputs = {
+            id(s): s
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and _has_storage(t)
+            for s in (t.untyped_storage(),)
+        }
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.is_mutable:
+            # An out= or resize_ op may resize a counted storage in place: count the change.
+            for key, storage in inputs.items():
+                if key in self._sizes and storage.nbytes() != self._sizes[key]:
+                    delta = storage.nbytes() - self._sizes[key]
+                    self._sizes[key] = storage.nbytes()
+                    self._grow(delta, check_budget=True)
+        for t in tree_flatten(out)[0]:
+            # An output sharing an input's storage is a view or an in-place result: no new bytes.
+            if isinstance(t, torch.Tensor) and _has_storage(t):
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:
+                    self._add(storage, check_budget=True)
+        return out
+
+    def _add(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
+        key = id(storage)
+        if (
+            key in self._sizes
+            or storage.device.type != self.device_type
+            or is_host_storage(storage)
+        ):
+            return
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        weakref.finalize(storage, self._free, key)
+        self._grow(nbytes, check_budget=check_budget)
+
+    def _grow(self, nbytes: int, *, check_budget: bool) -> None:
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.phases and self.live > self.phases[-1].peak:
+            self.phases[-1].peak = self.live
+        if check_budget and self.budget_bytes is not None and self.live > self.budget_bytes:
+            raise torch.OutOfMemoryError(
+                # Worded like torch's own ("CPU out of memory."), so that tools which
+                # recognise OOMs by message (accelerate, Hugging Face) react as to a real one.
+                f"{self.device_type.upper()} out of memory. autotune budget guard: {self.live} "
+                f"live bytes on {self.device_type} "
+                f"exceed the budget of {self.budget_bytes} bytes"
+            )
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    # Sparse, nested and wrapper-subclass tensors have no plain storage; they are not counted.
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    return plain and t.layout == torch.strided and not t.is_meta
+
+
+def state_tensors(*objects: Any) -> list[torch.Tensor]:
+    """The tensors held by modules, optimizers and GradScalers: the persistent state of a step."""
+    out: list[torch.Tensor] = []
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                out.append(p)
+                if p.grad is not None:
+                    out.append(p.grad)
+            out.extend(obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        elif isinstance(obj, torch.amp.GradScaler):
+            # Its state_dict() holds Python numbers (.item()), not the tensors it keeps.
+            flat = tree_flatten(vars(obj))[0]
+            out.extend(v for v in flat if isinstance(v, torch.Tensor))
+        elif obj is not None and hasattr(obj, "state_dict"):
+            flat = tree_flatten(obj.state_dict())[0]
+            out.extend(v for v in flat if isinstance(v, torch.Tensor))
+    return [t for t in out if _has_storage(t)]

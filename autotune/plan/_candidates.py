@@ -1,0 +1,137 @@
+"""Enumerating configurations: micro-batch sizes, the largest that fits, the exhaustive best,
+and the candidates of the fallback ladder.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+from autotune.plan._planner import Candidate, Planner
+from autotune.space import SearchSpace
+
+__all__ = ["best_config", "fallback_candidates", "largest_fitting", "micro_batch_candidates"]
+
+_MAX_ACCUM = 64
+"""The most frugal fallback accumulates at most this many micro-batches."""
+_LADDER_STEP = 0.75
+"""The middle fallback aims at this share of the winner's measured peak."""
+
+
+def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) -> tuple[int, ...]:
+    """Micro-batch sizes the search may pick, ascending.
+
+    With a global batch size only its divisors qualify, so that micro-batch times
+    accumulation equals it exactly.
+    """
+    cap = space.max_micro_batch_size
+    if global_batch_size is not None:
+        cap = min(cap, global_batch_size)
+    if space.micro_batch_sizes is not None:
+        sizes = [s for s in space.micro_batch_sizes if s <= cap]
+    else:
+        sizes = list(range(1, cap + 1))
+    if global_batch_size is not None:
+        sizes = [s for s in sizes if global_batch_size % s == 0]
+    if not sizes:
+        raise ConfigError(
+            f"no micro-batch size in the search space divides global_batch_size="
+            f"{global_batch_size}; widen SearchSpace.micro_batch_sizes."
+        )
+    return tuple(sizes)
+
+
+def largest_fitting(
+    planner: Planner, precision: str, optimizer: str, offload: bool | None = None
+) -> int | None:
+    """The largest allowed micro-batch size for which some configuration fits (binary search).
+
+    ``offload``: the optimizer placement; ``None``: any the study allows.
+    """
+    if offload is None:
+        found = [
+            largest_fitting(planner, precision, optimizer, h) for h in planner.offload_optimizer
+        ]
+        return max((b for b in found if b is not None), default=None)
+    sizes = list(planner.sizes)
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if planner.config(precision, optimizer, sizes[mid], offload) is not None:
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def best_config(planner: Planner) -> Candidate | None:
+    """The fastest predicted candidate by exhaustive enumeration (small spaces only)."""
+    best: Candidate | None = None
+    for p in planner.precisions:
+        for o in planner.optimizers:
+            for b, h in itertools.product(planner.sizes, planner.offload_optimizer):
+                c = planner.candidate(p, o, b, h)
+                if c and (
+                    best is None
+                    or c.prediction.measurement.samples_per_s
+                    > best.prediction.measurement.samples_per_s
+                ):
+                    best = c
+    return best
+
+
+def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) -> list[Candidate]:
+    """Configurations to verify for the fallback ladder below ``config`` (measured at
+    ``peak_bytes``): same effective batch and optimizer.
+
+    Two: the fastest predicted config at 3/4 of the winner's peak, and the most frugal
+    one (the smallest micro-batch with at most 64 accumulation steps, every block
+    checkpointed or offloaded, the precision and optimizer placement that need least).
+    """
+    effective = config.effective_batch_size
+    sizes = [b for b in planner.sizes if effective % b == 0] or [effective]
+    ladder = Planner(
+        cost=planner.cost,
+        sizes=sizes,
+        precisions=planner.precisions,
+        optimizers=(config.optimizer,),
+        global_batch_size=effective,
+        limit=int(peak_bytes * _LADDER_STEP),
+        checkpointing=planner.checkpointing,
+        offload_optimizer=planner.offload_optimizer,
+        offload_activations=planner.offload_activations,
+    )
+    out = [c for c in (best_config(ladder),) if c is not None]
+    cost = planner.cost
+    names = cost.profile.blocks if planner.checkpointing else ()
+    # The smallest micro-batch that keeps accumulation sane (at most 64 micro-batches).
+    smallest = next((b for b in sizes if effective // b <= _MAX_ACCUM), sizes[-1])
+    placements: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(names, ())]
+    if planner.offload_activations:
+        placements.append(((), cost.profile.blocks))
+    frugal = [
+        c
+        for p, h, (ckpt, off) in itertools.product(
+            planner.precisions, planner.offload_optimizer, placements
+        )
+        if planner.host_fits(
+            c := TrainConfig(
+                micro_batch_size=smallest,
+                grad_accum_steps=effective // smallest,
+                precision=p,
+                checkpoint=ckpt,
+                offload_activations=off,
+                optimizer=config.optimizer,
+                offload_optimizer=h,
+            )
+        )
+    ]
+    if frugal:
+        out.append(
+            min(
+                (Candidate(c, cost.predict(c)) for c in frugal),
+                key=lambda c: c.prediction.measurement.peak_bytes,
+            )
+        )
+    return out

@@ -1,0 +1,140 @@
+"""The cost model: predicted peak device memory and step time of any configuration, and
+the cheapest block choices that fit a limit.
+
+A prediction costs tens of microseconds, so a study can try thousands. Memory comes from
+:mod:`~autotune.plan._memory_model`, time from :mod:`~autotune.plan._time_model`; the
+per-block choice (kept, checkpointed or offloaded) is an exact knapsack over both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autotune.config import TrainConfig
+from autotune.plan._knapsack import min_cost_choice
+from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
+from autotune.plan._time_model import TimeModel
+from autotune.result import Breakdown, Measurement
+
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "CostModel", "Mask", "Prediction"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted configuration: its numbers and its memory breakdown."""
+
+    measurement: Measurement
+    breakdown: Breakdown
+
+
+class CostModel(MemoryModel, TimeModel):
+    """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`."""
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether offload was profiled (transfer speeds and an offloaded variant)."""
+        return self.profile.transfer is not None and all(
+            len(p.moved) == self.n_blocks for p in self.profile.precisions.values()
+        )
+
+    def plan(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        limit: int,
+        *,
+        offload_optimizer: bool = False,
+        offload_activations: bool = False,
+    ) -> Mask | None:
+        """The mask of least added time whose peak fits ``limit``, or None.
+
+        Each block is kept, checkpointed or (``offload_activations``) offloaded: an exact
+        multiple-choice knapsack over the Pareto frontier of (bytes saved, seconds added),
+        checked against the simulated peak and tightened until it fits.
+        """
+        return self._plan(
+            precision,
+            optimizer,
+            b,
+            accum,
+            limit,
+            offload_optimizer,
+            offload_activations and self.can_offload,
+        )
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
+    def _plan(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        limit: int,
+        offload_optimizer: bool,
+        offload_activations: bool,
+    ) -> Mask | None:
+        def peak(mask: Mask) -> int:
+            return self.peak(
+                precision, optimizer, b, accum, mask, offload_optimizer=offload_optimizer
+            )
+
+        none: Mask = (KEEP,) * self.n_blocks
+        need = peak(none) - limit
+        if need <= 0:
+            return none
+        if not self.n_blocks:
+            return None
+        options = self._options(precision, b, offload_activations)
+        frugal: Mask = tuple(_most_saving(o) for o in options)
+        if peak(frugal) > limit:
+            full: Mask = (CHECKPOINT,) * self.n_blocks
+            return full if frugal != full and peak(full) <= limit else None
+        for _ in range(16):
+            mask = min_cost_choice(options, need)
+            if mask is None:
+                return frugal
+            over = peak(mask) - limit
+            if over <= 0:
+                return mask
+            need += over
+        return frugal
+
+    def _options(self, precision: str, b: int, offload: bool) -> list[list[tuple[float, float]]]:
+        """Per block: (bytes saved through the forward, seconds added) of each choice."""
+        prof = self.profile.precisions[precision]
+        curve = prof.time
+        recompute = curve.recompute(b) if curve is not None else 0.0
+        saved = [[0.0, 0.0, 0.0] for _ in range(self.n_blocks)]
+        for ph in prof.phases:
+            if ph.key.micro == 1 and ph.block is not None and ph.key.label == "fwd":
+                for v in range(1, len(ph.delta)):
+                    saved[ph.block][v] += ph.delta[0](b) - ph.delta[v](b)
+        out = []
+        for i in range(self.n_blocks):
+            weight = self.profile.block_weights[i]
+            choices = [(0.0, 0.0), (saved[i][1], weight * recompute)]
+            if offload:
+                choices.append((saved[i][2], self.offload_cost(precision, b, i)))
+            out.append(choices)
+        return out
+
+    def predict(self, config: TrainConfig) -> Prediction:
+        """Predicted peak, step time, throughput and memory breakdown of ``config``."""
+        peak, breakdown = self.memory(config)
+        step = self.step_s(
+            config.precision,
+            config.optimizer,
+            config.micro_batch_size,
+            config.grad_accum_steps,
+            self.mask_of(config.checkpoint, config.offload_activations),
+            offload_optimizer=config.offload_optimizer,
+        )
+        return Prediction(Measurement(peak, step, config.effective_batch_size / step), breakdown)
+
+
+def _most_saving(choices: Sequence[tuple[float, float]]) -> int:
+    return max(range(len(choices)), key=lambda v: choices[v][0])

@@ -1,0 +1,216 @@
+"""Peak device memory of any configuration: the profiled phase timeline, replayed.
+
+Micro-batch 1, micro-batch 2 repeated ``grad_accum_steps - 1`` times, then the optimizer
+step; each block's phases are taken from its kept, checkpointed or offloaded variant and
+each quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from autotune.config import TrainConfig
+from autotune.measure._profile_data import Line, Phase, Profile
+from autotune.result import Breakdown
+
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "Mask", "MemoryModel", "ProfileView"]
+
+Mask = tuple[int, ...]
+"""Per block: KEEP, CHECKPOINT or OFFLOAD (a bool mask reads as kept/checkpointed)."""
+
+KEEP, CHECKPOINT, OFFLOAD = 0, 1, 2
+"""A block's choice in a mask: keep its activations, recompute them, or send them to the host."""
+
+
+class ProfileView:
+    """What the memory and time models share: the profile and its blocks by index."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.n_blocks = len(profile.blocks)
+        self._index = {name: i for i, name in enumerate(profile.blocks)}
+        self._shares = profile.block_shares()
+
+    def mask_of(self, checkpoint: Sequence[str], offload: Sequence[str] = ()) -> Mask:
+        """The mask of checkpointed and offloaded block names."""
+        out = [KEEP] * self.n_blocks
+        for name in checkpoint:
+            out[self._index[name]] = CHECKPOINT
+        for name in offload:
+            out[self._index[name]] = OFFLOAD
+        return tuple(out)
+
+
+class MemoryModel(ProfileView):
+    """Predicts peak device bytes from a :class:`~autotune.measure._profile_data.Profile`."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self._micro = {
+            name: (
+                tuple(ph for ph in prec.phases if ph.key.micro == 1),
+                tuple(ph for ph in prec.phases if ph.key.micro == 2),
+            )
+            for name, prec in profile.precisions.items()
+        }
+
+    def peak(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        mask: Mask,
+        *,
+        offload_optimizer: bool = False,
+    ) -> int:
+        """Predicted peak device bytes."""
+        return self.simulate(precision, optimizer, b, accum, mask, offload_optimizer)[0]
+
+    def simulate(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        mask: Mask,
+        offload_optimizer: bool = False,
+    ) -> tuple[int, int, int]:
+        """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
+        first, later = self._micro[precision]
+        opt = self.profile.optimizers[optimizer]
+        state = 0 if offload_optimizer else opt.state_bytes
+        shares = self._variant_shares(mask)
+        moved = self.profile.precisions[precision].moved
+        start = float(self.profile.precisions[precision].base_bytes + state)
+        # An offloaded optimizer takes each gradient off the device in the last micro-batch.
+        release = _released(first) if offload_optimizer else None
+        peak, live, grads = self._replay(
+            first, start, b, mask, shares, moved, release if accum == 1 else None
+        )
+        if accum >= 2:
+            top, end, grads2 = self._replay(later, live, b, mask, shares, moved, None)
+            # Micro-batches 2..accum repeat micro-batch 2; a net growth would compound.
+            net = end - live
+            top += (accum - 2) * max(net, 0.0)
+            if top > peak:
+                peak, grads = top, grads2
+            live += (accum - 2) * net
+            if release is not None:  # the last micro-batch sends the gradients down
+                top, end, grads2 = self._replay(later, live, b, mask, shares, moved, release)
+                if top > peak:
+                    peak, grads = top, grads2
+                live = end
+            else:
+                live += net
+        if offload_optimizer:
+            live -= self.profile.grad_bytes
+        elif live + opt.step_peak_bytes > peak:
+            peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
+        live_peak = math.ceil(max(peak, start))
+        return self.device_bytes(live_peak), live_peak, grads
+
+    def _variant_shares(self, mask: Mask) -> tuple[float, float]:
+        """Parameter shares of the checkpointed and of the offloaded blocks."""
+        ckpt = sum(w for w, m in zip(self._shares, mask, strict=True) if m == CHECKPOINT)
+        off = sum(w for w, m in zip(self._shares, mask, strict=True) if m == OFFLOAD)
+        return ckpt, off
+
+    @staticmethod
+    def _replay(
+        phases: Sequence[Phase],
+        live: float,
+        b: int,
+        mask: Mask,
+        shares: tuple[float, float],
+        moved: Sequence[Line],
+        release: Sequence[int] | None,
+    ) -> tuple[float, float, int]:
+        """Replay one micro-batch from ``live`` bytes: (peak, live after, grads at peak).
+
+        ``release``: gradient bytes already sent to the host as each phase begins (the
+        last micro-batch of an offloaded optimizer), or ``None``.
+        """
+        peak, grads = live, 0
+        offloaded = [i for i, m in enumerate(mask) if m == OFFLOAD]
+        freed = 0
+        for j, ph in enumerate(phases):
+            if release is not None:  # gradients leave as they are made
+                live -= release[j] - freed
+                freed = release[j]
+            if ph.block is not None:
+                v = int(mask[ph.block])
+                if v == OFFLOAD and ph.key.label == "bwd":
+                    live += _restores(ph.block, offloaded, moved, b)
+                rise, delta = ph.peak[v](b), ph.delta[v](b)
+            else:  # between blocks: in proportion to the checkpointed and offloaded shares
+                rise, delta = ph.peak[0](b), ph.delta[0](b)
+                for share, v in zip(shares, (CHECKPOINT, OFFLOAD), strict=True):
+                    if share:
+                        rise += share * (ph.peak[v](b) - ph.peak[0](b))
+                        delta += share * (ph.delta[v](b) - ph.delta[0](b))
+            if live + rise > peak:
+                peak, grads = live + rise, ph.grads - freed
+            live += delta
+        return peak, live, grads
+
+    def device_bytes(self, live_bytes: int) -> int:
+        """Live tensor bytes to device bytes (CUDA: allocator overhead and context)."""
+        return int(live_bytes * self.profile.alloc_ratio) + self.profile.context_bytes
+
+    def host_bytes(self, config: TrainConfig) -> int:
+        """Host bytes offload holds at most: optimizer side and one micro-batch's activations."""
+        total = 0.0
+        if config.offload_optimizer:
+            prof = self.profile
+            total += (
+                prof.param_bytes + prof.grad_bytes + prof.optimizers[config.optimizer].state_bytes
+            )
+        if config.offload_activations:
+            moved = self.profile.precisions[config.precision].moved
+            b = config.micro_batch_size
+            total += sum(moved[self._index[n]](b) for n in config.offload_activations)
+        return math.ceil(total)
+
+    def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
+        """Predicted peak device bytes of ``config`` and what holds them at the peak."""
+        b, n, p, o = (
+            config.micro_batch_size,
+            config.grad_accum_steps,
+            config.precision,
+            config.optimizer,
+        )
+        mask = self.mask_of(config.checkpoint, config.offload_activations)
+        device_peak, live_peak, grads = self.simulate(p, o, b, n, mask, config.offload_optimizer)
+        prof = self.profile
+        state = 0 if config.offload_optimizer else prof.optimizers[o].state_bytes
+        other = prof.precisions[p].base_bytes - prof.param_bytes
+        acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
+        return device_peak, Breakdown(
+            parameters=prof.param_bytes,
+            gradients=grads,
+            optimizer=state,
+            activations=acts,
+            other=device_peak - prof.param_bytes - grads - state - acts,
+        )
+
+
+def _released(phases: Sequence[Phase]) -> list[int]:
+    """Gradient bytes made before each phase of a micro-batch (sent down when offloaded)."""
+    return [ph.grads for ph in phases]
+
+
+def _restores(block: int, offloaded: Sequence[int], moved: Sequence[Line], b: int) -> float:
+    """Bytes brought back to the device as offloaded ``block``'s backward begins.
+
+    The top offloaded block restores itself; every offloaded block prefetches the next
+    offloaded block below it.
+    """
+    total = 0.0
+    if block == offloaded[-1]:
+        total += moved[block](b)
+    below = [j for j in offloaded if j < block]
+    if below:
+        total += moved[below[-1]](b)
+    return max(total, 0.0)

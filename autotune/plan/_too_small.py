@@ -1,0 +1,57 @@
+"""The error for a budget no configuration fits: the minimum, what holds it, what would help."""
+
+from __future__ import annotations
+
+import itertools
+
+from autotune._format import format_bytes
+from autotune.errors import BudgetTooSmallError
+from autotune.plan._planner import Planner
+from autotune.space import SearchSpace
+
+__all__ = ["too_small"]
+
+
+def too_small(planner: Planner, space: SearchSpace, budget: int) -> BudgetTooSmallError:
+    """The error for a budget under the cheapest configuration, with what would lower it."""
+    cost = planner.cost
+    b = planner.sizes[0]
+    settings = itertools.product(planner.precisions, planner.optimizers, planner.offload_optimizer)
+    # The first of the least (ties keep the order of the space: the user's choices first).
+    peak, p, o, h = min(
+        ((planner.frugal_peak(p, o, b, h), p, o, h) for p, o, h in settings), key=lambda x: x[0]
+    )
+    config = planner.with_mask(p, o, b, h, planner.frugal_mask(p, o, b, h))
+    _, parts = cost.memory(config)
+    hints = ["raise budget_gb"]
+    light = [x for x in ("adamw8bit", "adafactor", "sgd") if x in space.optimizers]
+    if parts.optimizer > parts.parameters / 2 and not light:
+        hints.append(
+            "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adamw8bit']) "
+            "or 'adafactor'"
+        )
+    if not h and True not in planner.offload_optimizer:
+        hints.append("allow optimizer offload (SearchSpace(offload_optimizer=True))")
+    if not planner.offload_activations and cost.n_blocks:
+        hints.append("allow activation offload (SearchSpace(offload_activations=True))")
+    if not space.checkpointing:
+        hints.append("allow checkpointing (SearchSpace(checkpointing=True))")
+    hints.append("tune with shorter sequences or a smaller model")
+    where = []
+    if config.checkpoint:
+        where.append(f"{len(config.checkpoint)} of {cost.n_blocks} blocks checkpointed")
+    if config.offload_activations:
+        where.append(f"{len(config.offload_activations)} of {cost.n_blocks} blocks offloaded")
+    if h:
+        where.append("optimizer on the host")
+    return BudgetTooSmallError(
+        f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
+        f"{format_bytes(peak)} (micro-batch {b}, {p}, {o}"
+        f"{', ' + ', '.join(where) if where else ''}): parameters "
+        f"{format_bytes(parts.parameters)}, gradients {format_bytes(parts.gradients)}, "
+        f"optimizer state {format_bytes(parts.optimizer)}, activations "
+        f"{format_bytes(parts.activations)}, other {format_bytes(parts.other)}. "
+        f"To fit: {'; '.join(hints)}.",
+        minimum_bytes=peak,
+        budget_bytes=budget,
+    )

@@ -1,0 +1,174 @@
+"""The outcome of tuning: measurements, trial records, :class:`TuneResult` and its YAML.
+
+YAML is read with ``yaml.safe_load`` only and decoded against the dataclass fields:
+an unknown key, a missing required key or a value of the wrong type is a
+:class:`~autotune.errors.ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune._plain import from_plain, to_plain
+from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+
+__all__ = [
+    "PARTS",
+    "SCHEMA_VERSION",
+    "Breakdown",
+    "Measurement",
+    "ModelInfo",
+    "TargetInfo",
+    "TrialRecord",
+    "TuneResult",
+    "load",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Peak device memory and speed of one configuration, predicted or measured."""
+
+    peak_bytes: int
+    """Peak device memory, as defined in the README (CUDA: reserved + context)."""
+    step_s: float
+    """Seconds per optimizer step (``effective_batch_size`` samples)."""
+    samples_per_s: float
+    """Training throughput."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """The predicted peak split by what holds the memory (bytes at the peak)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+
+PARTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Breakdown))
+"""The fields of :class:`Breakdown`, in order: what holds memory at the peak."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInfo:
+    """Facts about the device a result was tuned on."""
+
+    device: str
+    """``cpu`` or ``cuda:N``."""
+    name: str
+    """Human name of the device (GPU model or CPU)."""
+    total_bytes: int
+    """Device memory (host RAM for the CPU)."""
+    torch_version: str
+    """The torch version the tuning ran with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a result was tuned for, to detect a config used on another model."""
+
+    class_name: str
+    fingerprint: str
+    """Hash of the module structure: names, classes, parameter shapes and dtypes."""
+    n_parameters: int
+    blocks: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRecord:
+    """One candidate that was run for real during verification."""
+
+    config: TrainConfig
+    predicted: Measurement
+    measured: Measurement | None
+    """``None`` when the run failed (see ``error``)."""
+    error: str | None = None
+    """Why the candidate was rejected (e.g. out of memory), or ``None``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """The outcome of :func:`autotune.autotune`: the winner, its evidence and fallbacks."""
+
+    config: TrainConfig
+    """The fastest verified configuration under the budget."""
+    predicted: Measurement
+    """What the cost model predicted for ``config``."""
+    measured: Measurement
+    """What the verification run measured for ``config``."""
+    budget_bytes: int
+    target: TargetInfo
+    model: ModelInfo
+    breakdown: Breakdown
+    """The predicted peak of ``config`` split by owner."""
+    fallbacks: tuple[TrainConfig, ...] = ()
+    """Verified configurations with the same effective batch, fastest to most frugal."""
+    trials: tuple[TrialRecord, ...] = ()
+    """Every verification run, including the rejected ones."""
+    tuning_s: float = 0.0
+    """Wall time of the tuning run."""
+    version: int = SCHEMA_VERSION
+    """Schema version of the YAML file."""
+
+    def save(self, path: str | Path) -> Path:
+        """Write the result as YAML and return the path."""
+        path = Path(path)
+        text = yaml.safe_dump(to_plain(self), sort_keys=False, default_flow_style=None)
+        path.write_text(
+            "# autotune result; train with autotune.prepare(model, autotune.load(path))\n" + text
+        )
+        return path
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-data form written to YAML."""
+        result = to_plain(self)
+        assert isinstance(result, dict)
+        return result
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TuneResult:
+        """Decode and validate the plain-data form; raises ConfigError naming the bad key."""
+        result = from_plain(cls, data)
+        assert isinstance(result, TuneResult)
+        return result
+
+
+def load(path: str | Path) -> TuneResult:
+    """Read a result written by :meth:`TuneResult.save`.
+
+    Raises:
+        ConfigError: the file is missing, is not valid YAML, has unknown keys or a value
+            of the wrong type (the message names the key).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if isinstance(data, dict) and data.get("version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{path} has schema version {data.get('version')!r}; this autotune reads "
+            f"version {SCHEMA_VERSION}. Tune again with this version."
+        )
+    try:
+        return TuneResult.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -1,0 +1,162 @@
+"""Batches of any structure: measuring, resizing, splitting and moving them.
+
+A batch is a Tensor, a tuple/list (namedtuples included) or a Mapping (a dict, or a Hugging
+Face ``BatchEncoding``: a ``UserDict``, not a dict), nested freely. Tensors with at least one
+dimension share batch dimension 0; other leaves (ints, strings, None, 0-dim tensors) pass
+through unchanged. This runs every training step: one walk, no copies where a view will do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from operator import itemgetter
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from autotune.errors import BatchError
+
+__all__ = ["Batch", "batch_size", "map_tensors", "resize", "split", "to_device"]
+
+Batch = Any
+"""A Tensor, tuple/list or Mapping of tensors (nested freely) sharing batch dimension 0."""
+
+_SUPPORTED = "a Tensor, a tuple/list, or a Mapping (dict, BatchEncoding) of tensors"
+
+
+def _check_type(batch: Batch) -> None:
+    # Only the top level is strict: nested non-tensors are the user's extra inputs.
+    if not isinstance(batch, (Tensor, tuple, list, Mapping)):
+        raise BatchError(f"batch type {type(batch).__name__} is not supported: pass {_SUPPORTED}")
+
+
+def _rebuild(container: Any, items: list[Any]) -> Any:
+    """A container of ``container``'s type holding ``items`` (the values, for a Mapping)."""
+    kind: Any = type(container)
+    if kind is tuple or kind is list:  # the common cases first: this runs every step
+        return kind(items)
+    if isinstance(container, Mapping):
+        new = dict(zip(container, items, strict=True))
+        try:  # BatchEncoding(dict) works; a Mapping whose constructor wants more gets a dict
+            return new if kind is dict else kind(new)
+        except Exception:
+            return new
+    if hasattr(kind, "_fields"):  # namedtuple: the fields are positional arguments
+        return kind(*items)
+    try:  # other tuple/list subclasses, e.g. torch.return_types
+        return kind(items)
+    except Exception:
+        return tuple(items) if isinstance(container, tuple) else items
+
+
+def _map(batch: Batch, fn: Callable[[Tensor], Tensor], min_ndim: int) -> Batch:
+    if isinstance(batch, Tensor):
+        return fn(batch) if batch.ndim >= min_ndim else batch
+    if isinstance(batch, Mapping):
+        return _rebuild(batch, [_map(v, fn, min_ndim) for v in batch.values()])
+    if isinstance(batch, (tuple, list)):
+        return _rebuild(batch, [_map(v, fn, min_ndim) for v in batch])
+    return batch
+
+
+def map_tensors(batch: Batch, fn: Callable[[Tensor], Tensor]) -> Batch:
+    """Applies ``fn`` to every tensor leaf with at least one dimension.
+
+    Args:
+        batch: A Tensor, tuple/list or Mapping, nested freely.
+        fn: Maps one tensor to another (usually with the same number of rows or fewer).
+
+    Returns:
+        The same structure and container types, with ``fn`` applied to the tensor leaves.
+    """
+    _check_type(batch)
+    return _map(batch, fn, 1)
+
+
+def _leaves(batch: Batch, path: str) -> Iterator[tuple[str, Tensor]]:
+    """Yields ``(path, tensor)`` for each tensor leaf with at least one dimension."""
+    if isinstance(batch, Tensor):
+        if batch.ndim >= 1:
+            yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        fields = getattr(batch, "_fields", None)  # a namedtuple: name its fields in messages
+        names = [f".{f}" for f in fields] if fields else [f"[{i}]" for i in range(len(batch))]
+        for name, value in zip(names, batch, strict=False):
+            yield from _leaves(value, path + name)
+
+
+def batch_size(batch: Batch) -> int:
+    """The number of samples in ``batch``: the dim-0 size its tensors share.
+
+    Raises:
+        BatchError: The type is unsupported, no tensor has a dimension, or sizes disagree.
+    """
+    _check_type(batch)
+    first: tuple[str, int] | None = None
+    for path, tensor in _leaves(batch, "batch"):
+        rows = tensor.shape[0]
+        if first is None:
+            first = (path, rows)
+        elif rows != first[1]:
+            raise BatchError(
+                f"{first[0]} has {first[1]} rows but {path} has {rows}: every tensor in a batch "
+                "must share dimension 0 (pass per-batch values as 0-dim tensors or plain values)"
+            )
+    if first is None:
+        raise BatchError(
+            "the batch holds no tensor with a dimension, so its size is unknown: "
+            f"pass {_SUPPORTED} whose dimension 0 is the batch"
+        )
+    return first[1]
+
+
+def resize(batch: Batch, n: int) -> Batch:
+    """A batch of exactly ``n`` samples made from ``batch``.
+
+    Shrinking keeps the first ``n`` rows (views); growing repeats rows cyclically, so row
+    ``i`` of the result is row ``i % batch_size(batch)`` (new contiguous tensors).
+
+    Raises:
+        BatchError: ``n`` is below 1, or ``batch`` is not a valid batch.
+    """
+    if n < 1:
+        raise BatchError(f"cannot resize a batch to {n} samples: ask for 1 or more")
+    size = batch_size(batch)
+    if n <= size:
+        return _map(batch, lambda t: t[:n], 1)
+    indices: dict[torch.device, Tensor] = {}  # one index per device the batch spans
+
+    def grow(t: Tensor) -> Tensor:
+        if t.device not in indices:
+            indices[t.device] = torch.arange(n, device=t.device) % size
+        return t.index_select(0, indices[t.device])
+
+    return _map(batch, grow, 1)
+
+
+def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    """Consecutive chunks of ``micro_batch_size`` rows (the last may be smaller), as views.
+
+    Raises:
+        BatchError: ``micro_batch_size`` is below 1, or ``batch`` is not a valid batch.
+    """
+    if micro_batch_size < 1:
+        raise BatchError(f"micro_batch_size must be 1 or more, got {micro_batch_size}")
+    size = batch_size(batch)
+    rows = [slice(i, i + micro_batch_size) for i in range(0, size, micro_batch_size)]
+    # itemgetter rather than a lambda in the loop, which would see only the last slice
+    return [_map(batch, itemgetter(s), 1) for s in rows]
+
+
+def to_device(batch: Batch, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+    """``batch`` with every tensor leaf moved to ``device`` by ``Tensor.to``.
+
+    0-dim tensors move too, unlike in the other functions: a transfer that left some
+    tensors behind would only fail later, inside the model, with a device mismatch.
+    """
+    _check_type(batch)
+    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking), 0)

@@ -1,0 +1,85 @@
+"""How a batch is fed to the model, and how the loss is found in its output.
+
+The calling convention, used identically by tuning and by :func:`autotune.prepare`:
+
+* a Tensor ``x``: ``model(x)``;
+* a Mapping (dict, ``BatchEncoding``): ``model(**batch)``;
+* a tuple/list: ``model(*batch)``; with a ``loss_fn``, the last element is taken to be the
+  target the loss reads, so the model gets ``model(*batch[:-1])`` (the ``(x, y)`` idiom).
+
+The loss: ``loss_fn(output, batch)`` when given; else a scalar output, ``output.loss``
+(Hugging Face models given labels), or the first element of a tuple output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import LossError
+
+__all__ = ["LossFn", "call_model", "compute_loss"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def call_model(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> Any:
+    """Run ``model`` on ``batch`` by the calling convention above."""
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        args = batch[:-1] if has_loss_fn and len(batch) > 1 else batch
+        return model(*args)
+    return model(batch)
+
+
+def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The scalar loss of one forward pass, as a 0-dim tensor (a one-element loss is reshaped).
+
+    Raises:
+        LossError: no scalar loss can be derived; the message says what the output was.
+    """
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+        if not _is_scalar(loss):
+            raise LossError(
+                f"loss_fn returned {_describe(loss)}; it must return a scalar tensor "
+                "(e.g. a mean over the batch)."
+            )
+        return _zero_dim(loss)
+    if _is_scalar(output):
+        return _zero_dim(output)
+    attribute = getattr(output, "loss", None)
+    if isinstance(attribute, torch.Tensor) and _is_scalar(attribute):
+        return _zero_dim(attribute)
+    if isinstance(output, (tuple, list)) and output and _is_scalar(output[0]):
+        return _zero_dim(output[0])
+    hint = ""
+    if hasattr(output, "loss") and attribute is None:
+        hint = " The output has a .loss of None: include labels in the batch (e.g. 'labels')."
+    raise LossError(
+        f"cannot derive a loss from the model's output, {_describe(output)}.{hint} "
+        "Pass loss_fn=lambda output, batch: ... returning a scalar tensor."
+    )
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
+def _zero_dim(loss: torch.Tensor) -> torch.Tensor:
+    # A loss of shape (1,) would not add into the runner's 0-dim running total.
+    return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"an object of type {type(value).__name__}"

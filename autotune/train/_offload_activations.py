@@ -1,0 +1,192 @@
+"""Activation offload: the tensors a block saves for backward live in host memory.
+
+:class:`ActivationOffloader` moves them to pinned host memory as the forward makes them
+(on a copy stream), and brings them back in the backward: when an offloaded block's
+backward starts, the next offloaded block below it is prefetched, so its copy runs while
+this block's backward computes.
+
+It runs on any device. On CPU the host is the device: the copies are plain copies, the
+math is the same, and the host side is allocated inside
+:func:`~autotune.train._host.host_memory` so that tests can check the accounting
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.train._host import host_empty
+
+__all__ = ["ActivationOffloader"]
+
+_MIN_BYTES = 1024
+"""Saved tensors smaller than this stay on the device: a copy would cost more than it saves."""
+_IN_FLIGHT = 2
+"""Blocks whose forward copies may still be running when the next block starts."""
+
+
+@dataclass(eq=False)
+class _Packed:
+    """One saved tensor in host memory; ``restored`` is its device copy once back."""
+
+    host: torch.Tensor
+    call: _Call
+    restored: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Call:
+    """One forward call of an offloaded block, and what it moved to the host."""
+
+    seq: int
+    block: str
+    packed: list[weakref.ref[_Packed]] = field(default_factory=list)
+    seen: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _Packed]] = field(
+        default_factory=dict
+    )
+    """Saved tensor -> its copy; the storage is held weakly: a freed tensor's address may
+    be reused by a new tensor of the same shape within the block."""
+    restore_event: Any = None
+    restored: bool = False
+    started: bool = False
+    """Its backward has begun (it has prefetched the block below)."""
+
+
+class ActivationOffloader:
+    """Moves the saved activations of chosen blocks to host memory and back.
+
+    Args:
+        model: The model (its parameters are never offloaded: they stay on the device).
+        device: The training device.
+
+    Attributes:
+        moved_bytes: Bytes copied to the host by the last forward call of each block, by
+            name (read by the profiler to predict transfer time).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._d2h = torch.cuda.Stream(device) if self.cuda else None
+        self._h2d = torch.cuda.Stream(device) if self.cuda else None
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._calls: list[weakref.ref[_Call]] = []
+        self._seq = itertools.count()
+        self._in_flight: deque[Any] = deque()
+        self.moved_bytes: dict[str, int] = {}
+
+    def forward(self, block: str, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one block's forward, its saved tensors packed to the host."""
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        call = _Call(next(self._seq), block)
+        self._calls = [c for c in self._calls if c() is not None]
+        self._calls.append(weakref.ref(call))
+        self.moved_bytes[block] = 0
+        if self.cuda:  # bound the copies in flight (and the device memory they pin)
+            while len(self._in_flight) >= _IN_FLIGHT:
+                torch.cuda.current_stream(self.device).wait_event(self._in_flight.popleft())
+            assert self._d2h is not None
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            pack = functools.partial(self._pack, call)
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                return forward(*args, **kwargs)
+        finally:
+            call.seen.clear()  # the forward alone dedups; kept, calls and packs would form a cycle
+            if self.cuda:
+                assert self._d2h is not None
+                self._in_flight.append(self._d2h.record_event())
+
+    def _pack(self, call: _Call, t: torch.Tensor) -> Any:
+        """A tensor saved for backward: its host copy (started), or itself if it stays."""
+        if not self._offloadable(t):
+            return t
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+            t._version,
+        )
+        hit = call.seen.get(key)
+        if hit is not None and hit[0]() is not None:
+            return hit[1]  # the same tensor saved by several ops (e.g. q, k, v): one copy
+        host = host_empty(t, pinned=self.cuda)
+        if self.cuda:
+            assert self._d2h is not None
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self._d2h)  # its memory is reused only after the copy
+        else:
+            host.copy_(t)
+        packed = _Packed(host, call)
+        call.packed.append(weakref.ref(packed))
+        call.seen[key] = (weakref.ref(t.untyped_storage()), packed)
+        self.moved_bytes[call.block] += host.nbytes
+        return packed
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        """A saved tensor needed in backward: restored (and the block below prefetched)."""
+        if not isinstance(packed, _Packed):
+            return packed  # type: ignore[no-any-return]
+        call = packed.call
+        if not call.started:  # first use: this block's backward has begun
+            call.started = True
+            if not call.restored:  # nothing prefetched it (the top offloaded block)
+                self._restore(call)
+            self._prefetch_below(call)
+        if self.cuda and call.restore_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(call.restore_event)
+        assert packed.restored is not None
+        return packed.restored
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if t.device != self.device or t.layout != torch.strided or type(t) is not torch.Tensor:
+            return False  # parameters (a subclass) and host tensors stay where they are
+        if t.numel() * t.element_size() < _MIN_BYTES:
+            return False
+        return t.untyped_storage().data_ptr() not in self._params
+
+    def _restore(self, call: _Call) -> None:
+        """Copy a block call's tensors back to the device (on the copy stream on CUDA)."""
+        call.restored = True
+        packs = [p for p in (r() for r in call.packed) if p is not None and p.restored is None]
+        if self.cuda:
+            assert self._h2d is not None and self._d2h is not None
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+            self._h2d.wait_stream(self._d2h)  # the forward copies must have landed
+        for p in packs:
+            dev = torch.empty(p.host.shape, dtype=p.host.dtype, device=self.device)
+            if self.cuda:
+                assert self._h2d is not None
+                with torch.cuda.stream(self._h2d):
+                    dev.copy_(p.host, non_blocking=True)
+                dev.record_stream(self._h2d)
+            else:
+                dev.copy_(p.host)
+            p.restored = dev
+        if self.cuda:
+            assert self._h2d is not None
+            call.restore_event = self._h2d.record_event()
+
+    def _prefetch_below(self, call: _Call) -> None:
+        """Start restoring the offloaded call that ran just before ``call`` in the forward."""
+        earlier = [
+            c
+            for c in (r() for r in self._calls)
+            if c is not None and c.seq < call.seq and not c.restored
+        ]
+        if earlier:
+            self._restore(max(earlier, key=lambda c: c.seq))

@@ -1,0 +1,103 @@
+"""The optimizers autotune can build, by name.
+
+The tuner never swaps the user's optimizer unless the search space is widened to other
+names: optimizers change the training math, not only its speed and memory.
+
+``adamw8bit`` is bitsandbytes' ``AdamW8bit`` (optional extra ``autotune[8bit]``): fused
+CUDA kernels, a CPU backend, plain uint8 state tensors that the memory tracker counts
+exactly, and no compilation on first use (torchao's ``AdamW8bit`` compiles its step with
+``torch.compile``, about 20 s on first use, which tuning cannot afford).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autotune.config import OPTIMIZERS
+from autotune.errors import ConfigError
+
+__all__ = ["OptimizerSpec", "available", "build_optimizer"]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How to build one optimizer, and what its state costs."""
+
+    build: Callable[[Iterable[torch.Tensor], float], torch.optim.Optimizer]
+    state_bytes_per_param: float
+    """Approximate state bytes per fp32 parameter, for messages; the profile measures it."""
+    summary: str
+
+
+def _adamw(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def _sgd(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _adafactor(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(params, lr=lr)
+
+
+def _adamw8bit(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    # AdamW's defaults (betas, eps, weight decay 0.01), states quantised blockwise to 8 bits.
+    optimizer: torch.optim.Optimizer = _bitsandbytes().optim.AdamW8bit(params, lr=lr)
+    return optimizer
+
+
+def _bitsandbytes() -> Any:
+    """Import bitsandbytes, or say how to install it."""
+    # Its CPU backend logs a warning at import about optional 4-bit kernels we never use.
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError(
+            "optimizer adamw8bit needs bitsandbytes: pip install 'autotune[8bit]' "
+            "(or pip install bitsandbytes)."
+        ) from None
+    finally:
+        log.setLevel(level)
+    return bitsandbytes
+
+
+def available(name: str) -> bool:
+    """Whether optimizer ``name`` can be built here (its optional library is installed)."""
+    if name != "adamw8bit":
+        return name in _SPECS
+    try:
+        _bitsandbytes()
+    except ConfigError:
+        return False
+    return True
+
+
+_SPECS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(_adamw, 8.0, "AdamW, two fp32 states per parameter"),
+    "sgd": OptimizerSpec(_sgd, 4.0, "SGD with momentum 0.9, one fp32 state per parameter"),
+    "adafactor": OptimizerSpec(_adafactor, 0.5, "Adafactor, factored second moments"),
+    "adamw8bit": OptimizerSpec(
+        _adamw8bit, 2.0, "AdamW with 8-bit blockwise-quantised states (bitsandbytes)"
+    ),
+}
+
+
+def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """Build the optimizer called ``name`` over ``params``.
+
+    Raises:
+        ConfigError: the name is unknown.
+    """
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}.")
+    return spec.build(params, lr)

@@ -1,0 +1,94 @@
+"""``prepare()``: turn a model and a :class:`TrainConfig` into a runner that trains as tuned."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from autotune._identity import differences
+from autotune.config import TrainConfig
+from autotune.errors import AutotuneWarning, ConfigError
+from autotune.result import TuneResult
+from autotune.train._checkpoint import apply_checkpointing, remove_checkpointing
+from autotune.train._loss import LossFn
+from autotune.train._runner import Runner
+
+__all__ = ["prepare"]
+
+
+def prepare(
+    model: nn.Module,
+    config: TrainConfig | TuneResult,
+    *,
+    lr: float = 3e-4,
+    loss_fn: LossFn | None = None,
+    device: torch.device | str | None = None,
+    strict: bool = False,
+) -> Runner:
+    """Make ``model`` train exactly as ``config`` says.
+
+    The model is moved to the device, put in train mode, its checkpointed and offloaded
+    blocks are wrapped (undone by ``remove_checkpointing``), and a Hugging Face model's
+    ``config.use_cache`` is turned off (a key/value cache is for generation, not training).
+
+    Args:
+        model: The model to train (modified in place).
+        config: A :class:`TrainConfig`, or a :class:`TuneResult` (its ``config``).
+        lr: Learning rate of the optimizer.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; see :mod:`autotune.loss`.
+        device: Where to train; default: the device a result was tuned on if it is
+            available here, else CUDA if available, else CPU.
+        strict: With a result tuned on another model structure, device or torch version:
+            raise ConfigError instead of warning.
+
+    Given a :class:`TuneResult`, the runner falls back down ``result.fallbacks`` when a
+    step runs out of memory (see :meth:`Runner.step`).
+    """
+    if isinstance(config, TuneResult):
+        result: TuneResult | None = config
+        config = config.config
+    else:
+        result = None
+    if not isinstance(config, TrainConfig):
+        raise ConfigError(
+            f"prepare() takes a TrainConfig or a TuneResult, got {type(config).__name__}; "
+            "load a YAML file with autotune.load(path)."
+        )
+    target = _default_device(device, result)
+    if result is not None and (found := differences(result, model, target)):
+        message = "this config may not fit here: " + "; ".join(found) + ". Tune again here."
+        if strict:
+            raise ConfigError(message)
+        warnings.warn(message, AutotuneWarning, stacklevel=2)
+    model.to(target)
+    model.train()
+    _disable_kv_cache(model)
+    remove_checkpointing(model)
+    apply_checkpointing(model, config.checkpoint)  # the runner wraps the offloaded blocks
+    for p in model.parameters():
+        p.grad = None
+    fallbacks = result.fallbacks if result is not None else ()
+    return Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
+
+
+def _default_device(device: torch.device | str | None, result: TuneResult | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if result is not None:
+        tuned = torch.device(result.target.device)
+        if tuned.type == "cpu" or (tuned.type == "cuda" and torch.cuda.is_available()):
+            return tuned
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    """Training needs no key/value cache; Hugging Face models build one by default.
+
+    The cache holds memory through the step and is appended to again when a checkpointed
+    layer recomputes, so Hugging Face turns it off for gradient checkpointing; so do we.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]

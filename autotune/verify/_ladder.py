@@ -1,0 +1,55 @@
+"""The fallback ladder: verified configurations to fall back to when training runs out of
+memory, fastest first, each with a smaller measured peak than the one before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from autotune.config import TrainConfig
+from autotune.plan._candidates import fallback_candidates
+from autotune.plan._planner import Planner
+from autotune.result import TrialRecord
+from autotune.verify._winner import Measure
+
+__all__ = ["fallback_ladder"]
+
+log = logging.getLogger("autotune")
+
+
+def fallback_ladder(
+    measure: Measure, planner: Planner, winner: TrialRecord, records: list[TrialRecord]
+) -> list[TrainConfig]:
+    """Verified configs with the winner's effective batch and optimizer, fastest first,
+    each with a lower measured peak than the one before.
+
+    Besides the candidates already verified, two more are run: the fastest predicted
+    config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
+    with at most 64 accumulation steps, every block checkpointed, the precision that
+    needs least). ``records`` gains their trials.
+    """
+    config = winner.config
+    assert winner.measured is not None
+    effective = config.effective_batch_size
+    for cand in fallback_candidates(planner, config, winner.measured.peak_bytes):
+        if all(r.config != cand.config for r in records):
+            log.info("verifying fallback %s", cand.config.describe())
+            if (record := measure(cand.config, cand.prediction.measurement)) is not None:
+                records.append(record)
+    same = [
+        r
+        for r in records
+        if r.measured is not None
+        and r.config != config
+        and r.config.effective_batch_size == effective
+        and r.config.optimizer == config.optimizer
+    ]
+    same.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
+    out: list[TrainConfig] = []
+    last = winner.measured.peak_bytes
+    for r in same:
+        assert r.measured is not None
+        if r.measured.peak_bytes < last:
+            out.append(r.config)
+            last = r.measured.peak_bytes
+    return out

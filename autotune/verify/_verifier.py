@@ -1,0 +1,163 @@
+"""The verifier: run one configuration for real on the device, under the budget.
+
+It measures the peak by the device's definition and the throughput over whole optimizer
+steps. An out-of-memory error (real on CUDA, the budget guard's on CPU) is caught and
+becomes the reason the configuration was rejected.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.config import TrainConfig
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
+from autotune.result import Measurement, TrialRecord
+from autotune.train import _batch as batching
+from autotune.train._loss import LossFn
+from autotune.train._prepare import prepare
+from autotune.train._runner import Runner
+
+__all__ = ["Verifier"]
+
+log = logging.getLogger("autotune")
+
+_TIMED_S = 3.0
+"""Stop timing a configuration once its timed steps add up to this many seconds."""
+_MIN_TIMED_S = 1.0
+_MAX_TIMED_STEPS = 20
+
+
+class Verifier:
+    """Runs configurations on ``model`` (the tuner's copy) and measures them.
+
+    Args:
+        model: The tuner's copy of the model, on ``device``.
+        sample: The user's sample batch (resized to each configuration's batch).
+        device: The target device.
+        budget_bytes: The device-memory budget; exceeding it rejects a configuration.
+        loss_fn: The user's loss function, or ``None``.
+        context_bytes: CUDA context size (0 on CPU).
+        foreign_bytes: CUDA bytes held by other tensors when tuning began.
+        steps: Timed optimizer steps per configuration (median reported).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        *,
+        device: torch.device,
+        budget_bytes: int,
+        loss_fn: LossFn | None,
+        context_bytes: int = 0,
+        foreign_bytes: int = 0,
+        steps: int = 3,
+    ) -> None:
+        self.model = model
+        self.sample = sample
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.loss_fn = loss_fn
+        self.context_bytes = context_bytes
+        self.foreign_bytes = foreign_bytes
+        self.steps = steps
+
+    def run(self, config: TrainConfig) -> tuple[Measurement | None, str | None]:
+        """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
+        batch = batching.resize(self.sample, config.effective_batch_size)
+        runner: Runner | None = None
+        self._release()  # no cached blocks from earlier runs in this config's reserved peak
+        try:
+            runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
+            peak, step_s = self._measure(runner, batch)
+        except torch.OutOfMemoryError as exc:
+            return None, f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
+        finally:
+            if runner is not None:
+                runner.optimizer.zero_grad(set_to_none=True)
+            del runner
+            self._release()
+        if peak > self.budget_bytes:
+            return None, f"measured peak {peak} bytes exceeds the budget of {self.budget_bytes}"
+        return Measurement(peak, step_s, config.effective_batch_size / step_s), None
+
+    def _measure(self, runner: Runner, batch: Any) -> tuple[int, float]:
+        budget = self.budget_bytes
+        if self.device.type == "cuda":
+            with measure_peak(
+                self.device,
+                budget_bytes=budget,
+                context_bytes=self.context_bytes,
+                foreign_bytes=self.foreign_bytes,
+            ) as reading:
+                runner.step(batch)  # warm-up: allocates optimizer state
+                times = self._timed_steps(runner, batch)
+            return reading.peak_bytes, statistics.median(times)
+        # CPU: the first step allocates the optimizer state under the guard, the second
+        # is measured at steady state; the timed steps run without the tracker's overhead.
+        with measure_peak(self.device, existing=self._state(runner), budget_bytes=budget):
+            runner.step(batch)
+        with measure_peak(
+            self.device, existing=self._state(runner), budget_bytes=budget
+        ) as reading:
+            runner.step(batch)
+        return reading.peak_bytes, statistics.median(self._timed_steps(runner, batch))
+
+    def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
+        """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
+        at most 20 steps or 3 s (one step when a step alone is that long)."""
+        times = [self._timed(lambda: runner.step(batch))]
+        while (
+            sum(times) < _TIMED_S
+            and len(times) < _MAX_TIMED_STEPS
+            and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
+        ):
+            times.append(self._timed(lambda: runner.step(batch)))
+        return times
+
+    def retime(self, config: TrainConfig) -> float:
+        """Seconds per step of ``config`` again, without measuring its peak (it fitted)."""
+        batch = batching.resize(self.sample, config.effective_batch_size)
+        self._release()
+        runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
+        try:
+            runner.step(batch)  # warm-up
+            return statistics.median(self._timed_steps(runner, batch))
+        finally:
+            runner.optimizer.zero_grad(set_to_none=True)
+            del runner
+            self._release()
+
+    def record(self, config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        """Run ``config`` and wrap the outcome as a :class:`TrialRecord`."""
+        measured, error = self.run(config)
+        return TrialRecord(config, predicted, measured, error)
+
+    @staticmethod
+    def _state(runner: Runner) -> list[torch.Tensor]:
+        return state_tensors(runner.model, runner.optimizer, runner.scaler)
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        self._sync()
+        start = time.perf_counter()
+        fn()
+        self._sync()
+        return time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

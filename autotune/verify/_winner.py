@@ -1,0 +1,144 @@
+"""Choosing the winner: which candidates to verify, which verified one wins, and timing the
+close contenders again so that one noisy timing does not decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Callable
+
+from autotune._format import format_bytes
+from autotune.config import TrainConfig
+from autotune.errors import VerificationError
+from autotune.plan._planner import Candidate
+from autotune.result import Measurement, TrialRecord
+from autotune.verify._verifier import Verifier
+
+__all__ = ["Measure", "choose_winner", "fastest", "settle"]
+
+log = logging.getLogger("autotune")
+
+_SAME_SPEED = 0.03
+"""Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
+_SAME_MEASURED = 0.01
+"""Measured throughputs within this fraction are a tie: the smaller peak wins it. Kept
+small: every point of it is speed given up, and the target is the best config's speed."""
+
+Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
+"""Runs a config for real (or reads its outcome from a study); None: another process has it."""
+
+
+def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) -> list[TrialRecord]:
+    """Run distinct good candidates until ``top`` of them fit (or ``3 * top`` ran).
+
+    Candidates are taken fastest predicted first, except that predictions within 3% of
+    each other count as a tie won by the smaller predicted peak; and a candidate too like
+    one already run (same precision, optimizer and checkpointing, a micro-batch within a
+    factor of 1.5) is skipped, so that verification tests different ideas.
+
+    Returns:
+        The verification records, rejected ones included; the caller picks the winner.
+    """
+    records: list[TrialRecord] = []
+    fitted = 0
+    for cand in _distinct(_tie_frugal(candidates)):
+        if fitted >= top or len(records) >= 3 * top:
+            break
+        log.info("verifying %s", cand.config.describe())
+        record = measure(cand.config, cand.prediction.measurement)
+        if record is None:
+            log.info("  another process is verifying it")
+            continue
+        records.append(record)
+        if record.measured is None:
+            log.info("  rejected: %s", record.error)
+            continue
+        fitted += 1
+        log.info(
+            "  measured %.1f samples/s, peak %s",
+            record.measured.samples_per_s,
+            format_bytes(record.measured.peak_bytes),
+        )
+    return records
+
+
+def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first; within 3% of the fastest, the smallest predicted peak first."""
+    if not candidates:
+        return []
+    best = max(c.prediction.measurement.samples_per_s for c in candidates)
+    tied = [
+        c for c in candidates if c.prediction.measurement.samples_per_s >= (1 - _SAME_SPEED) * best
+    ]
+    rest = [c for c in candidates if c not in tied]
+    tied.sort(key=lambda c: c.prediction.measurement.peak_bytes)
+    return tied + rest
+
+
+def _distinct(candidates: list[Candidate]) -> list[Candidate]:
+    """Drop candidates too like an earlier one (see :func:`choose_winner`)."""
+    kept: list[Candidate] = []
+    for cand in candidates:
+        c = cand.config
+        if not any(
+            (k.config.precision, k.config.optimizer, bool(k.config.checkpoint))
+            == (c.precision, c.optimizer, bool(c.checkpoint))
+            and max(k.config.micro_batch_size, c.micro_batch_size)
+            < 1.5 * min(k.config.micro_batch_size, c.micro_batch_size)
+            for k in kept
+        ):
+            kept.append(cand)
+    return kept
+
+
+def fastest(records: list[TrialRecord]) -> TrialRecord:
+    """The record with the highest measured throughput (ties within 1%: smallest peak).
+
+    Raises:
+        VerificationError: no configuration fitted.
+    """
+    passed = [r for r in records if r.measured is not None]
+    if not passed:
+        raise VerificationError(
+            "no candidate configuration ran within the budget on the device; "
+            "raise the budget a little or narrow the search space.",
+            attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
+        )
+    best = max(r.measured.samples_per_s for r in passed if r.measured is not None)
+    # Measured throughputs within noise of the best: the smallest peak is the safer pick.
+    tied = [
+        r for r in passed if r.measured and r.measured.samples_per_s >= (1 - _SAME_MEASURED) * best
+    ]
+    return min(tied, key=lambda r: r.measured.peak_bytes if r.measured else 0)
+
+
+def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -> list[TrialRecord]:
+    """Time the close contenders again, interleaved, and keep the median of all timings.
+
+    One timing per candidate is at the mercy of whatever else the machine does for those
+    seconds; contenders within 15% of the fastest run ``rounds`` more times, alternating,
+    so that a slow spell hits them alike.
+    """
+    passed = [r for r in records if r.measured is not None]
+    if len(passed) < 2:
+        return records
+    best = max(r.measured.samples_per_s for r in passed if r.measured)
+    close = [r for r in passed if r.measured and r.measured.samples_per_s >= 0.85 * best]
+    if len(close) < 2:
+        return records
+    times = {r.config: [r.measured.step_s] for r in close if r.measured}
+    for _ in range(rounds):
+        for r in close:
+            times[r.config].append(verifier.retime(r.config))
+    out = []
+    for r in records:
+        if r.config in times and r.measured is not None:
+            step = statistics.median(times[r.config])
+            n = r.config.effective_batch_size
+            r = dataclasses.replace(
+                r, measured=dataclasses.replace(r.measured, step_s=step, samples_per_s=n / step)
+            )
+        out.append(r)
+    return out
