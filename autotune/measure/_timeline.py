@@ -92,6 +92,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
     rec = _Recorder(tracker, runner.model)
     existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
     with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
+        total = torch.zeros((), device=runner.device)  # the runner's running loss, as in a step
         rec.mark("start")
         for micro in (1, 2):
             rec.micro = micro
@@ -101,6 +102,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
             rec.in_backward = True
             runner.backward(loss)
             rec.in_backward = False
+            total += loss.detach().float()
             del loss
             rec.mark("end")
         rec.micro = 3
