@@ -179,10 +179,17 @@ def _verify(
         foreign_bytes=problem.foreign,
     )
     measure = _measure_with(verifier, store)
+    known = {r.config for r in store.records()} if store is not None else set()
     records = choose_winner(measure, candidates, top=_VERIFY_TOP)
     if store is not None:  # what other processes verified counts too
         records += [r for r in store.records() if r.config not in {x.config for x in records}]
-    records = settle(verifier, records)
+    # A run that measured nothing new (a resumed study) keeps the timings the measuring run
+    # settled and saved: timing them again would re-measure, and could pick another winner.
+    if any(r.config not in known for r in records):
+        records = settle(verifier, records)
+        if store is not None:
+            for record in records:
+                store.save_record(record)
     chosen = fastest(records)
     return chosen, records, fallback_ladder(measure, planner, chosen, records)
 
