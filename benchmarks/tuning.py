@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 import autotune
-from autotune.cli._report import Row, peak_errors, short
 
 from .budgets import Budget
 from .cases import Case
+from .report import Row, peak_errors, short
 
 __all__ = ["Searched", "fill_tuning", "tune"]
 
