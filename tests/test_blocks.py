@@ -1,4 +1,4 @@
-"""Tests for autotune.blocks: finding a model's repeated layers and checking named ones."""
+"""Blocks (autotune.find_blocks): finding a model's repeated layers and checking named ones."""
 
 from __future__ import annotations
 

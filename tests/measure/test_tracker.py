@@ -1,4 +1,4 @@
-"""Tests for autotune.memory: the live-bytes tracker, the CPU budget guard, measure_peak."""
+"""The live-bytes tracker, the CPU budget guard and measure_peak (autotune.measure)."""
 
 from __future__ import annotations
 

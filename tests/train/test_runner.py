@@ -1,4 +1,4 @@
-"""Tests for autotune.runtime: prepare(), the Runner's training math, checkpointing."""
+"""prepare() and the Runner (autotune.train): the Runner's training math, checkpointing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for autotune.loss: how a batch is fed to the model and where the loss is found."""
+"""The calling convention and the loss (autotune.train._loss): how a batch is fed to the model and where the loss is found."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for autotune.batch: sizes, resizing, splitting and moving batches of any structure."""
+"""Batches (autotune.train._batch): sizes, resizing, splitting and moving batches of any structure."""
 
 from __future__ import annotations
 
