@@ -323,7 +323,9 @@ def test_measure_peak_with_a_tracker_returns_its_phases() -> None:
         tmp = torch.empty(100)
         del tmp
     assert reading.peak_bytes == 440
-    assert [(p.key, p.entry, p.peak, p.exit) for p in reading.phases] == [(PhaseKey(1, "alloc"), 40, 440, 40)]
+    assert [(p.key, p.entry, p.peak, p.exit) for p in reading.phases] == [
+        (PhaseKey(1, "alloc"), 40, 440, 40)
+    ]
 
 
 # --- state_tensors ---------------------------------------------------------------------------

@@ -135,9 +135,7 @@ def test_two_processes_share_one_study(tmp_path) -> None:
     workers = set(claims.values())
     assert 1 <= len(workers) <= 2
     # A run afterwards sees every verification of both and picks the fastest of them all.
-    records = [
-        from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified
-    ]
+    records = [from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified]
     final = tune(journal, study_name="shared")
     assert {r.config for r in final.trials} >= {r.config for r in records}
     best = max(r.measured.samples_per_s for r in final.trials if r.measured is not None)
