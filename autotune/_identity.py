@@ -7,14 +7,14 @@ there gives a warning (or, with ``strict=True``, an error) that says what differ
 from __future__ import annotations
 
 import hashlib
-import platform
 
 import torch
 from torch import nn
 
+from autotune._device import device_name
 from autotune.result import TuneResult
 
-__all__ = ["device_name", "differences", "fingerprint"]
+__all__ = ["differences", "fingerprint"]
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -45,17 +45,3 @@ def differences(result: TuneResult, model: nn.Module, device: torch.device) -> l
         tuned_with = result.target.torch_version
         out.append(f"it was tuned with torch {tuned_with}, this is {torch.__version__}")
     return out
-
-
-def device_name(device: torch.device) -> str:
-    """The device's model name: the GPU's (CUDA), or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autotune._device import device_name, resolve_device
 from autotune._format import GIB
-from autotune._identity import device_name
 from autotune.errors import BudgetError
 from autotune.result import TargetInfo
 
@@ -50,9 +50,7 @@ class Target:
 
 def discover(device: torch.device | str | None = None) -> Target:
     """Describe ``device`` (default: the current CUDA device if any, else the CPU)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = resolve_device(device)
     if device.type == "cuda":
         return _cuda_target(device)
     if device.type != "cpu":
@@ -140,8 +138,6 @@ def _cuda_target(device: torch.device) -> Target:
         raise BudgetError(
             f"device {device} was asked for but CUDA is not available here; pass device='cpu'."
         )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    device = torch.device("cuda", index)
     torch.cuda.init()
     torch.empty(1, device=device)  # create the context so that its size can be read
     free, total = torch.cuda.mem_get_info(device)

@@ -7,6 +7,7 @@ import warnings
 import torch
 from torch import nn
 
+from autotune._device import resolve_device
 from autotune._identity import differences
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
@@ -75,12 +76,12 @@ def prepare(
 
 def _default_device(device: torch.device | str | None, result: TuneResult | None) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        return resolve_device(device)
     if result is not None:
         tuned = torch.device(result.target.device)
         if tuned.type == "cpu" or (tuned.type == "cuda" and torch.cuda.is_available()):
-            return tuned
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return resolve_device(tuned)
+    return resolve_device(None)
 
 
 def _disable_kv_cache(model: nn.Module) -> None:

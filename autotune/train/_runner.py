@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._device import resolve_device
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.train import _batch as batching
@@ -56,7 +57,7 @@ class Runner:
     ) -> None:
         self.model = model
         self.config = config
-        self.device = device
+        self.device = device = resolve_device(device)
         self.loss_fn = loss_fn
         self.lr = lr
         self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
