@@ -85,8 +85,10 @@ class Profiler:
         try:
             runner.step(batching.resize(self.sample, b))
         except (AutotuneError, torch.OutOfMemoryError):
+            runner.close()
             raise
         except Exception as exc:
+            runner.close()
             raise ProfileError(
                 f"training the model on the sample batch failed with {type(exc).__name__}: "
                 f"{exc}. The batch is fed as model(batch) for a tensor, model(**batch) for a "
@@ -97,18 +99,19 @@ class Profiler:
     def optimizer(self, name: str, b: int) -> OptimizerProfile:
         """State bytes, step transient and step time of optimizer ``name``."""
         runner = self.first_step(TrainConfig(micro_batch_size=b, optimizer=name), b)
-        chunk = batching.resize(self.sample, b)
-        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
-        runner.forward_backward(chunk)
-        tracker = LiveBytesTracker(self.device.type)
-        existing = state_tensors(runner.model, runner.optimizer)
-        with measure_peak(self.device, existing=existing, tracker=tracker) as reading:
-            start = tracker.live
-            runner.optimizer_step()
-        times = []
-        for _ in range(self.repeats):
+        with runner:
+            chunk = batching.resize(self.sample, b)
+            state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runner.forward_backward(chunk)
-            times.append(self._timed(runner.optimizer_step))
+            tracker = LiveBytesTracker(self.device.type)
+            existing = state_tensors(runner.model, runner.optimizer)
+            with measure_peak(self.device, existing=existing, tracker=tracker) as reading:
+                start = tracker.live
+                runner.optimizer_step()
+            times = []
+            for _ in range(self.repeats):
+                runner.forward_backward(chunk)
+                times.append(self._timed(runner.optimizer_step))
         return OptimizerProfile(name, state, reading.peak_bytes - start, statistics.median(times))
 
     def host_step(self, name: str, b: int) -> float:
@@ -116,17 +119,18 @@ class Profiler:
         runner = self.first_step(
             TrainConfig(micro_batch_size=b, optimizer=name, offload_optimizer=True), b
         )
-        assert runner.host is not None
-        chunk = batching.resize(self.sample, b)
-        times = []
-        for _ in range(self.repeats):
-            runner.forward_backward(chunk)
-            runner.host.gather()
-            start = time.perf_counter()
-            runner.host.host_step(runner.apply_step)
-            times.append(time.perf_counter() - start)
-            runner.host.upload()
-            runner.zero_grad()
+        with runner:
+            assert runner.host is not None
+            chunk = batching.resize(self.sample, b)
+            times = []
+            for _ in range(self.repeats):
+                runner.forward_backward(chunk)
+                runner.host.gather()
+                start = time.perf_counter()
+                runner.host.host_step(runner.apply_step)
+                times.append(time.perf_counter() - start)
+                runner.host.upload()
+                runner.zero_grad()
         return statistics.median(times)
 
     def memory(
@@ -140,31 +144,31 @@ class Profiler:
         runner = self.first_step(
             TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
         )
-        state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
-        runs = {}
-        moved: dict[int, list[int]] = {}
-        ratio = 1.0
-        variants = 3 if offload and self.blocks else 2
-        for variant in range(variants):
-            remove_checkpointing(self.model)
-            if variant == 1:
-                apply_checkpointing(self.model, self.blocks)
-            elif variant == 2:
-                apply_offloading(self.model, self.blocks, runner.offloader)
-            for b in (b1, b2):
-                if self.device.type == "cuda":  # start from no cached blocks, as verify does
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                runs[b, variant] = records = tracked_step(
-                    runner, batching.resize(self.sample, b), self.modules
-                )
-                if variant == 2:
-                    moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
-                if self.device.type == "cuda":
-                    # Same step, two views: live tensor bytes and what the allocator reserved.
-                    reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
-                    ratio = max(ratio, reserved / max(r.peak for r in records))
-        remove_checkpointing(self.model)
+        with runner:
+            state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
+            runs = {}
+            moved: dict[int, list[int]] = {}
+            ratio = 1.0
+            variants = 3 if offload and self.blocks else 2
+            for variant in range(variants):
+                remove_checkpointing(self.model)
+                if variant == 1:
+                    apply_checkpointing(self.model, self.blocks)
+                elif variant == 2:
+                    apply_offloading(self.model, self.blocks, runner.offloader)
+                for b in (b1, b2):
+                    if self.device.type == "cuda":  # start from no cached blocks, as verify does
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    runs[b, variant] = records = tracked_step(
+                        runner, batching.resize(self.sample, b), self.modules
+                    )
+                    if variant == 2:
+                        moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
+                    if self.device.type == "cuda":
+                        # Same step, two views: live tensor bytes and what the allocator reserved.
+                        reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
+                        ratio = max(ratio, reserved / max(r.peak for r in records))
         base, phases = fit_phases(
             b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
         )
@@ -193,8 +197,7 @@ class Profiler:
             repeats = self.repeats if first < 0.2 else 1
             times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
         finally:
-            remove_checkpointing(self.model)
-            runner.optimizer.zero_grad(set_to_none=True)
+            runner.close()  # the checkpoint wrappers and the gradients
         return statistics.median(times)
 
     def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
@@ -220,6 +223,7 @@ class Profiler:
         finally:
             for h in handles:
                 h.remove()
+            runner.close()
         total = sum(spent)
         if total <= 0 or not self.modules:
             return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)

@@ -71,6 +71,7 @@ class Runner:
         self.offloader = ActivationOffloader(model, device)
         apply_offloading(model, config.offload_activations, self.offloader)
         self._in_optimizer_step = False
+        self._closed = False
 
     def _build_optimizer(self, offload: bool) -> torch.optim.Optimizer:
         """The config's optimizer, on the device or (``offload``) over host master weights."""
@@ -97,6 +98,8 @@ class Runner:
         Returns:
             The mean loss over the batch (a detached scalar tensor, not synchronised).
         """
+        if self._closed:
+            raise ConfigError("this runner is closed; prepare a new one to train again.")
         while True:
             restore = self._snapshot() if self.fallbacks else None
             try:
@@ -172,6 +175,24 @@ class Runner:
             self.host.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        """Release what the runner holds on the model: gradients on both sides, the
+        offloaded optimizer's gradient hooks (they keep its pinned host memory alive), and
+        the checkpoint and offload wrappers of the blocks. The weights stay as trained.
+        Closing twice is harmless; the runner cannot step after it.
+        """
+        self.zero_grad()
+        if self.host is not None:
+            self.host.close()
+        remove_checkpointing(self.model)
+        self._closed = True
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _snapshot(self) -> Any:
         """A function that puts the random state and buffers back as they are now."""

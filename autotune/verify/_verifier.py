@@ -83,7 +83,7 @@ class Verifier:
             return None, f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
         finally:
             if runner is not None:
-                runner.optimizer.zero_grad(set_to_none=True)
+                runner.close()  # gradients on both sides, offload hooks and pinned memory
             del runner
             self._release()
         if peak > self.budget_bytes:
@@ -133,7 +133,7 @@ class Verifier:
             runner.step(batch)  # warm-up
             return statistics.median(self._timed_steps(runner, batch))
         finally:
-            runner.optimizer.zero_grad(set_to_none=True)
+            runner.close()
             del runner
             self._release()
 

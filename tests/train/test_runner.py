@@ -374,3 +374,36 @@ def test_hugging_face_gpt2_with_dict_batch_and_checkpointing() -> None:
     torch.testing.assert_close(losses_c, losses_p, rtol=0.0, atol=0.0)
     assert_same_weights(model_c, model_p, rtol=0.0, atol=0.0)
     assert "forward" in model_c.transformer.h[0].__dict__
+
+
+# --- releasing what a runner holds -----------------------------------------------------
+
+
+def test_close_releases_the_offloaded_optimizer_and_unwraps_the_blocks() -> None:
+    import gc
+    import weakref
+
+    from autotune.errors import ConfigError
+    from autotune.models import gpt_batch, tiny_gpt
+
+    model = tiny_gpt()
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    config = TrainConfig(
+        micro_batch_size=2, grad_accum_steps=2, checkpoint=("blocks.0",), offload_optimizer=True
+    )
+    runner = prepare(model, config, device="cpu")
+    runner.step(gpt_batch(model.config, 4))
+    assert runner.host is not None
+    host = weakref.ref(runner.host)
+    assert any(p._post_accumulate_grad_hooks for p in model.parameters())
+    with runner:
+        pass  # the context manager closes
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert all(m.forward == forwards[name] for name, m in model.named_modules())
+    with pytest.raises(ConfigError, match="closed"):
+        runner.step(gpt_batch(model.config, 4))
+    runner.close()  # twice is harmless
+    del runner
+    gc.collect()
+    assert host() is None  # its pinned master weights and host state are gone

@@ -1,0 +1,55 @@
+"""The verifier leaves the tuner's model clean after every configuration it runs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from autotune.config import TrainConfig
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.train._runner import Runner
+from autotune.verify._verifier import Verifier
+
+CPU = torch.device("cpu")
+
+
+def verifier() -> Verifier:
+    model = tiny_gpt()
+    return Verifier(
+        copy.deepcopy(model),
+        gpt_batch(model.config, 4),
+        device=CPU,
+        budget_bytes=2**40,
+        loss_fn=None,
+    )
+
+
+def test_an_offloaded_optimizer_leaves_no_hooks_behind() -> None:
+    v = verifier()
+    for _ in range(2):
+        measured, error = v.run(TrainConfig(micro_batch_size=4, offload_optimizer=True))
+        assert error is None and measured is not None
+    assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
+    assert all(p.grad is None for p in v.model.parameters())
+
+
+def test_an_oom_mid_step_leaves_no_gradient_on_either_side(monkeypatch) -> None:
+    # The second micro-batch runs out of memory while the first one's gradients are still
+    # on the device (an offloaded optimizer takes them to the host only in the last one).
+    calls = {"n": 0}
+    forward_loss = Runner.forward_loss
+
+    def failing(self: Runner, chunk: object, weight: float = 1.0) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CPU out of memory. (injected)")
+        return forward_loss(self, chunk, weight)
+
+    monkeypatch.setattr(Runner, "forward_loss", failing)
+    v = verifier()
+    config = TrainConfig(micro_batch_size=2, grad_accum_steps=2, offload_optimizer=True)
+    measured, error = v.run(config)
+    assert measured is None and error is not None and "out of memory" in error
+    assert all(p.grad is None for p in v.model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
