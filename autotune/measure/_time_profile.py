@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import torch
+
 from autotune.measure._profile_data import Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
@@ -47,7 +49,8 @@ def time_profile(
     probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
     reference = "fp32" if "fp32" in feasible else next(iter(feasible))
     times: dict[str, dict[int, float]] = {p: {} for p in feasible}
-    times[reference][probe[reference]] = profiler.fwd_bwd_time(reference, probe[reference])
+    probe[reference], seconds = _probe(profiler, reference, probe[reference], sizes)
+    times[reference][probe[reference]] = seconds
     for p in list(feasible):
         if p == reference:
             continue
@@ -61,7 +64,7 @@ def time_profile(
             del feasible[p], times[p]
     precision_profiles = {}
     for p, cap in feasible.items():
-        ladder = _time_ladder(profiler, p, _ladder(sizes, cap), times[p])
+        ladder = _time_ladder(profiler, p, _ladder(sizes, cap), times[p], notes)
         xs = tuple(sorted(times[p]))
         ckpt_points = (
             sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
@@ -78,9 +81,15 @@ def time_profile(
 
 
 def _time_ladder(
-    profiler: Profiler, precision: str, ladder: list[int], times: dict[int, float]
+    profiler: Profiler,
+    precision: str,
+    ladder: list[int],
+    times: dict[int, float],
+    notes: list[str],
 ) -> list[int]:
     """Time forward+backward up the ladder into ``times``; returns the sizes timed.
+
+    An out-of-memory error past the first size ends the ladder there, with a note.
 
     Stops once the device is saturated (a doubling that no longer lowers the per-sample
     time by 3%, at a size whose pass takes over half a second) or a pass takes over 2 s.
@@ -90,7 +99,18 @@ def _time_ladder(
     done: list[int] = []
     for b in ladder:
         if b not in times:
-            times[b] = profiler.fwd_bwd_time(precision, b)
+            try:
+                times[b] = profiler.fwd_bwd_time(precision, b)
+            except torch.OutOfMemoryError:
+                if not done:
+                    raise
+                # The memory model said b fits the budget, but the device (shared, or
+                # fragmented) did not hold it: time up to here, verification decides the rest.
+                notes.append(
+                    f"{precision}: out of device memory timing micro-batch {b}; "
+                    f"timed up to {done[-1]}"
+                )
+                break
         done.append(b)
         if times[b] > _LONGEST_PASS_S:
             break
@@ -99,6 +119,18 @@ def _time_ladder(
             if times[b] / b > 0.97 * times[previous] / previous:
                 break
     return done
+
+
+def _probe(profiler: Profiler, precision: str, b: int, sizes: Sequence[int]) -> tuple[int, float]:
+    """(size, seconds) of the first timing: at ``b``, or halved until the device holds it."""
+    while True:
+        try:
+            return b, profiler.fwd_bwd_time(precision, b)
+        except torch.OutOfMemoryError:
+            smaller = [s for s in sizes if s <= b // 2]
+            if not smaller:
+                raise
+            b = smaller[-1]
 
 
 def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
