@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune._blocks import find_blocks, resolve_blocks
 from autotune.config import TrainConfig
 from autotune.errors import BlockError, ProfileError
@@ -62,7 +63,8 @@ def estimate(
     batching.batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     names = _blocks(model, blocks, (*config.checkpoint, *config.offload_activations))
-    foreign = torch.cuda.memory_allocated(target.device) if target.device.type == "cuda" else 0
+    ops = backend_for(target.device)
+    foreign = ops.reserved() if ops.caching else 0
     offloads = bool(config.offload_activations or config.offload_optimizer)
     offload_facts = measure_transfer(target) if offloads else None
     work = working_copy(model, target.device)
@@ -81,8 +83,7 @@ def estimate(
     finally:
         del work
         gc.collect()
-        if target.device.type == "cuda":
-            torch.cuda.empty_cache()
+        ops.empty_cache()
     return CostModel(profile).memory(config)
 
 

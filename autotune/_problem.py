@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune._blocks import resolve_blocks
 from autotune.errors import BudgetError, ConfigError, ProfileError
 from autotune.measure._devices import Target, budget_bytes, discover
@@ -101,7 +102,7 @@ def make_problem(
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
     batching.batch_size(sample_batch)
-    cuda = target.device.type == "cuda"
+    ops = backend_for(target.device)
     return Problem(
         sample=sample_batch,
         loss_fn=loss_fn,
@@ -113,7 +114,8 @@ def make_problem(
         global_batch_size=global_batch_size,
         budget=budget,
         limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
-        foreign=torch.cuda.memory_allocated(target.device) if cuda else 0,
+        # What the allocator already holds for other tensors (their blocks, cached ones).
+        foreign=ops.reserved() if ops.caching else 0,
     )
 
 

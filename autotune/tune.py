@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune._identity import fingerprint
 from autotune._problem import Problem, make_problem
 from autotune.config import TrainConfig
@@ -128,8 +129,7 @@ def autotune(
     finally:
         del work
         gc.collect()
-        if problem.target.device.type == "cuda":
-            torch.cuda.empty_cache()
+        backend_for(problem.target.device).empty_cache()
 
     assert chosen.measured is not None
     prediction = cost.predict(chosen.config)

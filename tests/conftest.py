@@ -72,3 +72,20 @@ def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
         profiler, ("fp32", "bf16"), ("adamw", "sgd"), device_name="cpu", context_bytes=0
     )
     return profile
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch: pytest.MonkeyPatch):
+    """The CPU behaves as a device with a caching allocator (see simulated_cuda.py) for the
+    test: the CUDA logic of autotune runs on CPU tensors. Build models inside the test."""
+    import functools
+
+    from simulated_cuda import SimulatedAllocator, SimulatedCuda
+
+    from autotune import _backend
+
+    allocator = SimulatedAllocator(total=8 * 2**30)
+    backend = functools.partial(SimulatedCuda, allocator=allocator)
+    monkeypatch.setitem(_backend._BACKENDS, "cpu", backend)
+    with allocator:
+        yield allocator

@@ -25,6 +25,7 @@ BASE = {
     "autotune.result",
     "autotune._format",
     "autotune.space",
+    "autotune._backend",
     "autotune._device",
     "autotune._identity",
     "autotune._blocks",

@@ -111,6 +111,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 def verify(args: argparse.Namespace) -> int:
     import torch
 
+    from autotune._backend import backend_for
     from autotune._identity import differences
     from autotune.measure._devices import discover
     from autotune.verify._verifier import Verifier
@@ -122,7 +123,7 @@ def verify(args: argparse.Namespace) -> int:
     target = discover(args.device or result.target.device)
     for difference in differences(result, model, target.device):
         print(f"autotune: warning: {difference}", file=sys.stderr)
-    cuda = target.device.type == "cuda"
+    ops = backend_for(target.device)
     verifier = Verifier(
         model,
         batch,
@@ -130,7 +131,7 @@ def verify(args: argparse.Namespace) -> int:
         budget_bytes=result.budget_bytes,
         loss_fn=loss,
         context_bytes=target.context_bytes,
-        foreign_bytes=torch.cuda.memory_allocated(target.device) if cuda else 0,
+        foreign_bytes=ops.reserved() if ops.caching else 0,
     )
     measured, error = verifier.run(result.config)
     budget, predicted = result.budget_bytes, result.predicted

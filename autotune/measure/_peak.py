@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autotune._backend import backend_for
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord
 
 __all__ = ["PeakReading", "measure_peak"]
@@ -24,6 +25,9 @@ class PeakReading:
     """Filled in when :func:`measure_peak`'s block ends."""
 
     peak_bytes: int = 0
+    """Peak device memory by the device's definition."""
+    live_peak_bytes: int = 0
+    """Peak live tensor bytes, where a tracker counted them (0 otherwise)."""
     phases: list[PhaseRecord] = field(default_factory=list)
 
 
@@ -39,48 +43,43 @@ def measure_peak(
 ) -> Iterator[PeakReading]:
     """Measure the peak device memory of the block, by the device's definition.
 
+    With a caching allocator (CUDA) the peak is its reserved peak, less ``foreign_bytes``,
+    plus the context, and the allocator is capped so that this stays within the budget.
+    Without one (CPU) it is the tracker's live-bytes peak, and the tracker guards the
+    budget. A tracker passed in counts live bytes and phases on every device: the
+    profile's timeline is in live bytes everywhere.
+
     Args:
         device: The device the block runs on.
-        existing: Tensors alive before the block that count towards the peak (CPU only;
-            on CUDA the allocator already holds them).
-        budget_bytes: On CPU, the guard raises ``torch.OutOfMemoryError`` past it; on
-            CUDA the caching allocator is capped at it for the block.
-        context_bytes: CUDA context size, added to the CUDA peak.
-        foreign_bytes: CUDA bytes held by tensors that are not part of the measured run.
-        tracker: On CPU, a tracker to use (to read its phases); a new one otherwise.
+        existing: Tensors alive before the block that count towards the tracker's peak.
+        budget_bytes: The budget the block must stay within (``None``: unbounded).
+        context_bytes: Device memory outside the allocator (the CUDA context).
+        foreign_bytes: Allocator bytes held by tensors that are not part of the run.
+        tracker: A tracker to use (to read its phases); without a caching allocator a
+            new one otherwise.
     """
+    ops = backend_for(device)
     reading = PeakReading()
-    if device.type == "cuda":
-        with _cuda_cap(device, budget_bytes, context_bytes, foreign_bytes):
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+    if tracker is None and not ops.caching:
+        tracker = LiveBytesTracker(device.type, budget_bytes=budget_bytes)
+    if tracker is not None:
+        tracker.track(existing)
+        tracker.peak = tracker.live
+    cap = None
+    if ops.caching and budget_bytes is not None:
+        cap = budget_bytes - context_bytes + foreign_bytes
+    with ops.cap(cap):
+        ops.synchronize()
+        ops.reset_peak()
+        with tracker if tracker is not None else contextlib.nullcontext():
             yield reading
-            torch.cuda.synchronize(device)
-        reserved = torch.cuda.max_memory_reserved(device)
-        reading.peak_bytes = max(reserved - foreign_bytes, 0) + context_bytes
-        return
-    tracker = tracker or LiveBytesTracker(device.type, budget_bytes=budget_bytes)
-    tracker.track(existing)
-    tracker.peak = tracker.live
-    with tracker:
-        yield reading
-    tracker.close()
-    reading.peak_bytes = tracker.peak
-    reading.phases = tracker.phases
-
-
-@contextlib.contextmanager
-def _cuda_cap(
-    device: torch.device, budget_bytes: int | None, context_bytes: int, foreign_bytes: int
-) -> Iterator[None]:
-    """Cap the caching allocator so that reserved + context stays within the budget."""
-    if budget_bytes is None:
-        yield
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    allowed = budget_bytes - context_bytes + foreign_bytes
-    torch.cuda.set_per_process_memory_fraction(min(max(allowed / total, 0.0), 1.0), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        ops.synchronize()
+    if tracker is not None:
+        tracker.close()
+        reading.phases = tracker.phases
+        reading.live_peak_bytes = tracker.peak
+    if ops.caching:
+        reading.peak_bytes = max(ops.max_reserved() - foreign_bytes, 0) + context_bytes
+    else:
+        assert tracker is not None
+        reading.peak_bytes = tracker.peak

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneError, ProfileError
 from autotune.measure._peak import measure_peak
@@ -74,6 +75,7 @@ class Profiler:
         self.device = device
         self.loss_fn = loss_fn
         self.foreign_bytes = foreign_bytes
+        self.ops = backend_for(device)
         self.repeats = 3
 
     def runner(self, config: TrainConfig) -> Runner:
@@ -105,14 +107,17 @@ class Profiler:
             runner.forward_backward(chunk)
             tracker = LiveBytesTracker(self.device.type)
             existing = state_tensors(runner.model, runner.optimizer)
-            with measure_peak(self.device, existing=existing, tracker=tracker) as reading:
+            with measure_peak(self.device, existing=existing, tracker=tracker):
                 start = tracker.live
                 runner.optimizer_step()
             times = []
             for _ in range(self.repeats):
                 runner.forward_backward(chunk)
                 times.append(self._timed(runner.optimizer_step))
-        return OptimizerProfile(name, state, reading.peak_bytes - start, statistics.median(times))
+        # The step's transient in live bytes, as the cost model adds it to live bytes (the
+        # reserved peak would count weights, gradients, state and cached blocks too).
+        transient = tracker.peak - start
+        return OptimizerProfile(name, state, transient, statistics.median(times))
 
     def host_step(self, name: str, b: int) -> float:
         """Median seconds of optimizer ``name``'s step on the host (offloaded), no transfers."""
@@ -157,17 +162,16 @@ class Profiler:
                 elif variant == 2:
                     apply_offloading(self.model, self.blocks, runner.offloader)
                 for b in (b1, b2):
-                    if self.device.type == "cuda":  # start from no cached blocks, as verify does
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(self.device)
+                    if self.ops.caching:  # start from no cached blocks, as verify does
+                        self.ops.empty_cache()
                     runs[b, variant] = records = tracked_step(
                         runner, batching.resize(self.sample, b), self.modules
                     )
                     if variant == 2:
                         moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
-                    if self.device.type == "cuda":
+                    if self.ops.caching:
                         # Same step, two views: live tensor bytes and what the allocator reserved.
-                        reserved = torch.cuda.max_memory_reserved(self.device) - self.foreign_bytes
+                        reserved = self.ops.max_reserved() - self.foreign_bytes
                         ratio = max(ratio, reserved / max(r.peak for r in records))
         base, phases = fit_phases(
             b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
@@ -230,8 +234,7 @@ class Profiler:
         return tuple(s / total for s in spent)
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.ops.synchronize()
         return time.perf_counter()
 
     def _timed(self, fn: Callable[[], Any]) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune.config import TrainConfig
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
@@ -70,6 +71,7 @@ class Verifier:
         self.context_bytes = context_bytes
         self.foreign_bytes = foreign_bytes
         self.steps = steps
+        self.ops = backend_for(device)
 
     def run(self, config: TrainConfig) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
@@ -92,7 +94,7 @@ class Verifier:
 
     def _measure(self, runner: Runner, batch: Any) -> tuple[int, float]:
         budget = self.budget_bytes
-        if self.device.type == "cuda":
+        if self.ops.caching:
             with measure_peak(
                 self.device,
                 budget_bytes=budget,
@@ -154,10 +156,8 @@ class Verifier:
         return time.perf_counter() - start
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.ops.synchronize()
 
     def _release(self) -> None:
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.ops.empty_cache()

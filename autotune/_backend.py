@@ -1,0 +1,102 @@
+"""What autotune asks of a device's memory system, in one place.
+
+A device with a caching allocator (CUDA) reserves more than its live tensors hold, keeps
+what it reserved, can be capped, and runs asynchronously; the CPU has none of this: its
+peak is the live-bytes tracker's and every call here is a no-op. The tuner's memory code
+calls a :class:`Backend` instead of ``torch.cuda``, so that CI can run the CUDA logic
+against a CPU stand-in with the same statistics (``tests/simulated_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["Backend", "CudaBackend", "backend_for"]
+
+
+class Backend:
+    """The CPU: no caching allocator, nothing asynchronous, nothing to cap."""
+
+    caching = False
+    """Whether a caching allocator reserves device memory beyond the live tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+
+    def empty_cache(self) -> None:
+        """Return cached, unused blocks to the device."""
+
+    def reset_peak(self) -> None:
+        """Start a new peak of :meth:`max_reserved`."""
+
+    def reserved(self) -> int:
+        """Bytes the allocator holds now (0 without a caching allocator)."""
+        return 0
+
+    def max_reserved(self) -> int:
+        """Bytes the allocator held at most since :meth:`reset_peak`."""
+        return 0
+
+    def total(self) -> int:
+        """The device's memory (0 when it has no memory of its own)."""
+        return 0
+
+    @contextlib.contextmanager
+    def cap(self, nbytes: int | None) -> Iterator[None]:
+        """Let the allocator reserve at most ``nbytes`` inside (``None``: no cap); the
+        cap in force before is restored after."""
+        yield
+
+
+class CudaBackend(Backend):
+    """The CUDA caching allocator, through ``torch.cuda``."""
+
+    caching = True
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def max_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def total(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    @contextlib.contextmanager
+    def cap(self, nbytes: int | None) -> Iterator[None]:
+        if nbytes is None:
+            yield
+            return
+        # torch >= 2.7 can say what the user had set; older ones only that 1.0 is the default.
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        previous = float(getter(self.device)) if getter is not None else 1.0
+        fraction = min(max(nbytes / self.total(), 0.0), 1.0)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(previous, self.device)
+
+
+_BACKENDS: dict[str, type[Backend]] = {"cpu": Backend, "cuda": CudaBackend}
+"""The backend of each device type (tests put the CPU stand-in of CUDA here)."""
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend of ``device``."""
+    return _BACKENDS.get(device.type, Backend)(device)

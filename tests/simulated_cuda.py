@@ -1,0 +1,152 @@
+"""A CPU stand-in for the CUDA caching allocator's statistics, so that CI runs the CUDA
+logic of autotune (reserved peaks, the context, foreign bytes, the cap) on CPU tensors.
+
+It models what the real allocator's rules (PyTorch's CUDACachingAllocator) do to the
+numbers autotune reads: requests rounded up to 512 bytes; requests up to 1 MiB carved from
+2 MiB segments of a small pool; larger ones from segments rounded up to 2 MiB, cached when
+freed and reused by a later request they fit; ``empty_cache`` returns cached segments; a
+cap makes a request that would reserve past it free the cache, then raise
+``torch.OutOfMemoryError``. It is a model of the statistics, not of the real allocator's
+block splitting; it runs the same autotune code the GPU runs, behind
+:class:`autotune._backend.Backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autotune._backend import Backend
+from autotune.train._host import in_host_memory, is_host_storage
+
+_ROUND = 512
+_SMALL = 1 << 20
+_SMALL_SEGMENT = 2 << 20
+_LARGE_ROUND = 2 << 20
+
+
+def _round(n: int, to: int) -> int:
+    return -(-max(n, 1) // to) * to
+
+
+class SimulatedAllocator(TorchDispatchMode):
+    """Sees every CPU storage allocated while it is active and keeps CUDA-like statistics."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__()
+        self.total = total
+        self.cap: int | None = None
+        self.allocated = 0
+        self.reserved = 0
+        self.peak = 0
+        self.small_free = 0
+        self.small_segments = 0
+        self.large_free: list[int] = []
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if in_host_memory():
+            return out
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in inputs and key not in self._seen and not is_host_storage(storage):
+                    self._allocate(storage)
+        return out
+
+    def _allocate(self, storage: torch.UntypedStorage) -> None:
+        size = _round(storage.nbytes(), _ROUND)
+        if size <= _SMALL:
+            if self.small_free < size:
+                self._reserve(_SMALL_SEGMENT)
+                self.small_free += _SMALL_SEGMENT
+                self.small_segments += 1
+            self.small_free -= size
+            segment = 0
+        else:
+            fits = [s for s in self.large_free if s >= size]
+            if fits:
+                segment = min(fits)
+                self.large_free.remove(segment)
+            else:
+                segment = _round(size, _LARGE_ROUND)
+                self._reserve(segment)
+        self.allocated += size
+        self._seen.add(id(storage))
+        weakref.finalize(storage, self._free, id(storage), size, segment)
+
+    def _reserve(self, nbytes: int) -> None:
+        if self.cap is not None and self.reserved + nbytes > self.cap:
+            self.empty_cache()
+            if self.reserved + nbytes > self.cap:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {nbytes} bytes (simulated: "
+                    f"{self.reserved} reserved, capped at {self.cap})"
+                )
+        self.reserved += nbytes
+        self.peak = max(self.peak, self.reserved)
+
+    def _free(self, key: int, size: int, segment: int) -> None:
+        self._seen.discard(key)
+        self.allocated -= size
+        if segment:
+            self.large_free.append(segment)
+        else:
+            self.small_free += size
+
+    def empty_cache(self) -> None:
+        self.reserved -= sum(self.large_free)
+        self.large_free = []
+        whole = min(self.small_free // _SMALL_SEGMENT, self.small_segments)
+        self.reserved -= whole * _SMALL_SEGMENT
+        self.small_free -= whole * _SMALL_SEGMENT
+        self.small_segments -= whole
+
+
+class SimulatedCuda(Backend):
+    """:class:`~autotune._backend.Backend` over a :class:`SimulatedAllocator`."""
+
+    caching = True
+
+    def __init__(self, device: torch.device, *, allocator: SimulatedAllocator) -> None:
+        super().__init__(device)
+        self.allocator = allocator
+
+    def empty_cache(self) -> None:
+        self.allocator.empty_cache()
+
+    def reset_peak(self) -> None:
+        self.allocator.peak = self.allocator.reserved
+
+    def reserved(self) -> int:
+        return self.allocator.reserved
+
+    def max_reserved(self) -> int:
+        return self.allocator.peak
+
+    def total(self) -> int:
+        return self.allocator.total
+
+    @contextlib.contextmanager
+    def cap(self, nbytes: int | None) -> Iterator[None]:
+        if nbytes is None:
+            yield
+            return
+        previous, self.allocator.cap = self.allocator.cap, min(max(nbytes, 0), self.total())
+        try:
+            yield
+        finally:
+            self.allocator.cap = previous

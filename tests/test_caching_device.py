@@ -1,0 +1,110 @@
+"""The CUDA logic of autotune, run on CPU against the caching-allocator stand-in.
+
+On a device with a caching allocator, peaks are the allocator's reserved peak plus the
+context; the profile's timeline is still in live bytes, counted by the tracker; the
+allocator is capped at the budget during verification and the user's cap comes back
+after. These tests run that code in CI (see tests/simulated_cuda.py); tests/test_cuda.py
+runs it on a real GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autotune
+from autotune._problem import make_problem
+from autotune.measure._memory_profile import memory_profile
+from autotune.measure._peak import measure_peak
+from autotune.measure._profile_data import PhaseKey
+from autotune.measure._profiler import Profiler
+from autotune.measure._tracker import LiveBytesTracker
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.space import SearchSpace
+
+CPU = torch.device("cpu")
+MIB = 2**20
+
+
+def test_the_peak_is_the_reserved_peak_and_the_tracker_still_counts(simulated_cuda) -> None:
+    tracker = LiveBytesTracker("cpu")
+    with measure_peak(CPU, tracker=tracker, context_bytes=1000) as reading:
+        tracker.phase(PhaseKey(1, "a"))
+        x = torch.empty(3 * MIB // 4)  # 3 MiB live, a 4 MiB segment reserved
+        del x
+    assert reading.peak_bytes == 4 * MIB + 1000
+    assert reading.live_peak_bytes == 3 * MIB
+    (phase,) = reading.phases  # the phase records are there: the profile can divide by them
+    assert phase.peak - phase.entry == 3 * MIB
+
+
+def test_foreign_bytes_are_left_out(simulated_cuda) -> None:
+    held = torch.empty(5 * MIB // 4)  # another tensor of the process: a 6 MiB segment
+    with measure_peak(CPU, foreign_bytes=simulated_cuda.reserved) as reading:
+        x = torch.empty(MIB)  # 4 MiB more
+        del x
+    assert reading.peak_bytes == 4 * MIB
+    del held
+
+
+def test_the_cap_raises_and_the_users_cap_comes_back(simulated_cuda) -> None:
+    simulated_cuda.cap = 512 * MIB  # what the user had set
+    with pytest.raises(torch.OutOfMemoryError), measure_peak(CPU, budget_bytes=8 * MIB):
+        torch.empty(16 * MIB // 4)
+    assert simulated_cuda.cap == 512 * MIB
+
+
+def test_the_profile_timeline_is_in_live_bytes_as_on_cpu(simulated_cuda, gpt_profile) -> None:
+    # gpt_profile was measured on the plain CPU (a session fixture, made before this test).
+    model = tiny_gpt(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    blocks = tuple(f"blocks.{i}" for i in range(3))
+    profiler = Profiler(model, gpt_batch(model.config, 4), blocks, device=CPU, loss_fn=None)
+    profile, _ = memory_profile(
+        profiler, ("fp32", "bf16"), ("adamw", "sgd"), device_name="sim", context_bytes=0
+    )
+    for p in ("fp32", "bf16"):
+        mine, cpu = profile.precisions[p], gpt_profile.precisions[p]
+        assert [ph.key for ph in mine.phases] == [ph.key for ph in cpu.phases]
+        assert [ph.delta for ph in mine.phases] == [ph.delta for ph in cpu.phases]
+        assert mine.alloc_ratio >= 1.0  # what the allocator reserves beyond the live bytes
+    for o in ("adamw", "sgd"):
+        # The optimizer step's transient is live bytes, not the whole reserved peak.
+        assert profile.optimizers[o].step_peak_bytes == gpt_profile.optimizers[o].step_peak_bytes
+        assert profile.optimizers[o].state_bytes == gpt_profile.optimizers[o].state_bytes
+
+
+def test_foreign_is_what_the_allocator_already_holds(simulated_cuda) -> None:
+    held = torch.empty(3 * MIB // 4)
+    model = tiny_gpt()
+    problem = make_problem(
+        model,
+        gpt_batch(model.config, 4),
+        1.0,
+        loss_fn=None,
+        global_batch_size=None,
+        device="cpu",
+        space=SearchSpace(),
+    )
+    assert problem.foreign == simulated_cuda.reserved > 4 * MIB  # segments, not tensor bytes
+    del held
+
+
+def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
+    model = tiny_gpt()
+    sample = gpt_batch(model.config, 4)
+    budget_gb = 96 * MIB / 2**30
+    result = autotune.autotune(
+        model, sample, budget_gb, global_batch_size=32, device="cpu", n_trials=20
+    )
+    assert result.measured.peak_bytes <= result.budget_bytes
+    fitted = [t for t in result.trials if t.measured is not None]
+    assert fitted and all(t.measured.peak_bytes <= result.budget_bytes for t in fitted)
+    # Reserved bytes: whole segments, more than the live bytes a CPU run measures.
+    assert result.measured.peak_bytes % (512) == 0
+    assert simulated_cuda.cap is None  # verification's cap is gone
+    assert isinstance(result.predicted.peak_bytes, int)
+    work = copy.deepcopy(model)
+    with autotune.prepare(work, result, device="cpu") as runner:
+        runner.step(gpt_batch(model.config, 32))
