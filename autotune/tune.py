@@ -68,7 +68,8 @@ def autotune(
         sample_batch: One batch (Tensor, tuple/list or dict; batch dimension 0); batches of
             any size are made from it. Tune at the longest sequence you will train on.
         budget_gb: Device memory the training run may use, in GiB.
-        loss_fn: ``loss_fn(output, batch) -> scalar``; default: see :mod:`autotune.loss`.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
+            ``output.loss``, or the first element of a tuple output.
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             default: no accumulation, the micro-batch is the batch.
         device: Target device; default CUDA if available, else CPU.

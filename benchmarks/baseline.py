@@ -7,7 +7,7 @@ trains a fresh copy of the model for two optimizer steps (the second holds the A
 next to the activations: the first step alone would under-state the peak) with micro-batch
 ``batch`` and ``ceil(G / batch)`` accumulation steps, under the same budget as the tuner:
 
-* CPU: inside :func:`autotune.memory.measure_peak` with ``budget_bytes`` (the budget
+* CPU: inside :func:`autotune.measure._peak.measure_peak` with ``budget_bytes`` (the budget
   guard, which raises ``torch.OutOfMemoryError``);
 * CUDA: the same call, which caps the caching allocator at the budget, so a real
   ``CUDA out of memory`` error is raised.

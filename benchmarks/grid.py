@@ -1,4 +1,4 @@
-"""The exhaustive grid, measured for real with the tuner's own :class:`~autotune.verify.Verifier`.
+"""The exhaustive grid, measured for real with the tuner's own :class:`~autotune.verify._verifier.Verifier`.
 
 Grid: every micro-batch size dividing the global batch (a power-of-two ladder when none
 is fixed) x each precision and optimizer the tuner searched x checkpointing none, all
@@ -86,7 +86,7 @@ class Sweep:
         sample: The sample batch.
         device: The device.
         loss_fn: The case's loss function, or ``None``.
-        context_bytes: CUDA context bytes (from :func:`autotune.target.discover`).
+        context_bytes: CUDA context bytes (from :func:`autotune.measure._devices.discover`).
         foreign_bytes: CUDA bytes held by other tensors before the copy was made.
     """
 

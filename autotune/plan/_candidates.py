@@ -47,7 +47,7 @@ def largest_fitting(
 ) -> int | None:
     """The largest allowed micro-batch size for which some configuration fits (binary search).
 
-    ``offload``: the optimizer placement; ``None``: any the study allows.
+    ``offload``: the optimizer placement; ``None``: any the planner allows.
     """
     if offload is None:
         found = [

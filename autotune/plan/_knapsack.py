@@ -1,6 +1,6 @@
 """Exact multiple-choice knapsack: one choice per block, least added time, enough bytes saved.
 
-Used by :meth:`autotune.cost.CostModel.plan` to choose, per block, between keeping,
+Used by :meth:`autotune.plan._cost.CostModel.plan` to choose, per block, between keeping,
 checkpointing and offloading.
 """
 

@@ -38,7 +38,8 @@ def prepare(
         model: The model to train (modified in place).
         config: A :class:`TrainConfig`, or a :class:`TuneResult` (its ``config``).
         lr: Learning rate of the optimizer.
-        loss_fn: ``loss_fn(output, batch) -> scalar``; see :mod:`autotune.loss`.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
+            ``output.loss``, or the first element of a tuple output.
         device: Where to train; default: the device a result was tuned on if it is
             available here, else CUDA if available, else CPU.
         strict: With a result tuned on another model structure, device or torch version:
