@@ -75,6 +75,8 @@ class TargetInfo:
     """Device memory (host RAM for the CPU)."""
     torch_version: str
     """The torch version the tuning ran with."""
+    context_bytes: int = 0
+    """Device memory outside the allocator (the CUDA context) when it was tuned."""
 
 
 @dataclasses.dataclass(frozen=True)

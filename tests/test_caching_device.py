@@ -105,6 +105,12 @@ def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
     assert result.measured.peak_bytes % (512) == 0
     assert simulated_cuda.cap is None  # verification's cap is gone
     assert isinstance(result.predicted.peak_bytes, int)
+    # prepare() trains within the budget verification held it to, until the runner closes.
     work = copy.deepcopy(model)
+    simulated_cuda.cap = 4 * 2**30  # what the user had set
+    own = sum(p.untyped_storage().nbytes() for p in {*work.parameters(), *work.buffers()})
+    foreign = simulated_cuda.reserved - own
     with autotune.prepare(work, result, device="cpu") as runner:
+        assert simulated_cuda.cap == result.budget_bytes + foreign
         runner.step(gpt_batch(model.config, 32))
+    assert simulated_cuda.cap == 4 * 2**30

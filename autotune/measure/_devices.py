@@ -45,7 +45,13 @@ class Target:
 
     def info(self) -> TargetInfo:
         """The plain facts recorded in a :class:`~autotune.config.TuneResult`."""
-        return TargetInfo(str(self.device), self.name, self.total_bytes, str(torch.__version__))
+        return TargetInfo(
+            str(self.device),
+            self.name,
+            self.total_bytes,
+            str(torch.__version__),
+            context_bytes=self.context_bytes,
+        )
 
 
 def discover(device: torch.device | str | None = None) -> Target:

@@ -7,6 +7,7 @@ import warnings
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune._device import resolve_device
 from autotune._identity import differences
 from autotune.config import TrainConfig
@@ -46,7 +47,9 @@ def prepare(
             raise ConfigError instead of warning.
 
     Given a :class:`TuneResult`, the runner falls back down ``result.fallbacks`` when a
-    step runs out of memory (see :meth:`Runner.step`).
+    step runs out of memory (see :meth:`Runner.step`), and on a device with a caching
+    allocator (CUDA) it caps the allocator at the result's budget, as verification did,
+    until the runner is closed.
     """
     if isinstance(config, TuneResult):
         result: TuneResult | None = config
@@ -64,6 +67,7 @@ def prepare(
         if strict:
             raise ConfigError(message)
         warnings.warn(message, AutotuneWarning, stacklevel=2)
+    foreign = _foreign_bytes(model, target) if result is not None else 0
     model.to(target)
     model.train()
     _disable_kv_cache(model)
@@ -72,7 +76,11 @@ def prepare(
     for p in model.parameters():
         p.grad = None
     fallbacks = result.fallbacks if result is not None else ()
-    return Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
+    runner = Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
+    if result is not None:  # train within the budget it was verified under
+        context = result.target.context_bytes
+        runner.hold_budget(result.budget_bytes, context_bytes=context, foreign_bytes=foreign)
+    return runner
 
 
 def _default_device(device: torch.device | str | None, result: TuneResult | None) -> torch.device:
@@ -83,6 +91,15 @@ def _default_device(device: torch.device | str | None, result: TuneResult | None
         if tuned.type == "cpu" or (tuned.type == "cuda" and torch.cuda.is_available()):
             return resolve_device(tuned)
     return resolve_device(None)
+
+
+def _foreign_bytes(model: nn.Module, device: torch.device) -> int:
+    """What the allocator of ``device`` holds for tensors other than ``model``'s."""
+    ops = backend_for(device)
+    if not ops.caching:
+        return 0
+    own = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
+    return max(ops.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)
 
 
 def _disable_kv_cache(model: nn.Module) -> None:

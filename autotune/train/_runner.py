@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune._device import resolve_device
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
@@ -72,6 +73,7 @@ class Runner:
         apply_offloading(model, config.offload_activations, self.offloader)
         self._in_optimizer_step = False
         self._closed = False
+        self._budget = contextlib.ExitStack()
 
     def _build_optimizer(self, offload: bool) -> torch.optim.Optimizer:
         """The config's optimizer, on the device or (``offload``) over host master weights."""
@@ -176,6 +178,19 @@ class Runner:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def hold_budget(
+        self, budget_bytes: int, *, context_bytes: int = 0, foreign_bytes: int = 0
+    ) -> None:
+        """Cap the device's caching allocator so that it and the context stay within
+        ``budget_bytes`` until :meth:`close`, as verification did; ``foreign_bytes``, what
+        the allocator holds for other tensors, comes on top. A device without a caching
+        allocator is not capped."""
+        ops = backend_for(self.device)
+        if not ops.caching:
+            return
+        self._budget.close()
+        self._budget.enter_context(ops.cap(budget_bytes - context_bytes + foreign_bytes))
+
     def close(self) -> None:
         """Release what the runner holds on the model: gradients on both sides, the
         offloaded optimizer's gradient hooks (they keep its pinned host memory alive), and
@@ -186,6 +201,7 @@ class Runner:
         if self.host is not None:
             self.host.close()
         remove_checkpointing(self.model)
+        self._budget.close()  # the allocator's cap as it was before
         self._closed = True
 
     def __enter__(self) -> Runner:
