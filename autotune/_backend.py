@@ -1,16 +1,18 @@
-"""What autotune asks of a device's memory system, in one place.
+"""What autotune asks of a device beyond its tensors, in one place.
 
 A device with a caching allocator (CUDA) reserves more than its live tensors hold, keeps
-what it reserved, can be capped, and runs asynchronously; the CPU has none of this: its
-peak is the live-bytes tracker's and every call here is a no-op. The tuner's memory code
-calls a :class:`Backend` instead of ``torch.cuda``, so that CI can run the CUDA logic
-against a CPU stand-in with the same statistics (``tests/simulated_cuda.py``).
+what it reserved, can be capped, and runs asynchronously on streams; the CPU has none of
+this: its peak is the live-bytes tracker's, its copies are synchronous, and every call
+here is a no-op. autotune calls a :class:`Backend` instead of ``torch.cuda``, so that CI
+runs the CUDA logic against a CPU stand-in with the same statistics and streams that run
+in order (``tests/simulated_cuda.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -22,6 +24,10 @@ class Backend:
 
     caching = False
     """Whether a caching allocator reserves device memory beyond the live tensors."""
+    streams = False
+    """Whether copies can run on side streams, overlapping compute (else synchronous)."""
+    pins = False
+    """Whether host buffers for transfers are pinned (page-locked)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -53,11 +59,40 @@ class Backend:
         cap in force before is restored after."""
         yield
 
+    def new_stream(self) -> Any:
+        """A side stream (only where :attr:`streams`)."""
+        raise NotImplementedError("this device has no streams")
+
+    def current_stream(self) -> Any:
+        """The stream the compute runs on (only where :attr:`streams`)."""
+        raise NotImplementedError("this device has no streams")
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Run the block's work on ``stream``."""
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until ``stream``'s queued work is done."""
+
 
 class CudaBackend(Backend):
-    """The CUDA caching allocator, through ``torch.cuda``."""
+    """The CUDA caching allocator and streams, through ``torch.cuda``."""
 
     caching = True
+    streams = True
+    pins = True
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

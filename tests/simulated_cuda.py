@@ -49,6 +49,9 @@ class SimulatedAllocator(TorchDispatchMode):
         self.small_segments = 0
         self.large_free: list[int] = []
         self._seen: set[int] = set()
+        self.compute = SimulatedStream()
+        """The stream compute runs on; side streams made by the offloaders are in ``streams``."""
+        self.streams: list[SimulatedStream] = [self.compute]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -116,14 +119,61 @@ class SimulatedAllocator(TorchDispatchMode):
         self.small_segments -= whole
 
 
+class SimulatedEvent:
+    """A point in a simulated stream's work (all of it is done: CPU work is synchronous)."""
+
+    def __init__(self, stream: SimulatedStream) -> None:
+        self.stream = stream
+
+
+class SimulatedStream:
+    """A stream whose work runs in order on the CPU; it counts what it is asked to do."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wait_stream(self, other: SimulatedStream) -> None:
+        assert isinstance(other, SimulatedStream)
+        self._count("wait_stream")
+
+    def record_event(self) -> SimulatedEvent:
+        self._count("record_event")
+        return SimulatedEvent(self)
+
+    def wait_event(self, event: SimulatedEvent) -> None:
+        assert isinstance(event, SimulatedEvent)
+        self._count("wait_event")
+
+    def synchronize(self) -> None:
+        self._count("synchronize")
+
+
 class SimulatedCuda(Backend):
-    """:class:`~autotune._backend.Backend` over a :class:`SimulatedAllocator`."""
+    """:class:`~autotune._backend.Backend` over a :class:`SimulatedAllocator`, with
+    streams that run in order. Host buffers are not pinned (a CPU build cannot pin)."""
 
     caching = True
+    streams = True
+    pins = False
 
     def __init__(self, device: torch.device, *, allocator: SimulatedAllocator) -> None:
         super().__init__(device)
         self.allocator = allocator
+
+    def new_stream(self) -> SimulatedStream:
+        stream = SimulatedStream()
+        self.allocator.streams.append(stream)
+        return stream
+
+    def current_stream(self) -> SimulatedStream:
+        return self.allocator.compute
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        assert isinstance(stream, SimulatedStream) and tensor.device.type == "cpu"
+        stream._count("record_stream")
 
     def empty_cache(self) -> None:
         self.allocator.empty_cache()

@@ -101,6 +101,26 @@ def test_offload_trains_exactly_like_no_offload(model, config: TrainConfig) -> N
     assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
 
 
+@pytest.mark.parametrize("config", SAME_MATH, ids=lambda c: c.describe())
+def test_offload_on_streams_trains_exactly_like_no_offload(
+    model, config: TrainConfig, simulated_cuda
+) -> None:
+    """The CUDA branch of offload (side streams, events, record_stream, the in-flight
+    bound) on the stand-in, where streams run in order: the same math, and it ran."""
+    plain = config.replace(offload_activations=(), offload_optimizer=False)
+    losses, weights = train(model, config)
+    ref_losses, ref_weights = train(model, plain)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True))
+    side = simulated_cuda.streams[1:]
+    assert any(s.calls.get("wait_stream", 0) > 0 for s in side)  # copies went on side streams
+    if config.offload_activations:
+        copies = sum(s.calls.get("record_stream", 0) for s in side)
+        events = sum(s.calls.get("record_event", 0) for s in side)
+        assert copies > 0 and events > 0
+        assert simulated_cuda.compute.calls.get("wait_event", 0) > 0
+
+
 def test_switching_the_optimizer_to_and_from_the_host_keeps_its_state(model) -> None:
     base = TrainConfig(micro_batch_size=4)
     host = base.replace(offload_optimizer=True, offload_activations=("blocks.2",))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune.train._host import host_empty
 
 __all__ = ["ActivationOffloader"]
@@ -75,9 +76,10 @@ class ActivationOffloader:
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
-        self._d2h = torch.cuda.Stream(device) if self.cuda else None
-        self._h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.ops = backend_for(device)
+        self.streams = self.ops.streams  # copies on side streams, overlapping compute
+        self._d2h = self.ops.new_stream() if self.streams else None
+        self._h2d = self.ops.new_stream() if self.streams else None
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._calls: list[weakref.ref[_Call]] = []
         self._seq = itertools.count()
@@ -92,18 +94,18 @@ class ActivationOffloader:
         self._calls = [c for c in self._calls if c() is not None]
         self._calls.append(weakref.ref(call))
         self.moved_bytes[block] = 0
-        if self.cuda:  # bound the copies in flight (and the device memory they pin)
+        if self.streams:  # bound the copies in flight (and the device memory they pin)
             while len(self._in_flight) >= _IN_FLIGHT:
-                torch.cuda.current_stream(self.device).wait_event(self._in_flight.popleft())
+                self.ops.current_stream().wait_event(self._in_flight.popleft())
             assert self._d2h is not None
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            self._d2h.wait_stream(self.ops.current_stream())
         try:
             pack = functools.partial(self._pack, call)
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 return forward(*args, **kwargs)
         finally:
             call.seen.clear()  # the forward alone dedups; kept, calls and packs would form a cycle
-            if self.cuda:
+            if self.streams:
                 assert self._d2h is not None
                 self._in_flight.append(self._d2h.record_event())
 
@@ -122,13 +124,13 @@ class ActivationOffloader:
         hit = call.seen.get(key)
         if hit is not None and hit[0]() is not None:
             return hit[1]  # the same tensor saved by several ops (e.g. q, k, v): one copy
-        host = host_empty(t, pinned=self.cuda)
-        if self.cuda:
+        host = host_empty(t, pinned=self.ops.pins)
+        if self.streams:
             assert self._d2h is not None
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
+            self._d2h.wait_stream(self.ops.current_stream())
+            with self.ops.use_stream(self._d2h):
                 host.copy_(t, non_blocking=True)
-            t.record_stream(self._d2h)  # its memory is reused only after the copy
+            self.ops.record_stream(t, self._d2h)  # its memory is reused only after the copy
         else:
             host.copy_(t)
         packed = _Packed(host, call)
@@ -147,8 +149,8 @@ class ActivationOffloader:
             if not call.restored:  # nothing prefetched it (the top offloaded block)
                 self._restore(call)
             self._prefetch_below(call)
-        if self.cuda and call.restore_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(call.restore_event)
+        if self.streams and call.restore_event is not None:
+            self.ops.current_stream().wait_event(call.restore_event)
         assert packed.restored is not None
         return packed.restored
 
@@ -163,21 +165,21 @@ class ActivationOffloader:
         """Copy a block call's tensors back to the device (on the copy stream on CUDA)."""
         call.restored = True
         packs = [p for p in (r() for r in call.packed) if p is not None and p.restored is None]
-        if self.cuda:
+        if self.streams:
             assert self._h2d is not None and self._d2h is not None
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+            self._h2d.wait_stream(self.ops.current_stream())
             self._h2d.wait_stream(self._d2h)  # the forward copies must have landed
         for p in packs:
             dev = torch.empty(p.host.shape, dtype=p.host.dtype, device=self.device)
-            if self.cuda:
+            if self.streams:
                 assert self._h2d is not None
-                with torch.cuda.stream(self._h2d):
+                with self.ops.use_stream(self._h2d):
                     dev.copy_(p.host, non_blocking=True)
-                dev.record_stream(self._h2d)
+                self.ops.record_stream(dev, self._h2d)
             else:
                 dev.copy_(p.host)
             p.restored = dev
-        if self.cuda:
+        if self.streams:
             assert self._h2d is not None
             call.restore_event = self._h2d.record_event()
 

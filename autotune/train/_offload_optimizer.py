@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._backend import backend_for
 from autotune.train._host import host_empty, host_memory, mark_host
 
 __all__ = ["OptimizerOffloader"]
@@ -37,16 +38,17 @@ class OptimizerOffloader:
         build: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     ) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.ops = backend_for(device)
+        self.streams = self.ops.streams  # copies on side streams, overlapping compute
         self.params = list(params)
         self.masters = []
         for p in self.params:
-            master = host_empty(p, pinned=self.cuda)
+            master = host_empty(p, pinned=self.ops.pins)
             master.copy_(p.detach())
             master.requires_grad_(p.requires_grad)
             self.masters.append(master)
-        self._d2h = torch.cuda.Stream(device) if self.cuda else None
-        self._h2d = torch.cuda.Stream(device) if self.cuda else None
+        self._d2h = self.ops.new_stream() if self.streams else None
+        self._h2d = self.ops.new_stream() if self.streams else None
         with host_memory():
             self.optimizer = build(self.masters)
         self.collect = False
@@ -62,13 +64,13 @@ class OptimizerOffloader:
         p, master = self.params[i], self.masters[i]
         assert p.grad is not None
         if master.grad is None:
-            master.grad = host_empty(p.grad, pinned=self.cuda)
-        if self.cuda:
+            master.grad = host_empty(p.grad, pinned=self.ops.pins)
+        if self.streams:
             assert self._d2h is not None
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
+            self._d2h.wait_stream(self.ops.current_stream())
+            with self.ops.use_stream(self._d2h):
                 master.grad.copy_(p.grad, non_blocking=True)
-            p.grad.record_stream(self._d2h)
+            self.ops.record_stream(p.grad, self._d2h)
         else:
             master.grad.copy_(p.grad)
         p.grad = None  # freed on the device once the copy is done
@@ -78,7 +80,7 @@ class OptimizerOffloader:
         for i, p in enumerate(self.params):
             if p.grad is not None:
                 self._to_host(i)
-        if self.cuda:
+        if self.streams:
             assert self._d2h is not None
             self._d2h.synchronize()
 
@@ -96,19 +98,19 @@ class OptimizerOffloader:
 
     def upload(self) -> None:
         """Copy the master weights into the device parameters (asynchronously on CUDA)."""
-        if not self.cuda:
+        if not self.streams:
             with torch.no_grad():
                 for p, master in zip(self.params, self.masters, strict=True):
                     p.copy_(master)
             return
         assert self._h2d is not None
-        self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._h2d):
+        self._h2d.wait_stream(self.ops.current_stream())
+        with self.ops.use_stream(self._h2d):
             for p, master in zip(self.params, self.masters, strict=True):
                 p.data.copy_(master, non_blocking=True)
         # Whatever runs next on the compute stream (the next forward, a state_dict copy)
         # sees the new weights; the CPU is not blocked.
-        torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        self.ops.current_stream().wait_stream(self._h2d)
 
     def zero_grad(self) -> None:
         """Drop the gradients, on the host and on the device."""
