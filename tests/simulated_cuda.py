@@ -45,6 +45,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.allocated = 0
         self.reserved = 0
         self.peak = 0
+        self.high_water = 0
+        """The most ever reserved (``peak`` is reset by measurements, this never is)."""
         self.small_free = 0
         self.small_segments = 0
         self.large_free: list[int] = []
@@ -101,6 +103,7 @@ class SimulatedAllocator(TorchDispatchMode):
                 )
         self.reserved += nbytes
         self.peak = max(self.peak, self.reserved)
+        self.high_water = max(self.high_water, self.reserved)
 
     def _free(self, key: int, size: int, segment: int) -> None:
         self._seen.discard(key)

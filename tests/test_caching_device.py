@@ -10,6 +10,7 @@ runs it on a real GPU.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -114,3 +115,43 @@ def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
         assert simulated_cuda.cap == result.budget_bytes + foreign
         runner.step(gpt_batch(model.config, 32))
     assert simulated_cuda.cap == 4 * 2**30
+
+
+def _profiler() -> Profiler:
+    model = tiny_gpt(n_layer=2, n_embd=64, n_head=2, block_size=256, vocab_size=64)
+    blocks = ("blocks.0", "blocks.1")
+    return Profiler(model, gpt_batch(model.config, 4), blocks, device=CPU, loss_fn=None)
+
+
+def _need(simulated_cuda, b1: int, b2: int) -> int:
+    """Bytes the allocator reserves above a fresh model's to profile at ``b1`` and ``b2``."""
+    profiler = _profiler()
+    base = simulated_cuda.high_water = simulated_cuda.reserved
+    profiler.optimizer("adamw", b1)
+    profiler.memory("fp32", "adamw", b1, b2)
+    need = simulated_cuda.high_water - base
+    del profiler
+    gc.collect()
+    simulated_cuda.empty_cache()
+    return need
+
+
+def test_a_device_too_small_for_micro_batch_4_is_profiled_at_1_and_2(simulated_cuda) -> None:
+    small, large = _need(simulated_cuda, 1, 2), _need(simulated_cuda, 2, 4)
+    assert small < large
+    profiler = _profiler()
+    simulated_cuda.cap = simulated_cuda.reserved + small  # room for 1 and 2, not for 2 and 4
+    profile, notes = memory_profile(
+        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0
+    )
+    assert "fp32" in profile.precisions
+    assert notes == ["fp32: out of device memory while profiling at micro-batch 4"]
+    assert {ph.key.micro for ph in profile.precisions["fp32"].phases} == {1, 2}
+
+
+def test_a_device_too_small_for_micro_batch_2_is_a_profile_error(simulated_cuda) -> None:
+    small = _need(simulated_cuda, 1, 2)
+    profiler = _profiler()
+    simulated_cuda.cap = simulated_cuda.reserved + small // 2
+    with pytest.raises(autotune.ProfileError, match="does not fit sim even at micro-batch 2"):
+        memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
