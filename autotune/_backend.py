@@ -38,6 +38,9 @@ class Backend:
     def empty_cache(self) -> None:
         """Return cached, unused blocks to the device."""
 
+    def empty_host_cache(self) -> None:
+        """Return cached, unused pinned host memory to the host (offload's buffers)."""
+
     def reset_peak(self) -> None:
         """Start a new peak of :meth:`max_reserved`."""
 
@@ -99,6 +102,13 @@ class CudaBackend(Backend):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def empty_host_cache(self) -> None:
+        # torch's pinned-memory cache keeps what offload freed (rounded up to powers of
+        # two) for the life of the process unless asked; torch >= 2.8 can be asked.
+        release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if release is not None:
+            release()
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -46,6 +46,7 @@ class SimulatedAllocator(TorchDispatchMode):
         self.reserved = 0
         self.peak = 0
         self.high_water = 0
+        self.host_cache_releases = 0
         """The most ever reserved (``peak`` is reset by measurements, this never is)."""
         self.small_free = 0
         self.small_segments = 0
@@ -180,6 +181,9 @@ class SimulatedCuda(Backend):
 
     def empty_cache(self) -> None:
         self.allocator.empty_cache()
+
+    def empty_host_cache(self) -> None:
+        self.allocator.host_cache_releases += 1
 
     def reset_peak(self) -> None:
         self.allocator.peak = self.allocator.reserved

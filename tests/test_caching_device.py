@@ -57,6 +57,19 @@ def test_the_cap_raises_and_the_users_cap_comes_back(simulated_cuda) -> None:
     assert simulated_cuda.cap == 512 * MIB
 
 
+def test_verification_releases_pinned_host_memory_between_configs(simulated_cuda) -> None:
+    from autotune.config import TrainConfig
+    from autotune.verify._verifier import Verifier
+
+    model = tiny_gpt()
+    verifier = Verifier(
+        model, gpt_batch(model.config, 4), device=CPU, budget_bytes=2**30, loss_fn=None
+    )
+    measured, error = verifier.run(TrainConfig(micro_batch_size=4, offload_optimizer=True))
+    assert error is None and measured is not None
+    assert simulated_cuda.host_cache_releases >= 2  # before the config and after it
+
+
 def test_the_profile_timeline_is_in_live_bytes_as_on_cpu(simulated_cuda, gpt_profile) -> None:
     # gpt_profile was measured on the plain CPU (a session fixture, made before this test).
     model = tiny_gpt(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)

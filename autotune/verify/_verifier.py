@@ -161,3 +161,4 @@ class Verifier:
     def _release(self) -> None:
         gc.collect()
         self.ops.empty_cache()
+        self.ops.empty_host_cache()  # pinned buffers of an offloading config, between configs
