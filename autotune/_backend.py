@@ -11,12 +11,13 @@ in order (``tests/simulated_cuda.py``).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Backend", "CudaBackend", "backend_for"]
+__all__ = ["Backend", "CudaBackend", "backend_for", "context_bytes"]
 
 
 class Backend:
@@ -54,6 +55,11 @@ class Backend:
 
     def total(self) -> int:
         """The device's memory (0 when it has no memory of its own)."""
+        return 0
+
+    def context_bytes(self) -> int:
+        """This process's device memory outside the allocator (the CUDA context, cuBLAS
+        handles, loaded kernels); it grows as kernels load, so read it after a step."""
         return 0
 
     @contextlib.contextmanager
@@ -122,6 +128,15 @@ class CudaBackend(Backend):
     def total(self) -> int:
         return int(torch.cuda.get_device_properties(self.device).total_memory)
 
+    def context_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", ""))
+        try:
+            import pynvml
+        except ImportError:
+            pynvml = None
+        return context_bytes(pynvml, uuid, os.getpid(), self.reserved(), total - free)
+
     @contextlib.contextmanager
     def cap(self, nbytes: int | None) -> Iterator[None]:
         if nbytes is None:
@@ -145,3 +160,30 @@ _BACKENDS: dict[str, type[Backend]] = {"cpu": Backend, "cuda": CudaBackend}
 def backend_for(device: torch.device) -> Backend:
     """The backend of ``device``."""
     return _BACKENDS.get(device.type, Backend)(device)
+
+
+def context_bytes(nvml: Any, uuid: str, pid: int, reserved: int, used_on_device: int) -> int:
+    """The context of process ``pid`` on the GPU ``uuid``: what NVML says the process
+    uses beyond what its allocator ``reserved``.
+
+    The GPU is found by its UUID: under ``CUDA_VISIBLE_DEVICES`` a CUDA index is not
+    NVML's. Where NVML cannot say (no NVML, no permission, or a container, whose PIDs are
+    not the host's that NVML lists), it falls back to what the whole device uses beyond
+    the allocator, capped at 1 GiB since other processes may share the GPU.
+    """
+    if nvml is not None and uuid:
+        try:
+            nvml.nvmlInit()
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == pid and proc.usedGpuMemory:
+                        return max(int(proc.usedGpuMemory) - reserved, 0)
+            finally:
+                nvml.nvmlShutdown()
+        except Exception:  # NVML's own errors (no permission, unknown GPU): fall back
+            pass
+    return min(max(used_on_device - reserved, 0), _GIB)
+
+
+_GIB = 2**30

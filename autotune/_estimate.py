@@ -8,6 +8,7 @@ and 4, on a copy of the model) fed to the cost model. Nothing is timed or verifi
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -84,7 +85,9 @@ def estimate(
         del work
         gc.collect()
         ops.empty_cache()
-    return CostModel(profile).memory(config)
+    # After the profile's training steps the context holds what loads lazily too.
+    context = max(target.context_bytes, ops.context_bytes())
+    return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)
 
 
 def _blocks(

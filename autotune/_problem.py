@@ -3,6 +3,7 @@ target (budget in bytes, blocks, micro-batch sizes, precisions the device runs).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,11 @@ class Problem:
     def offload(self) -> bool:
         """Whether offload is searched (and so profiled) on this device."""
         return any(self.space.offloads(self.target.device.type))
+
+    def with_context(self, context_bytes: int) -> Problem:
+        """The same run with the context measured again (after training steps)."""
+        target = dataclasses.replace(self.target, context_bytes=context_bytes)
+        return dataclasses.replace(self, target=target)
 
     def planner(self, cost: CostModel, precisions: Sequence[str]) -> Planner:
         """The planner of this run's space on ``cost``; offload only where it was profiled."""

@@ -110,6 +110,7 @@ def autotune(
                 store.save_profile(profile)
         else:
             log.info("profile read from study %s", store.name if store else "")
+        problem = problem.with_context(profile.context_bytes)
         cost = CostModel(profile)
         planner = problem.planner(cost, tuple(profile.precisions))
         log.info(
@@ -240,6 +241,10 @@ def _profile(work: nn.Module, problem: Problem) -> Profile:
         context_bytes=target.context_bytes,
         transfer=measure_transfer(target) if problem.offload else None,
     )
+    # Training steps have run: the context now holds cuBLAS workspaces and the kernels
+    # loaded lazily, which discover() could not see yet.
+    context = max(target.context_bytes, backend_for(target.device).context_bytes())
+    draft = dataclasses.replace(draft, context_bytes=context)
     planner = problem.planner(CostModel(draft), tuple(draft.precisions))
     optimizers = problem.space.optimizers
     caps = {

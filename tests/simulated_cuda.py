@@ -47,6 +47,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.peak = 0
         self.high_water = 0
         self.host_cache_releases = 0
+        self.context = 0
+        """Device memory outside the allocator, as a test sets it (kernels load lazily)."""
         """The most ever reserved (``peak`` is reset by measurements, this never is)."""
         self.small_free = 0
         self.small_segments = 0
@@ -196,6 +198,9 @@ class SimulatedCuda(Backend):
 
     def total(self) -> int:
         return self.allocator.total
+
+    def context_bytes(self) -> int:
+        return self.allocator.context
 
     @contextlib.contextmanager
     def cap(self, nbytes: int | None) -> Iterator[None]:

@@ -57,6 +57,35 @@ def test_the_cap_raises_and_the_users_cap_comes_back(simulated_cuda) -> None:
     assert simulated_cuda.cap == 512 * MIB
 
 
+def test_the_context_is_read_again_once_training_has_loaded_its_kernels(
+    simulated_cuda, monkeypatch
+) -> None:
+    from autotune.train._runner import Runner
+
+    simulated_cuda.context = 10 * MIB  # what a fresh context holds
+    step = Runner.step
+
+    def first_step_loads_kernels(self: Runner, batch: object) -> object:
+        simulated_cuda.context = 30 * MIB  # cuBLAS workspaces, lazily loaded kernels
+        return step(self, batch)
+
+    monkeypatch.setattr(Runner, "step", first_step_loads_kernels)
+    model = tiny_gpt()
+    result = autotune.autotune(
+        model,
+        gpt_batch(model.config, 4),
+        128 * MIB / 2**30,
+        global_batch_size=32,
+        device="cpu",
+        n_trials=12,
+    )
+    assert result.target.context_bytes == 30 * MIB
+    assert result.breakdown.other >= 30 * MIB  # the prediction holds the whole context
+    assert result.measured.peak_bytes <= result.budget_bytes
+    peak, parts = autotune.estimate(model, gpt_batch(model.config, 4), device="cpu")
+    assert parts.other >= 30 * MIB and peak == parts.total
+
+
 def test_verification_releases_pinned_host_memory_between_configs(simulated_cuda) -> None:
     from autotune.config import TrainConfig
     from autotune.verify._verifier import Verifier

@@ -12,16 +12,16 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from autotune._backend import backend_for
 from autotune._device import device_name, resolve_device
 from autotune._format import GIB
 from autotune.errors import BudgetError
 from autotune.result import TargetInfo
 
-__all__ = ["Target", "Transfer", "budget_bytes", "context_bytes", "discover", "measure_transfer"]
+__all__ = ["Target", "Transfer", "budget_bytes", "discover", "measure_transfer"]
 
 
 @dataclass(frozen=True)
@@ -149,49 +149,8 @@ def _cuda_target(device: torch.device) -> Target:
     torch.empty(1, device=device)  # create the context so that its size can be read
     free, total = torch.cuda.mem_get_info(device)
     name = device_name(device)
-    return Target(
-        device,
-        name,
-        total,
-        free,
-        _cuda_context_bytes(device, total - free),
-        _host_available_bytes(),
-    )
-
-
-def _cuda_context_bytes(device: torch.device, used_on_device: int) -> int:
-    """This process's device memory that the caching allocator does not account for."""
-    reserved = int(torch.cuda.memory_reserved(device))
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
-    try:
-        import pynvml
-    except ImportError:
-        pynvml = None
-    return context_bytes(pynvml, uuid, os.getpid(), reserved, used_on_device)
-
-
-def context_bytes(nvml: Any, uuid: str, pid: int, reserved: int, used_on_device: int) -> int:
-    """The context of process ``pid`` on the GPU ``uuid``: what NVML says the process
-    uses beyond what its allocator ``reserved``.
-
-    The GPU is found by its UUID: under ``CUDA_VISIBLE_DEVICES`` a CUDA index is not
-    NVML's. Where NVML cannot say (no NVML, no permission, or a container, whose PIDs are
-    not the host's that NVML lists), it falls back to what the whole device uses beyond
-    the allocator, capped at 1 GiB since other processes may share the GPU.
-    """
-    if nvml is not None and uuid:
-        try:
-            nvml.nvmlInit()
-            try:
-                handle = nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == pid and proc.usedGpuMemory:
-                        return max(int(proc.usedGpuMemory) - reserved, 0)
-            finally:
-                nvml.nvmlShutdown()
-        except Exception:  # NVML's own errors (no permission, unknown GPU): fall back
-            pass
-    return min(max(used_on_device - reserved, 0), GIB)
+    context = backend_for(device).context_bytes()
+    return Target(device, name, total, free, context, _host_available_bytes())
 
 
 def _host_total_bytes() -> int:

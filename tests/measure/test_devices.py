@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from autotune.measure._devices import context_bytes, discover
+from autotune._backend import context_bytes
+from autotune.measure._devices import discover
 
 GIB = 2**30
 
