@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from autotune._format import GIB
+
 __all__ = ["Backend", "CudaBackend", "backend_for", "context_bytes"]
 
 
@@ -183,7 +185,4 @@ def context_bytes(nvml: Any, uuid: str, pid: int, reserved: int, used_on_device:
                 nvml.nvmlShutdown()
         except Exception:  # NVML's own errors (no permission, unknown GPU): fall back
             pass
-    return min(max(used_on_device - reserved, 0), _GIB)
-
-
-_GIB = 2**30
+    return min(max(used_on_device - reserved, 0), GIB)
