@@ -65,7 +65,7 @@ def estimate(
     target = discover(device)
     names = _blocks(model, blocks, (*config.checkpoint, *config.offload_activations))
     ops = backend_for(target.device)
-    foreign = ops.reserved() if ops.caching else 0
+    foreign = ops.reserved()
     offloads = bool(config.offload_activations or config.offload_optimizer)
     offload_facts = measure_transfer(target) if offloads else None
     work = working_copy(model, target.device)

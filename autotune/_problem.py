@@ -108,7 +108,6 @@ def make_problem(
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
     batching.batch_size(sample_batch)
-    ops = backend_for(target.device)
     return Problem(
         sample=sample_batch,
         loss_fn=loss_fn,
@@ -121,7 +120,7 @@ def make_problem(
         budget=budget,
         limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
         # What the allocator already holds for other tensors (their blocks, cached ones).
-        foreign=ops.reserved() if ops.caching else 0,
+        foreign=backend_for(target.device).reserved(),
     )
 
 

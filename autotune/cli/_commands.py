@@ -123,7 +123,6 @@ def verify(args: argparse.Namespace) -> int:
     target = discover(args.device or result.target.device)
     for difference in differences(result, model, target.device):
         print(f"autotune: warning: {difference}", file=sys.stderr)
-    ops = backend_for(target.device)
     verifier = Verifier(
         model,
         batch,
@@ -131,7 +130,7 @@ def verify(args: argparse.Namespace) -> int:
         budget_bytes=result.budget_bytes,
         loss_fn=loss,
         context_bytes=target.context_bytes,
-        foreign_bytes=ops.reserved() if ops.caching else 0,
+        foreign_bytes=backend_for(target.device).reserved(),
     )
     measured, error = verifier.run(result.config)
     budget, predicted = result.budget_bytes, result.predicted
