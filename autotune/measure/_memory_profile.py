@@ -88,7 +88,6 @@ def memory_profile(
         precisions=memory,
         optimizers=measured,
         context_bytes=context_bytes,
-        alloc_ratio=max(m.alloc_ratio for m in memory.values()),
         block_bytes=block_parameter_bytes(profiler.model, blocks),
         transfer=transfer,
     )

@@ -11,6 +11,7 @@ import bisect
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,6 +61,20 @@ class Line:
     def through(b1: int, v1: float, b2: int, v2: float) -> Line:
         slope = (v2 - v1) / (b2 - b1)
         return Line(v1 - slope * b1, slope)
+
+    @staticmethod
+    def rising(points: Sequence[tuple[int, float]]) -> Line:
+        """The least-squares line through ``(b, value)`` points, never falling with ``b``:
+        where the fit falls (noise, or rounding that weighs more at small sizes), the
+        largest value as a constant, so that extrapolating to larger sizes stays safe."""
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_v = sum(v for _, v in points) / n
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = sum((b - mean_b) * (v - mean_v) for b, v in points) / spread if spread else 0.0
+        if slope <= 0:
+            return Line(max(v for _, v in points), 0.0)
+        return Line(mean_v - slope * mean_b, slope)
 
 
 @dataclass(frozen=True)
@@ -126,8 +141,9 @@ class PrecisionProfile:
     phases: tuple[Phase, ...]
     """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
     time: TimeCurve | None = None
-    alloc_ratio: float = 1.0
-    """CUDA: the caching allocator's reserved peak per live byte at the peak (1 on CPU)."""
+    reserve: tuple[Line, ...] = ()
+    """A caching allocator's (CUDA's) reserved peak beyond the live peak, per variant (kept,
+    checkpointed, offloaded), fitted over the profiled micro-batch sizes (empty: none)."""
     moved: tuple[Line, ...] = ()
     """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
 
@@ -158,8 +174,6 @@ class Profile:
     precisions: dict[str, PrecisionProfile]
     optimizers: dict[str, OptimizerProfile]
     context_bytes: int = 0
-    alloc_ratio: float = 1.0
-    """CUDA reserved bytes per live byte (1 on CPU)."""
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
     block_bytes: tuple[int, ...] = ()
@@ -201,7 +215,7 @@ def profile_from_json(text: str) -> Profile:
         t = p["time"]
         curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
         return PrecisionProfile(
-            p["precision"], p["base_bytes"], phases, curve, p["alloc_ratio"], lines(p["moved"])
+            p["precision"], p["base_bytes"], phases, curve, lines(p["reserve"]), lines(p["moved"])
         )
 
     return Profile(
@@ -213,7 +227,6 @@ def profile_from_json(text: str) -> Profile:
         precisions={k: precision(v) for k, v in d["precisions"].items()},
         optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
         context_bytes=d["context_bytes"],
-        alloc_ratio=d["alloc_ratio"],
         seconds=d["seconds"],
         notes=tuple(d["notes"]),
         block_bytes=tuple(d["block_bytes"]),

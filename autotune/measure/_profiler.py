@@ -34,8 +34,7 @@ from autotune.train._runner import Runner
 
 __all__ = ["Profiler", "block_parameter_bytes"]
 
-_PROFILE_LR = 1e-6
-_MAX_ALLOC_RATIO = 1.25  # the copy trains while it is measured; keep its weights sane
+_PROFILE_LR = 1e-6  # the copy trains while it is measured; keep its weights sane
 
 
 def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
@@ -153,7 +152,7 @@ class Profiler:
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runs = {}
             moved: dict[int, list[int]] = {}
-            ratio = 1.0
+            beyond: dict[int, list[tuple[int, float]]] = {}
             variants = 3 if offload and self.blocks else 2
             for variant in range(variants):
                 remove_checkpointing(self.model)
@@ -172,7 +171,8 @@ class Profiler:
                     if self.ops.caching:
                         # Same step, two views: live tensor bytes and what the allocator reserved.
                         reserved = self.ops.max_reserved() - self.foreign_bytes
-                        ratio = max(ratio, reserved / max(r.peak for r in records))
+                        live = max(r.peak for r in records)
+                        beyond.setdefault(variant, []).append((b, float(reserved - live)))
         base, phases = fit_phases(
             b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
         )
@@ -184,11 +184,10 @@ class Profiler:
                 Line.through(b1, m1, b2, m2) for m1, m2 in zip(moved[b1], moved[b2], strict=True)
             )
             micro = tuple(_own_backward(ph, lines) for ph in micro)
-        # Micro-batches 2 and 4 are small: block rounding weighs more than at the sizes
-        # the search picks. Bound the ratio; verification measures the real peak anyway.
-        return PrecisionProfile(
-            precision, base - state, micro, alloc_ratio=min(ratio, _MAX_ALLOC_RATIO), moved=lines
-        )
+        # What the allocator reserves beyond the live bytes: rounding and segments (a
+        # constant) and fragmentation that grows with the activations (the slope).
+        reserve = tuple(Line.rising(beyond[v]) for v in sorted(beyond))
+        return PrecisionProfile(precision, base - state, micro, reserve=reserve, moved=lines)
 
     def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``."""

@@ -109,7 +109,7 @@ class MemoryModel(ProfileView):
         elif live + opt.step_peak_bytes > peak:
             peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
         live_peak = math.ceil(max(peak, start))
-        return self.device_bytes(live_peak), live_peak, grads
+        return self.device_bytes(live_peak, precision, b, shares), live_peak, grads
 
     def _variant_shares(self, mask: Mask) -> tuple[float, float]:
         """Parameter shares of the checkpointed and of the offloaded blocks."""
@@ -155,9 +155,20 @@ class MemoryModel(ProfileView):
             live += delta
         return peak, live, grads
 
-    def device_bytes(self, live_bytes: int) -> int:
-        """Live tensor bytes to device bytes (CUDA: allocator overhead and context)."""
-        return int(live_bytes * self.profile.alloc_ratio) + self.profile.context_bytes
+    def device_bytes(
+        self, live_bytes: int, precision: str, b: int, shares: tuple[float, float]
+    ) -> int:
+        """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
+        beyond them at micro-batch ``b`` (each variant's fit, weighted by the checkpointed
+        and offloaded ``shares`` as between blocks), and the context."""
+        reserve = self.profile.precisions[precision].reserve
+        beyond = 0.0
+        if reserve:
+            beyond = reserve[0](b)
+            for share, v in zip(shares, (CHECKPOINT, OFFLOAD), strict=True):
+                if share and v < len(reserve):
+                    beyond += share * (reserve[v](b) - reserve[0](b))
+        return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
 
     def host_bytes(self, config: TrainConfig) -> int:
         """Host bytes offload holds at most: optimizer side and one micro-batch's activations."""

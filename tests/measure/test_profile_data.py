@@ -1,0 +1,31 @@
+"""The profile's records: the lines fitted over micro-batch sizes, and the JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.measure._profile_data import Line, profile_from_json, profile_to_json
+
+
+def test_a_rising_line_fits_the_points_least_squares() -> None:
+    line = Line.rising([(2, 10.0), (4, 20.0), (8, 40.0)])
+    assert line(2) == pytest.approx(10.0) and line(32) == pytest.approx(160.0)
+    noisy = Line.rising([(1, 1.0), (2, 4.0), (3, 5.0)])
+    assert noisy.slope == pytest.approx(2.0) and noisy.const == pytest.approx(-2 / 3)
+
+
+def test_a_falling_fit_becomes_the_largest_value_so_larger_sizes_stay_covered() -> None:
+    # Rounding weighs more at small sizes: what is left beyond the live bytes can fall.
+    line = Line.rising([(2, 6.0), (4, 2.0)])
+    assert line == Line(6.0, 0.0)
+    assert Line.rising([(4, 3.0)]) == Line(3.0, 0.0)  # one size: a constant
+
+
+def test_the_profile_survives_json_with_its_reserve_lines(gpt_profile) -> None:
+    fp32 = dataclasses.replace(
+        gpt_profile.precisions["fp32"], reserve=(Line(1.0, 2.0), Line(3.0, 0.0))
+    )
+    profile = dataclasses.replace(gpt_profile, precisions={"fp32": fp32})
+    assert profile_from_json(profile_to_json(profile)) == profile
