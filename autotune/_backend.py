@@ -19,7 +19,7 @@ import torch
 
 from autotune._format import GIB
 
-__all__ = ["Backend", "CudaBackend", "backend_for", "context_bytes"]
+__all__ = ["Backend", "CudaBackend", "backend_for", "context_bytes", "pinned_bytes"]
 
 
 class Backend:
@@ -31,6 +31,9 @@ class Backend:
     """Whether copies can run on side streams, overlapping compute (else synchronous)."""
     pins = False
     """Whether host buffers for transfers are pinned (page-locked)."""
+    rounds_host = False
+    """Whether host buffers for transfers take what torch's pinned allocator takes (each
+    rounded up to a power of two)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,6 +46,10 @@ class Backend:
 
     def empty_host_cache(self) -> None:
         """Return cached, unused pinned host memory to the host (offload's buffers)."""
+
+    def host_bytes(self, nbytes: int) -> int:
+        """Host bytes a transfer buffer of ``nbytes`` takes (see :attr:`rounds_host`)."""
+        return pinned_bytes(nbytes) if self.rounds_host else nbytes
 
     def reset_peak(self) -> None:
         """Start a new peak of :meth:`max_reserved`."""
@@ -92,6 +99,7 @@ class CudaBackend(Backend):
     caching = True
     streams = True
     pins = True
+    rounds_host = True
 
     def new_stream(self) -> Any:
         return torch.cuda.Stream(self.device)
@@ -153,6 +161,12 @@ class CudaBackend(Backend):
             yield
         finally:
             torch.cuda.set_per_process_memory_fraction(previous, self.device)
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes torch's caching pinned-memory allocator takes for ``nbytes``: each
+    request is rounded up to a power of two, and a freed block is kept for reuse."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 _BACKENDS: dict[str, type[Backend]] = {"cpu": Backend, "cuda": CudaBackend}

@@ -159,11 +159,13 @@ class SimulatedStream:
 
 class SimulatedCuda(Backend):
     """:class:`~autotune._backend.Backend` over a :class:`SimulatedAllocator`, with
-    streams that run in order. Host buffers are not pinned (a CPU build cannot pin)."""
+    streams that run in order. Host buffers are not pinned (a CPU build cannot pin), but
+    are counted as torch's pinned allocator takes them."""
 
     caching = True
     streams = True
     pins = False
+    rounds_host = True
 
     def __init__(self, device: torch.device, *, allocator: SimulatedAllocator) -> None:
         super().__init__(device)

@@ -234,8 +234,38 @@ def test_host_bytes_match_what_offload_holds(offload_profile, model, sample) -> 
     runner.last_micro_batch(True)
     runner.forward_backward(sample)
     runner.host.gather()  # the most the host holds: weights, gradients, state, activations
-    real = runner.host.host_bytes() + sum(runner.offloader.moved_bytes.values())
+    real = runner.host.host_bytes() + runner.offloader.host_bytes()
+    assert real == runner.host.host_bytes() + sum(runner.offloader.moved_bytes.values())
     assert CostModel(offload_profile).host_bytes(config) == pytest.approx(real, rel=0.02)
+
+
+def test_host_bytes_are_planned_as_the_pinned_allocator_takes_them(
+    model, sample, simulated_cuda
+) -> None:
+    # On CUDA each pinned host buffer is rounded up to a power of two: up to twice its bytes.
+    work = copy.deepcopy(model)
+    profiler = Profiler(work, sample, BLOCKS, device=CPU, loss_fn=None)
+    transfer = measure_transfer(discover("cpu"), nbytes=2**20)
+    assert transfer.rounds_host  # the stand-in takes host buffers as CUDA does
+    profile, _ = memory_profile(
+        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0, transfer=transfer
+    )
+    del profiler
+    cost = CostModel(profile)
+    for b in (3, 6):  # profiled at 2 and 4: each copy's size is fitted, then rounded
+        config = TrainConfig(
+            micro_batch_size=b, offload_activations=BLOCKS[1:], offload_optimizer=True
+        )
+        with autotune.prepare(copy.deepcopy(model), config, device="cpu") as runner:
+            assert runner.host is not None
+            runner.step(gpt_batch(model.config, b))
+            runner.last_micro_batch(True)
+            runner.forward_backward(gpt_batch(model.config, b))
+            runner.host.gather()
+            real = runner.host.host_bytes() + runner.offloader.host_bytes()
+            exact = sum(runner.offloader.moved_bytes.values())
+            assert cost.host_bytes(config) == real
+            assert runner.offloader.host_bytes() > exact  # the rounding is not nothing
 
 
 def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
@@ -365,3 +395,15 @@ def test_tune_with_offload_on_cpu_verifies_what_it_picks(model, sample) -> None:
     assert result.config.offload_optimizer or result.config.offload_activations
     assert result.measured.peak_bytes <= result.budget_bytes
     assert result.measured.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.05)
+
+
+def test_the_fp16_scale_moves_with_the_optimizer_and_keeps_its_value(model) -> None:
+    config = TrainConfig(micro_batch_size=4, precision="fp16")
+    runner = autotune.prepare(copy.deepcopy(model), config, device="cpu")
+    assert runner.scaler is not None
+    runner.scaler.update(1024.0)  # as after overflows
+    for offload in (True, False):  # the scale is made where the optimizer steps
+        runner.switch(config.replace(offload_optimizer=offload))
+        assert runner.scaler is not None and runner.scaler.get_scale() == 1024.0
+        runner.step(gpt_batch(model.config, 4))
+    runner.close()

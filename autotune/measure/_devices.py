@@ -74,11 +74,13 @@ class Transfer:
         d2h_bytes_per_s: Device to pinned host memory.
         h2d_bytes_per_s: Pinned host memory to device.
         host_limit_bytes: Host bytes offload may plan to hold (a share of what is free).
+        rounds_host: Each host buffer takes a power of two (torch's pinned allocator).
     """
 
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     host_limit_bytes: int
+    rounds_host: bool = False
 
 
 _PROBE_BYTES = 256 * 2**20
@@ -94,27 +96,26 @@ def measure_transfer(target: Target, *, nbytes: int = _PROBE_BYTES) -> Transfer:
     Each direction is the median of three copies after a warm-up copy.
     """
     device = target.device
-    cuda = device.type == "cuda"
+    ops = backend_for(device)
     n = nbytes // 4
-    host = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
+    host = torch.empty(n, dtype=torch.float32, pin_memory=ops.pins)
     dev = torch.empty(n, dtype=torch.float32, device=device)
 
     def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
         times = []
         for i in range(4):
-            if cuda:
-                torch.cuda.synchronize(device)
+            ops.synchronize()
             start = time.perf_counter()
-            dst.copy_(src, non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize(device)
+            dst.copy_(src, non_blocking=ops.pins)
+            ops.synchronize()
             if i:  # the first copy warms up
                 times.append(time.perf_counter() - start)
         return nbytes / max(statistics.median(times), 1e-9)
 
     d2h, h2d = timed(host, dev), timed(dev, host)
     del host, dev
-    return Transfer(d2h, h2d, int(target.host_available_bytes * _HOST_SHARE))
+    limit = int(target.host_available_bytes * _HOST_SHARE)
+    return Transfer(d2h, h2d, limit, rounds_host=ops.rounds_host)
 
 
 def budget_bytes(budget_gb: float, target: Target) -> int:

@@ -79,6 +79,9 @@ def memory_profile(
         )
     params = {id(p): p for p in profiler.model.parameters()}
     blocks = profiler.blocks
+    # An offloaded optimizer's master weights and gradient buffers, one host buffer each.
+    host = [p.untyped_storage().nbytes() for p in params.values()]
+    host += [p.untyped_storage().nbytes() for p in params.values() if p.requires_grad]
     profile = Profile(
         profiler.device.type,
         blocks,
@@ -90,5 +93,6 @@ def memory_profile(
         context_bytes=context_bytes,
         block_bytes=block_parameter_bytes(profiler.model, blocks),
         transfer=transfer,
+        host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
     )
     return profile, notes

@@ -146,6 +146,9 @@ class PrecisionProfile:
     checkpointed, offloaded), fitted over the profiled micro-batch sizes (empty: none)."""
     moved: tuple[Line, ...] = ()
     """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
+    copies: tuple[tuple[Line, ...], ...] = ()
+    """The bytes of each host copy an offloaded block's forward makes, per block: the host
+    allocator takes each one rounded (empty: not profiled)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,9 @@ class Profile:
     """Parameter bytes of each block (empty: blocks taken as equal)."""
     transfer: Transfer | None = None
     """Host<->device copy speeds and host memory for offload (``None``: offload not profiled)."""
+    host_param_bytes: int = 0
+    """Host bytes of an offloaded optimizer's master weights and gradient buffers, as the
+    host allocator takes them (0: not profiled)."""
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -215,7 +221,13 @@ def profile_from_json(text: str) -> Profile:
         t = p["time"]
         curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
         return PrecisionProfile(
-            p["precision"], p["base_bytes"], phases, curve, lines(p["reserve"]), lines(p["moved"])
+            p["precision"],
+            p["base_bytes"],
+            phases,
+            curve,
+            lines(p["reserve"]),
+            lines(p["moved"]),
+            tuple(lines(c) for c in p["copies"]),
         )
 
     return Profile(
@@ -231,4 +243,5 @@ def profile_from_json(text: str) -> Profile:
         notes=tuple(d["notes"]),
         block_bytes=tuple(d["block_bytes"]),
         transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
+        host_param_bytes=d["host_param_bytes"],
     )

@@ -152,6 +152,7 @@ class Profiler:
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runs = {}
             moved: dict[int, list[int]] = {}
+            copies: dict[int, list[list[int]]] = {}
             beyond: dict[int, list[tuple[int, float]]] = {}
             variants = 3 if offload and self.blocks else 2
             for variant in range(variants):
@@ -168,6 +169,7 @@ class Profiler:
                     )
                     if variant == 2:
                         moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
+                        copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
                     if self.ops.caching:
                         # Same step, two views: live tensor bytes and what the allocator reserved.
                         reserved = self.ops.max_reserved() - self.foreign_bytes
@@ -179,15 +181,22 @@ class Profiler:
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key.micro in (1, 2))
         lines: tuple[Line, ...] = ()
+        sizes: tuple[tuple[Line, ...], ...] = ()
         if variants == 3:
             lines = tuple(
                 Line.through(b1, m1, b2, m2) for m1, m2 in zip(moved[b1], moved[b2], strict=True)
+            )
+            sizes = tuple(
+                _copy_lines(b1, c1, b2, c2, total)
+                for c1, c2, total in zip(copies[b1], copies[b2], lines, strict=True)
             )
             micro = tuple(_own_backward(ph, lines) for ph in micro)
         # What the allocator reserves beyond the live bytes: rounding and segments (a
         # constant) and fragmentation that grows with the activations (the slope).
         reserve = tuple(Line.rising(beyond[v]) for v in sorted(beyond))
-        return PrecisionProfile(precision, base - state, micro, reserve=reserve, moved=lines)
+        return PrecisionProfile(
+            precision, base - state, micro, reserve=reserve, moved=lines, copies=sizes
+        )
 
     def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``."""
@@ -240,6 +249,16 @@ class Profiler:
         start = self._now()
         fn()
         return self._now() - start
+
+
+def _copy_lines(
+    b1: int, sizes1: Sequence[int], b2: int, sizes2: Sequence[int], total: Line
+) -> tuple[Line, ...]:
+    """Each host copy's bytes against the micro-batch size, matched in the order the block
+    saved them (the whole block as one copy where the two sizes saved different tensors)."""
+    if len(sizes1) != len(sizes2):
+        return (total,)
+    return tuple(Line.through(b1, s1, b2, s2) for s1, s2 in zip(sizes1, sizes2, strict=True))
 
 
 def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:

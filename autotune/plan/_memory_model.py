@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from autotune._backend import pinned_bytes
 from autotune.config import TrainConfig
 from autotune.measure._profile_data import Line, Phase, Profile
 from autotune.result import Breakdown
@@ -171,17 +172,23 @@ class MemoryModel(ProfileView):
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
 
     def host_bytes(self, config: TrainConfig) -> int:
-        """Host bytes offload holds at most: optimizer side and one micro-batch's activations."""
+        """Host bytes offload holds at most: optimizer side and one micro-batch's
+        activations, each host buffer as the host allocator takes it."""
+        prof = self.profile
         total = 0.0
         if config.offload_optimizer:
-            prof = self.profile
-            total += (
-                prof.param_bytes + prof.grad_bytes + prof.optimizers[config.optimizer].state_bytes
-            )
+            total += prof.host_param_bytes or prof.param_bytes + prof.grad_bytes
+            total += prof.optimizers[config.optimizer].state_bytes
         if config.offload_activations:
-            moved = self.profile.precisions[config.precision].moved
+            precision = prof.precisions[config.precision]
+            rounds = prof.transfer is not None and prof.transfer.rounds_host
             b = config.micro_batch_size
-            total += sum(moved[self._index[n]](b) for n in config.offload_activations)
+            for name in config.offload_activations:
+                i = self._index[name]
+                if rounds and precision.copies:
+                    total += sum(pinned_bytes(math.ceil(c(b))) for c in precision.copies[i])
+                else:
+                    total += precision.moved[i](b)
         return math.ceil(total)
 
     def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:

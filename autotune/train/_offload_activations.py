@@ -72,6 +72,7 @@ class ActivationOffloader:
     Attributes:
         moved_bytes: Bytes copied to the host by the last forward call of each block, by
             name (read by the profiler to predict transfer time).
+        copies: The bytes of each host copy made by the last forward call of each block.
     """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -85,6 +86,7 @@ class ActivationOffloader:
         self._seq = itertools.count()
         self._in_flight: deque[Any] = deque()
         self.moved_bytes: dict[str, int] = {}
+        self.copies: dict[str, list[int]] = {}
 
     def forward(self, block: str, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one block's forward, its saved tensors packed to the host."""
@@ -94,6 +96,7 @@ class ActivationOffloader:
         self._calls = [c for c in self._calls if c() is not None]
         self._calls.append(weakref.ref(call))
         self.moved_bytes[block] = 0
+        self.copies[block] = []
         if self.streams:  # bound the copies in flight (and the device memory they pin)
             while len(self._in_flight) >= _IN_FLIGHT:
                 self.ops.current_stream().wait_event(self._in_flight.popleft())
@@ -137,7 +140,12 @@ class ActivationOffloader:
         call.packed.append(weakref.ref(packed))
         call.seen[key] = (weakref.ref(t.untyped_storage()), packed)
         self.moved_bytes[call.block] += host.nbytes
+        self.copies[call.block].append(host.nbytes)
         return packed
+
+    def host_bytes(self) -> int:
+        """Host bytes the last forward call of every block holds, as allocated."""
+        return sum(self.ops.host_bytes(n) for sizes in self.copies.values() for n in sizes)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         """A saved tensor needed in backward: restored (and the block below prefetched)."""

@@ -119,10 +119,13 @@ class OptimizerOffloader:
             master.grad = None
 
     def host_bytes(self) -> int:
-        """Host bytes held: master weights, gradient buffers and optimizer state."""
-        tensors = [*self.masters, *(m.grad for m in self.masters if m.grad is not None)]
-        tensors += [t for s in self.optimizer.state.values() for t in _tensors(s)]
-        return sum(t.untyped_storage().nbytes() for t in tensors)
+        """Host bytes held: master weights and gradient buffers (as the pinned allocator
+        takes them), and optimizer state."""
+        pinned = [*self.masters, *(m.grad for m in self.masters if m.grad is not None)]
+        state = [t for s in self.optimizer.state.values() for t in _tensors(s)]
+        return sum(self.ops.host_bytes(t.untyped_storage().nbytes()) for t in pinned) + sum(
+            t.untyped_storage().nbytes() for t in state
+        )
 
     def close(self) -> None:
         """Remove the gradient hooks (the runner switched away from offload)."""

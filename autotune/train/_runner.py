@@ -68,7 +68,7 @@ class Runner:
         self.host: OptimizerOffloader | None = None
         """The host side of an offloaded optimizer (``None`` without optimizer offload)."""
         self.optimizer = self._build_optimizer(config.offload_optimizer)
-        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self.scaler = _scaler(config, device)
         self.offloader = ActivationOffloader(model, device)
         apply_offloading(model, config.offload_activations, self.offloader)
         self._in_optimizer_step = False
@@ -160,10 +160,7 @@ class Runner:
             self.zero_grad()
             self.optimizer = self._build_optimizer(config.offload_optimizer)
             self.optimizer.load_state_dict(state)
-        if config.precision == "fp16" and self.scaler is None:
-            self.scaler = torch.amp.GradScaler(self.device.type)
-        elif config.precision != "fp16":
-            self.scaler = None
+        self.scaler = _scaler(config, self.device, self.scaler)
         self.config = config
 
     def last_micro_batch(self, last: bool) -> None:
@@ -271,3 +268,23 @@ class Runner:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+
+def _scaler(
+    config: TrainConfig, device: torch.device, previous: torch.amp.GradScaler | None = None
+) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (``None`` otherwise), carrying ``previous``'s scale and counters.
+
+    Its scale lives where the optimizer steps. An offloaded optimizer unscales host
+    gradients; a scale left on the GPU would reach the host by a non-blocking copy that
+    torch does not wait for. On the host, scaling the loss copies it up (from pageable
+    memory, so the copy has read it before it returns) and unscaling needs no copy.
+    """
+    if config.precision != "fp16":
+        return None
+    home = torch.device("cpu") if config.offload_optimizer else device
+    scaler = torch.amp.GradScaler(home.type)
+    if previous is not None:
+        scaler.load_state_dict(previous.state_dict())
+    scaler.scale(torch.ones((), device=home))  # the scale is made on ``home`` now
+    return scaler
