@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,39 @@ class Backend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def available(self) -> bool:
+        """Whether this process can use the device."""
+        return True
+
+    def start(self) -> None:
+        """Create the device's context, so that its size and free memory can be read."""
+
+    def name(self) -> str:
+        """The device's model name."""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return platform.processor() or "CPU"
+
+    def supports_bf16(self) -> bool:
+        """Whether bf16 autocast runs here."""
+        return True
+
+    def free(self) -> int:
+        """Device memory free now, to this process and others (0: no memory of its own)."""
+        return 0
+
+    def rng_state(self) -> Any:
+        """The device's random state, to put back with :meth:`set_rng_state` (or ``None``)."""
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        """Put back a state from :meth:`rng_state`."""
 
     def synchronize(self) -> None:
         """Wait for the device's queued work."""
@@ -100,6 +134,28 @@ class CudaBackend(Backend):
     streams = True
     pins = True
     rounds_host = True
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def start(self) -> None:
+        torch.cuda.init()
+        torch.empty(1, device=self.device)  # the context exists once a tensor does
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def supports_bf16(self) -> bool:
+        return bool(torch.cuda.is_bf16_supported())
+
+    def free(self) -> int:
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def rng_state(self) -> Any:
+        return torch.cuda.get_rng_state_all()
+
+    def set_rng_state(self, state: Any) -> None:
+        torch.cuda.set_rng_state_all(state)
 
     def new_stream(self) -> Any:
         return torch.cuda.Stream(self.device)
@@ -183,20 +239,22 @@ def context_bytes(nvml: Any, uuid: str, pid: int, reserved: int, used_on_device:
     uses beyond what its allocator ``reserved``.
 
     The GPU is found by its UUID: under ``CUDA_VISIBLE_DEVICES`` a CUDA index is not
-    NVML's. Where NVML cannot say (no NVML, no permission, or a container, whose PIDs are
-    not the host's that NVML lists), it falls back to what the whole device uses beyond
-    the allocator, capped at 1 GiB since other processes may share the GPU.
+    NVML's. In a container NVML lists the host's PIDs, not ours: where the GPU runs one
+    process only, that process is this one. Where NVML cannot say (no NVML, no
+    permission, several processes none of which is ours), it falls back to what the whole
+    device uses beyond the allocator, capped at 1 GiB since other processes may share it.
     """
     if nvml is not None and uuid:
         try:
             nvml.nvmlInit()
             try:
                 handle = nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == pid and proc.usedGpuMemory:
-                        return max(int(proc.usedGpuMemory) - reserved, 0)
+                procs = list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
             finally:
                 nvml.nvmlShutdown()
         except Exception:  # NVML's own errors (no permission, unknown GPU): fall back
-            pass
+            procs = []
+        ours = [p for p in procs if p.pid == pid] or (procs if len(procs) == 1 else [])
+        if ours and ours[0].usedGpuMemory:
+            return max(int(ours[0].usedGpuMemory) - reserved, 0)
     return min(max(used_on_device - reserved, 0), GIB)

@@ -9,13 +9,11 @@ device here, so everything downstream compares like with like.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 
 from autotune.errors import ConfigError
 
-__all__ = ["device_name", "resolve_device"]
+__all__ = ["resolve_device"]
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
@@ -41,17 +39,3 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return torch.device("cuda", index)
     return resolved
-
-
-def device_name(device: torch.device) -> str:
-    """The device's model name: the GPU's (CUDA), or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"

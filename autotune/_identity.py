@@ -11,7 +11,7 @@ import hashlib
 import torch
 from torch import nn
 
-from autotune._device import device_name
+from autotune._backend import backend_for
 from autotune.result import TuneResult
 
 __all__ = ["differences", "fingerprint"]
@@ -38,7 +38,7 @@ def differences(result: TuneResult, model: nn.Module, device: torch.device) -> l
     if tuned.type != device.type:
         out.append(f"it was tuned on {tuned.type}, this run is on {device.type}")
     else:
-        name = device_name(device)
+        name = backend_for(device).name()
         if name != result.target.name:
             out.append(f"it was tuned on {result.target.name}, this device is {name}")
     if str(torch.__version__) != result.target.torch_version:

@@ -125,7 +125,7 @@ def make_problem(
 
 
 def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, ...]:
-    if target.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if not backend_for(target.device).supports_bf16():
         wanted = [p for p in wanted if p != "bf16"]
     if not wanted:
         raise BudgetError(f"none of the precisions asked for runs on {target.name}.")

@@ -183,6 +183,12 @@ class SimulatedCuda(Backend):
         assert isinstance(stream, SimulatedStream) and tensor.device.type == "cpu"
         stream._count("record_stream")
 
+    def name(self) -> str:
+        return "Simulated GPU"
+
+    def free(self) -> int:
+        return self.allocator.total - self.allocator.reserved - self.allocator.context
+
     def empty_cache(self) -> None:
         self.allocator.empty_cache()
 

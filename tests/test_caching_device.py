@@ -225,3 +225,36 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
             fit_error += abs(predicted - measured.peak_bytes)
             live_error += abs(live - measured.peak_bytes)
     assert fit_error < live_error / 2  # the fit, not the live bytes, makes the prediction
+
+
+def test_a_gpu_is_discovered_through_its_backend(simulated_cuda, monkeypatch) -> None:
+    from autotune import _backend
+    from autotune.measure._devices import discover
+
+    monkeypatch.setitem(_backend._BACKENDS, "cuda", _backend._BACKENDS["cpu"])
+    simulated_cuda.context = 300 * MIB
+    held = torch.empty(MIB)  # 4 MiB: a segment the allocator reserves
+    target = discover("cuda")
+    assert target.device == torch.device("cuda", 0) and target.name == "Simulated GPU"
+    assert target.total_bytes == 8 * 2**30 and target.context_bytes == 300 * MIB
+    assert target.free_bytes == target.total_bytes - simulated_cuda.reserved - 300 * MIB
+    del held
+
+
+def test_a_gpu_without_bf16_is_not_searched_in_bf16(simulated_cuda, monkeypatch) -> None:
+    from simulated_cuda import SimulatedCuda
+
+    monkeypatch.setattr(SimulatedCuda, "supports_bf16", lambda self: False)
+    model = tiny_gpt()
+    space = SearchSpace(precisions=("fp32", "bf16"))
+    args = (model, gpt_batch(model.config, 4), 1.0)
+    problem = make_problem(*args, loss_fn=None, global_batch_size=None, device="cpu", space=space)
+    assert problem.precisions == ("fp32",)
+    with pytest.raises(autotune.BudgetError, match="none of the precisions"):
+        make_problem(
+            *args,
+            loss_fn=None,
+            global_batch_size=None,
+            device="cpu",
+            space=SearchSpace(precisions=("bf16",)),
+        )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from autotune._backend import backend_for
-from autotune._device import device_name, resolve_device
+from autotune._device import resolve_device
 from autotune._format import GIB
 from autotune.errors import BudgetError
 from autotune.result import TargetInfo
@@ -58,12 +58,18 @@ class Target:
 def discover(device: torch.device | str | None = None) -> Target:
     """Describe ``device`` (default: the current CUDA device if any, else the CPU)."""
     device = resolve_device(device)
-    if device.type == "cuda":
-        return _cuda_target(device)
-    if device.type != "cpu":
+    if device.type not in ("cuda", "cpu"):
         raise BudgetError(f"device {device} is not supported; use 'cuda' or 'cpu'.")
+    ops = backend_for(device)
     host = _host_available_bytes()
-    return Target(device, device_name(device), _host_total_bytes(), host, 0, host)
+    if device.type == "cpu":
+        return Target(device, ops.name(), _host_total_bytes(), host, 0, host)
+    if not ops.available():
+        raise BudgetError(
+            f"device {device} was asked for but CUDA is not available here; pass device='cpu'."
+        )
+    ops.start()
+    return Target(device, ops.name(), ops.total(), ops.free(), ops.context_bytes(), host)
 
 
 @dataclass(frozen=True)
@@ -139,19 +145,6 @@ def budget_bytes(budget_gb: float, target: Target) -> int:
             stacklevel=3,
         )
     return budget
-
-
-def _cuda_target(device: torch.device) -> Target:
-    if not torch.cuda.is_available():
-        raise BudgetError(
-            f"device {device} was asked for but CUDA is not available here; pass device='cpu'."
-        )
-    torch.cuda.init()
-    torch.empty(1, device=device)  # create the context so that its size can be read
-    free, total = torch.cuda.mem_get_info(device)
-    name = device_name(device)
-    context = backend_for(device).context_bytes()
-    return Target(device, name, total, free, context, _host_available_bytes())
 
 
 def _host_total_bytes() -> int:

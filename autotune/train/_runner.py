@@ -59,6 +59,7 @@ class Runner:
         self.model = model
         self.config = config
         self.device = device = resolve_device(device)
+        self.ops = backend_for(device)
         self.loss_fn = loss_fn
         self.lr = lr
         self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
@@ -182,7 +183,7 @@ class Runner:
         ``budget_bytes`` until :meth:`close`, as verification did; ``foreign_bytes``, what
         the allocator holds for other tensors, comes on top. A device without a caching
         allocator is not capped."""
-        ops = backend_for(self.device)
+        ops = self.ops
         if not ops.caching:
             return
         self._budget.close()
@@ -210,18 +211,17 @@ class Runner:
     def _snapshot(self) -> Any:
         """A function that puts the random state and buffers back as they are now."""
         cpu_rng = torch.random.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        device_rng = self.ops.rng_state()
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
 
         def restore() -> None:
             torch.random.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            if device_rng is not None:
+                self.ops.set_rng_state(device_rng)
             with torch.no_grad():
                 for live, saved in buffers:
                     live.copy_(saved)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.ops.empty_cache()
 
         return restore
 

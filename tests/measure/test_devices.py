@@ -3,42 +3,13 @@ GPU driver); the logic is the one discover() runs on a GPU."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
+from fake_nvml import FakeNvml, Proc
 
 from autotune._backend import context_bytes
 from autotune.measure._devices import discover
 
 GIB = 2**30
-
-
-@dataclass
-class Proc:
-    pid: int
-    usedGpuMemory: int
-
-
-class FakeNvml:
-    """GPUs by UUID, each with its processes; it raises as NVML does for an unknown UUID."""
-
-    def __init__(self, gpus: dict[str, list[Proc]]) -> None:
-        self.gpus = gpus
-        self.open = 0
-
-    def nvmlInit(self) -> None:
-        self.open += 1
-
-    def nvmlShutdown(self) -> None:
-        self.open -= 1
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
-        if uuid not in self.gpus:
-            raise RuntimeError("NVML_ERROR_NOT_FOUND")
-        return uuid
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Proc]:
-        return self.gpus[handle]
 
 
 def test_the_gpu_is_found_by_uuid_not_by_index() -> None:
@@ -48,8 +19,13 @@ def test_the_gpu_is_found_by_uuid_not_by_index() -> None:
     assert nvml.open == 0  # shut down again
 
 
-def test_a_container_pid_falls_back_to_the_device_capped() -> None:
-    nvml = FakeNvml({"GPU-aaa": [Proc(1234, 3 * GIB)]})  # the host's PID, not ours
+def test_in_a_container_the_only_process_on_the_gpu_is_this_one() -> None:
+    nvml = FakeNvml({"GPU-aaa": [Proc(1234, 3 * GIB)]})  # the host's PID for our 42
+    assert context_bytes(nvml, "aaa", 42, 2 * GIB, 9 * GIB) == GIB
+
+
+def test_several_processes_none_ours_fall_back_to_the_device_capped() -> None:
+    nvml = FakeNvml({"GPU-aaa": [Proc(1234, 3 * GIB), Proc(1235, 5 * GIB)]})
     assert context_bytes(nvml, "aaa", 42, 2 * GIB, 2 * GIB + 500 * 2**20) == 500 * 2**20
     assert context_bytes(nvml, "aaa", 42, 2 * GIB, 9 * GIB) == GIB  # others share the GPU
 
