@@ -207,11 +207,15 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
     model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)
     blocks = tuple(f"blocks.{i}" for i in range(4))
     sample = gpt_batch(model.config, 4)
-    profiler = Profiler(copy.deepcopy(model), sample, blocks, device=CPU, loss_fn=None)
+    foreign = simulated_cuda.reserved  # the user's model: the tuner measures copies
+    work = copy.deepcopy(model)
+    profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
     profile, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
     del profiler
     memory = MemoryModel(profile)
-    verifier = Verifier(model, sample, device=CPU, budget_bytes=2**30, loss_fn=None, steps=1)
+    verifier = Verifier(
+        work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
+    )
     fit_error = live_error = 0
     for checkpoint in ((), blocks):
         for b in (8, 32):  # profiled at 2 and 4
