@@ -1,13 +1,17 @@
 """Plain data (dicts, lists, numbers, strings) to and from autotune's frozen dataclasses.
 
 Decoding validates against the dataclass fields and their type hints: an unknown key, a
-missing required key or a value of the wrong type is a
-:class:`~autotune.errors.ConfigError` that names the key by its dotted path.
+missing required key, a value of the wrong type or a number out of range (every number
+autotune records is a count, a size or a time: finite and not negative) is a
+:class:`~autotune.errors.ConfigError` that names the key by its dotted path and shows
+at most a short prefix of the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from typing import Any, Union, get_args, get_origin
@@ -15,7 +19,14 @@ from typing import Any, Union, get_args, get_origin
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 
-__all__ = ["config_from_dict", "from_plain", "to_plain"]
+__all__ = ["MAX_INT", "config_from_dict", "from_plain", "to_plain"]
+
+MAX_INT = 2**62
+"""The largest integer read (bytes, counts); anything larger is a corrupt file."""
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxdict = 3
+_SHORT.maxlevel = 2
 
 
 def to_plain(value: Any) -> Any:
@@ -66,10 +77,16 @@ def _decode(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {_kind(value)}.")
+        if not (isinstance(value, float) or 0 <= value <= MAX_INT):
+            raise ConfigError(f"{where} must be a number from 0 up, got {_kind(value)}.")
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{where} must be a finite number from 0 up, got {_kind(value)}.")
         return float(value)
     if tp in (int, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where} must be {tp.__name__}, got {_kind(value)}.")
+        if tp is int and not 0 <= value <= MAX_INT:
+            raise ConfigError(f"{where} must be between 0 and 2**62, got {_kind(value)}.")
         return value
     raise TypeError(f"no decoder for {tp!r}")  # a bug in autotune, not in the file
 
@@ -86,7 +103,7 @@ def _decode_dataclass(cls: Any, value: Any, key: str) -> Any:
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         name = f"{key}.{unknown[0]}" if key else str(unknown[0])
-        raise ConfigError(f"unknown key {name!r}; known keys here: {', '.join(fields)}.")
+        raise ConfigError(f"unknown key {_SHORT.repr(name)}; known keys here: {', '.join(fields)}.")
     kwargs = {}
     for name, field in fields.items():
         sub = f"{key}.{name}" if key else name
@@ -107,4 +124,9 @@ def _decode_dataclass(cls: Any, value: Any, key: str) -> Any:
 
 
 def _kind(value: Any) -> str:
-    return "nothing" if value is None else f"{type(value).__name__} {value!r}"
+    """The value's type and a short prefix of it: never the whole of a huge value."""
+    if value is None:
+        return "nothing"
+    if type(value) is int and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return f"{type(value).__name__} {_SHORT.repr(value)}"

@@ -13,6 +13,7 @@ from torch import nn
 
 from autotune._backend import backend_for
 from autotune._blocks import resolve_blocks
+from autotune.config import MAX_BATCH
 from autotune.errors import BudgetError, ConfigError, ProfileError
 from autotune.measure._devices import Target, budget_bytes, discover
 from autotune.plan._candidates import micro_batch_candidates
@@ -96,11 +97,12 @@ def make_problem(
     if global_batch_size is not None and (
         isinstance(global_batch_size, bool)
         or not isinstance(global_batch_size, int)
-        or global_batch_size <= 0
+        or not 1 <= global_batch_size <= MAX_BATCH
     ):
         raise ConfigError(
-            f"global_batch_size must be a positive integer, got {global_batch_size!r}; pass "
-            "the number of samples per optimizer step, or None for no accumulation."
+            f"global_batch_size must be a positive integer up to {MAX_BATCH}, got "
+            f"{str(global_batch_size)[:40]}; pass the number of samples per optimizer step, "
+            "or None for no accumulation."
         )
     for name in space.optimizers:
         if not available(name):

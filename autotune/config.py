@@ -11,8 +11,10 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "TrainConfig"]
+__all__ = ["MAX_BATCH", "OPTIMIZERS", "PRECISIONS", "TrainConfig"]
 
+MAX_BATCH = 2**31 - 1
+"""The largest micro-batch size or accumulation count a config may hold."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Training precisions: fp32, bf16 autocast, fp16 autocast with a GradScaler."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor", "adamw8bit")
@@ -41,20 +43,23 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH:
+                shown = value if type(value) is not int else f"{value:.3g}"
+                raise ConfigError(
+                    f"{name} must be an integer from 1 to {MAX_BATCH}, got {str(shown)[:40]}."
+                )
         if self.precision not in PRECISIONS:
-            raise ConfigError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}."
-            )
+            got = str(self.precision)[:40]
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {got!r}.")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}."
-            )
+            got = str(self.optimizer)[:40]
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {got!r}.")
         for name in ("checkpoint", "offload_activations"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{name} must be a list of block names, got {value!r}.")
+                raise ConfigError(
+                    f"{name} must be a list of block names, got {type(value).__name__}."
+                )
             object.__setattr__(self, name, tuple(value))
         both = set(self.checkpoint) & set(self.offload_activations)
         if both:

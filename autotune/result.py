@@ -1,6 +1,6 @@
 """The outcome of tuning: measurements, trial records, :class:`TuneResult` and its YAML.
 
-YAML is read with ``yaml.safe_load`` only and decoded against the dataclass fields:
+YAML is read safely and bounded (:mod:`autotune._yaml`) and decoded against the dataclass fields:
 an unknown key, a missing required key or a value of the wrong type is a
 :class:`~autotune.errors.ConfigError` that names the key.
 """
@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from autotune._plain import from_plain, to_plain
+from autotune._yaml import MAX_BYTES, read_yaml
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 
@@ -158,16 +159,14 @@ def load(path: str | Path) -> TuneResult:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open(encoding="utf-8", errors="replace") as f:
+            text = f.read(MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}.") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    data = read_yaml(text, str(path))
     if isinstance(data, dict) and data.get("version", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise ConfigError(
-            f"{path} has schema version {data.get('version')!r}; this autotune reads "
+            f"{path} has schema version {str(data.get('version'))[:20]}; this autotune reads "
             f"version {SCHEMA_VERSION}. Tune again with this version."
         )
     try:

@@ -83,7 +83,7 @@ def test_the_context_is_read_again_once_training_has_loaded_its_kernels(
     assert result.breakdown.other >= 30 * MIB  # the prediction holds the whole context
     assert result.measured.peak_bytes <= result.budget_bytes
     peak, parts = autotune.estimate(model, gpt_batch(model.config, 4), device="cpu")
-    assert parts.other >= 30 * MIB and peak == parts.total
+    assert parts.other >= 30 * MIB and peak > parts.other
 
 
 def test_verification_releases_pinned_host_memory_between_configs(simulated_cuda) -> None:

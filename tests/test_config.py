@@ -43,8 +43,8 @@ def test_defaults_are_the_safe_baseline() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"micro_batch_size": 0}, "micro_batch_size must be a positive integer"),
-        ({"grad_accum_steps": True}, "grad_accum_steps must be a positive integer"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be an integer from 1"),
+        ({"grad_accum_steps": True}, "grad_accum_steps must be an integer from 1"),
         ({"precision": "fp8"}, "precision must be one of fp32, bf16, fp16"),
         ({"optimizer": "lion"}, "optimizer must be one of"),
         ({"checkpoint": "h.0"}, "checkpoint must be a list of block names"),
@@ -88,7 +88,7 @@ def test_yaml_round_trip(tmp_path) -> None:
         (lambda d: d["config"].update(precision="fp64"), "precision must be one of"),
         (
             lambda d: d["fallbacks"][0].update(grad_accum_steps=0),
-            "grad_accum_steps must be a positive",
+            "grad_accum_steps must be an integer from 1",
         ),
     ],
 )
@@ -129,3 +129,52 @@ def test_config_from_dict_decodes_knobs() -> None:
     assert c == TrainConfig(micro_batch_size=2, checkpoint=("a",), precision="fp16")
     with pytest.raises(ConfigError, match="unknown key 'micro'"):
         config_from_dict({"micro": 2})
+
+
+LAUGHS = "\n".join(
+    ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]" for i in range(8)]
+    + ["config: *i"]
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (LAUGHS, "aliases"),  # a billion strings once expanded, and once printed
+        ("config: " + "[" * 5000 + "]" * 5000, "nested deeper than"),
+        ("budget_bytes: " + "9" * 5000, "cannot read"),
+    ],
+    ids=["billion-laughs", "deep-nesting", "5000-digits"],
+)
+def test_hostile_yaml_is_a_short_config_error(tmp_path, text: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as caught:
+        autotune.load(path)
+    assert len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d["config"].update(micro_batch_size=10**29), "micro_batch_size must be"),
+        (lambda d: d.update(budget_bytes=-1), "budget_bytes must be between 0"),
+        (lambda d: d["measured"].update(peak_bytes=-5), "measured.peak_bytes must be"),
+        (lambda d: d["measured"].update(samples_per_s=float("nan")), "finite number"),
+        (lambda d: d["predicted"].update(step_s=float("inf")), "finite number"),
+        (lambda d: d["config"].update(precision="x" * 10**6), "precision must be one of"),
+        (lambda d: d.update({"y" * 10**6: 1}), "unknown key"),
+    ],
+    ids=["huge-micro-batch", "negative-budget", "negative-peak", "nan", "inf", "huge-str", "key"],
+)
+def test_values_out_of_range_are_refused_in_a_short_line(tmp_path, edit, words: str) -> None:
+    import yaml
+
+    data = make_result().to_dict()
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=words) as caught:
+        autotune.load(path)
+    assert len(str(caught.value)) < 400

@@ -22,6 +22,7 @@ BASE = {
     "autotune.errors",
     "autotune.config",
     "autotune._plain",
+    "autotune._yaml",
     "autotune.result",
     "autotune._format",
     "autotune.space",

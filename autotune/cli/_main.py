@@ -16,12 +16,14 @@ does not fit (verify), 2 an error (one line on stderr), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from autotune.cli import _commands as commands
+from autotune.cli._types import gib, positive_int, seconds
 from autotune.config import PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
 
@@ -43,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("autotune: interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # e.g. `autotune show --json | head -1`: the reader left
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no second error as Python flushes
+            return 141  # as a process killed by SIGPIPE
         except Exception as exc:
             if args.traceback:
                 raise
@@ -54,6 +60,8 @@ def _error_line(exc: Exception) -> str:
     message = " ".join(str(exc).split())  # one line, whatever the message held
     if isinstance(exc, AutotuneError):
         return message
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or message}."
     return f"{type(exc).__name__}: {message} (run with --traceback for details)"
 
 
@@ -73,8 +81,15 @@ def _show_warning(
 # --- the parser ---------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: what was wrong and where help is, no usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"autotune: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autotune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
@@ -90,10 +105,12 @@ def _parser() -> argparse.ArgumentParser:
 def _add_tune(sub: Any) -> None:
     tune = sub.add_parser("tune", help="find the fastest config that fits a memory budget")
     _add_inputs(tune)
-    tune.add_argument("--budget-gb", type=float, required=True, help="device memory, GiB")
-    tune.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    tune.add_argument("--trials", type=int, help="Optuna trials on the cost model")
-    tune.add_argument("--timeout", type=float, help="time limit of the search, seconds")
+    tune.add_argument(
+        "--budget-gb", type=gib, required=True, help="device memory: 24, 24GiB or 512MiB"
+    )
+    tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
+    tune.add_argument("--trials", type=positive_int, help="Optuna trials on the cost model")
+    tune.add_argument("--timeout", type=seconds, help="time limit of the search, seconds")
     tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
     tune.add_argument(
         "--optimizers",
@@ -153,8 +170,8 @@ def _add_estimate(sub: Any) -> None:
     )
     _add_inputs(est)
     est.add_argument("--config", help="take the knobs from a tuned YAML file")
-    est.add_argument("--micro-batch", type=int, help="samples per forward/backward")
-    est.add_argument("--accum", type=int, help="micro-batches per optimizer step")
+    est.add_argument("--micro-batch", type=positive_int, help="samples per forward/backward")
+    est.add_argument("--accum", type=positive_int, help="micro-batches per optimizer step")
     est.add_argument("--precision", choices=PRECISIONS)
     est.add_argument("--checkpoint", help="blocks to checkpoint: all, none, or a comma list")
     est.add_argument("--optimizer", help="adamw, adamw8bit, adafactor or sgd")

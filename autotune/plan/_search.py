@@ -19,7 +19,7 @@ import optuna
 from autotune.plan._candidates import largest_fitting
 from autotune.plan._planner import Candidate, Planner
 
-__all__ = ["default_trials", "search"]
+__all__ = ["default_trials", "quiet_optuna", "search"]
 
 log = logging.getLogger("autotune")
 
@@ -41,7 +41,7 @@ def search(
     A study kept in ``storage`` resumes: trials already done count towards ``n_trials``.
     """
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, **_constraint_option())
-    with _quiet_optuna():
+    with quiet_optuna():
         study = optuna.create_study(
             direction="maximize",
             sampler=sampler,
@@ -168,8 +168,10 @@ def _constraint_option() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Optuna logs every trial at INFO; silence it for the study only."""
+def quiet_optuna() -> Iterator[None]:
+    """Optuna logs every trial and every study it creates at INFO on stderr; autotune's
+    progress goes to the ``autotune`` logger only. Silenced while autotune calls Optuna,
+    and the user's verbosity comes back after."""
     previous = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:

@@ -93,7 +93,8 @@ def batch_size(batch: Batch) -> int:
     """The number of samples in ``batch``: the dim-0 size its tensors share.
 
     Raises:
-        BatchError: The type is unsupported, no tensor has a dimension, or sizes disagree.
+        BatchError: The type is unsupported, no tensor has a dimension, sizes disagree, or
+            the batch has no rows.
     """
     _check_type(batch)
     first: tuple[str, int] | None = None
@@ -111,6 +112,8 @@ def batch_size(batch: Batch) -> int:
             "the batch holds no tensor with a dimension, so its size is unknown: "
             f"pass {_SUPPORTED} whose dimension 0 is the batch"
         )
+    if first[1] == 0:
+        raise BatchError(f"the batch is empty ({first[0]} has 0 rows): pass at least one sample")
     return first[1]
 
 

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from autotune.config import TrainConfig
 from autotune.errors import BlockError
 from autotune.train._offload_activations import ActivationOffloader
 
-__all__ = ["apply_checkpointing", "apply_offloading", "remove_checkpointing"]
+__all__ = ["apply_checkpointing", "apply_offloading", "check_blocks", "remove_checkpointing"]
 
 _ORIGINAL = "_autotune_original_forward"
 
@@ -41,6 +42,12 @@ def apply_offloading(
     """
     for name, module in zip(names, _resolve(model, names, "offloads"), strict=True):
         _wrap(module, functools.partial(offloader.forward, name, module.forward))
+
+
+def check_blocks(model: nn.Module, config: TrainConfig) -> None:
+    """Raise :class:`BlockError` if ``config`` names a block ``model`` does not have."""
+    _resolve(model, config.checkpoint, "checkpoints")
+    _resolve(model, config.offload_activations, "offloads")
 
 
 def _resolve(model: nn.Module, names: Sequence[str], verb: str) -> list[nn.Module]:

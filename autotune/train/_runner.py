@@ -21,7 +21,12 @@ from autotune._device import resolve_device
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.train import _batch as batching
-from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
+from autotune.train._checkpoint import (
+    apply_checkpointing,
+    apply_offloading,
+    check_blocks,
+    remove_checkpointing,
+)
 from autotune.train._loss import LossFn, call_model, compute_loss
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
@@ -56,6 +61,8 @@ class Runner:
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
     ) -> None:
+        for c in (config, *fallbacks):  # now, not at the first OOM in the middle of training
+            check_blocks(model, c)
         self.model = model
         self.config = config
         self.device = device = resolve_device(device)
@@ -109,7 +116,10 @@ class Runner:
                 return self._step(batch)
             except torch.OutOfMemoryError as exc:
                 if restore is None or self._in_optimizer_step:
-                    raise  # no fallback left, or weights already half-updated: not retried
+                    # No fallback left, or weights already half-updated: not retried. The
+                    # partial gradients go, so that a caller who retries starts clean.
+                    self.zero_grad()
+                    raise
                 reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
             # Outside the except block, so that the traceback no longer pins the step's tensors.
             self.zero_grad()

@@ -20,6 +20,7 @@ from autotune._plain import from_plain, to_plain
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.measure._profile_data import Profile, profile_from_json, profile_to_json
+from autotune.plan._search import quiet_optuna
 from autotune.result import TrialRecord
 
 __all__ = ["StudyStore", "resolve_storage"]
@@ -51,9 +52,10 @@ class StudyStore:
     ) -> None:
         self.storage = storage
         self.name = name
-        self.study = optuna.create_study(
-            storage=storage, study_name=name, direction="maximize", load_if_exists=True
-        )
+        with quiet_optuna():  # "A new study created in ..." is not ours to print
+            self.study = optuna.create_study(
+                storage=storage, study_name=name, direction="maximize", load_if_exists=True
+            )
         made_for = self.study.user_attrs.get("autotune_key")
         if made_for is None:
             self.study.set_user_attr("autotune_key", key)

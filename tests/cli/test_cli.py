@@ -329,6 +329,45 @@ def test_report(capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_path: Path
         (["tune", "{models}:broken", "--batch", "x:y", "--budget-gb", "1"], "no weights here"),
         (["tune", "{models}:nothing", "--batch", "x:y", "--budget-gb", "1"], "no attribute"),
         (["tune", "{models}:model", "--batch", "{models}:batch", "--budget-gb", "-1"], "budget"),
+        (["tune", "{models}:model", "--batch", "{models}:batch", "--budget-gb", "1GB!"], "24GiB"),
+        (
+            ["tune", "{models}:m", "--batch", "{models}:b", "--budget-gb", "1", "--trials", "0"],
+            "1 to",
+        ),
+        (
+            ["tune", "{models}:m", "--batch", "{models}:b", "--budget-gb", "1", "--trials", "-5"],
+            "1 to",
+        ),
+        (
+            ["tune", "{models}:m", "--batch", "{models}:b", "--budget-gb", "1", "--timeout", "nan"],
+            "above 0",
+        ),
+        (
+            [
+                "tune",
+                "{models}:model",
+                "--batch",
+                "{models}:batch",
+                "--budget-gb",
+                "1",
+                "--device",
+                "tpu",
+            ],
+            "'tpu' is not a torch device",
+        ),
+        (
+            [
+                "tune",
+                "{models}:m",
+                "--batch",
+                "{models}:b",
+                "--budget-gb",
+                "1",
+                "--global-batch",
+                "1" + "0" * 30,
+            ],
+            "1 to",
+        ),
         (
             ["estimate", "{models}:model", "--batch", "{models}:batch", "--optimizer", "lion"],
             "lion",
@@ -343,6 +382,38 @@ def test_errors_are_one_line(
     code, _, err = run(capsys, *args)
     assert code == 2
     assert_one_error_line(err, fragment)
+
+
+@pytest.mark.parametrize(
+    ("text", "gib"),
+    [("24", 24.0), ("24GB", 24.0), ("24 GiB", 24.0), ("512MiB", 0.5), ("0.5g", 0.5)],
+)
+def test_budgets_are_read_in_gib_with_or_without_a_unit(text: str, gib: float) -> None:
+    from autotune.cli._types import gib as parse
+
+    assert parse(text) == gib
+
+
+def test_a_file_that_cannot_be_written_is_one_line(capsys, tuned: Tuned, tmp_path) -> None:
+    missing = tmp_path / "no" / "such" / "dir" / "x.yaml"
+    code, _, err = run(capsys, "export", str(tuned.path), "--to", "hf", "-o", str(missing))
+    assert code == 2
+    assert_one_error_line(err, str(missing), "No such file or directory")
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(tuned: Tuned) -> None:
+    # `autotune show --json tuned.yaml | head -1`: the reader is gone before we write.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", "show", "--json", str(tuned.path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert err == ""  # no BrokenPipeError traceback
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:

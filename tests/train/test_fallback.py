@@ -198,3 +198,67 @@ def test_a_tuned_result_carries_its_fallbacks_into_the_runner() -> None:
     runner = autotune.prepare(copy.deepcopy(model), autotune.TuneResult.from_dict(result.to_dict()))
     assert runner.config == result.config
     assert runner.fallbacks == list(result.fallbacks)
+
+
+def test_an_oom_raised_to_the_caller_leaves_no_partial_gradients() -> None:
+    model, batches, _ = gpt_case()
+    config = TrainConfig(micro_batch_size=4)  # two micro-batches per step of 8
+    reference = autotune.prepare(copy.deepcopy(model), config, lr=0.01)
+    runner = autotune.prepare(model, config, lr=0.01)
+    calls = []
+
+    def second_micro_batch_ooms(module: nn.Module, args: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected")
+
+    hook = model.blocks[0].register_forward_pre_hook(second_micro_batch_ooms)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        runner.step(batches[0])  # micro-batch 1's gradients exist when 2 runs out
+    hook.remove()
+    assert all(p.grad is None for p in model.parameters())
+    # The caller retries the batch: it trains as if the failed attempt never happened.
+    torch.manual_seed(0)
+    retried = runner.step(batches[0])
+    torch.manual_seed(0)
+    assert torch.equal(retried, reference.step(batches[0]))
+    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_oom_in_the_optimizer_step_leaves_no_gradients(monkeypatch) -> None:
+    model, batches, _ = gpt_case()
+    runner = autotune.prepare(model, TrainConfig(micro_batch_size=8), lr=0.01)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(runner, "optimizer_step", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.step(batches[0])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fallbacks_naming_missing_blocks_are_refused_by_prepare() -> None:
+    from autotune.errors import BlockError
+
+    model, _, _ = gpt_case()
+    fast = TrainConfig(micro_batch_size=8)
+    bad = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint=("blocks.9",))
+    with pytest.raises(BlockError, match=r"'blocks\.9'"):
+        autotune.prepare(model, result_for(model, fast, bad))
+    assert all("forward" not in m.__dict__ for m in model.modules())  # nothing wrapped
+
+
+def test_an_empty_batch_is_refused_before_any_step() -> None:
+    from autotune.errors import BatchError
+
+    model, batches, _ = gpt_case()
+    runner = autotune.prepare(model, TrainConfig(micro_batch_size=8), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    empty = tuple(t[:0] for t in batches[0])
+    with pytest.raises(BatchError, match="empty"):
+        runner.step(empty)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(BatchError, match="empty"):
+        autotune.autotune(model, empty, 0.1, device="cpu")

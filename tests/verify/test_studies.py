@@ -139,4 +139,29 @@ def test_two_processes_share_one_study(tmp_path) -> None:
     final = tune(journal, study_name="shared")
     assert {r.config for r in final.trials} >= {r.config for r in records}
     best = max(r.measured.samples_per_s for r in final.trials if r.measured is not None)
-    assert final.measured.samples_per_s == best
+    assert final.measured.samples_per_s >= 0.99 * best  # ties within 1%: the smaller peak
+
+
+def test_optuna_prints_nothing_and_its_verbosity_comes_back(tmp_path, capfd) -> None:
+    optuna.logging.set_verbosity(optuna.logging.INFO)  # what a user may have set
+    try:
+        StudyStore(resolve_storage(str(tmp_path / "s.db")), "quiet", {"k": 1})
+        assert "A new study created" not in capfd.readouterr().err
+        assert optuna.logging.get_verbosity() == optuna.logging.INFO
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def test_importing_autotune_sets_no_logging_state() -> None:
+    code = textwrap.dedent(
+        """
+        import logging
+        import autotune.tune, autotune.cli._main
+        for name in ("", "autotune"):
+            log = logging.getLogger(name)
+            assert not log.handlers, (name, log.handlers)
+        assert logging.getLogger("autotune").level == logging.NOTSET
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,70 @@
+"""Reading YAML that a user hands autotune: safe, bounded, and refused in one line.
+
+``yaml.safe_load`` builds no objects, but it expands aliases into shared references (a
+"billion laughs" file is small on disk and enormous once printed), recurses once per
+level of nesting, and turns a 5000-digit number into a ``ValueError``. autotune's files
+use none of these, so each is refused as a :class:`~autotune.errors.ConfigError` before
+anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from autotune.errors import ConfigError
+
+__all__ = ["MAX_BYTES", "read_yaml"]
+
+MAX_BYTES = 16 * 2**20
+"""The largest file read; a tuned result with every trial is tens of kilobytes."""
+_MAX_DEPTH = 32
+"""The deepest nesting read; a tuned result nests five levels."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases and with bounded nesting."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+            raise ConfigError(
+                f"line {mark.line + 1}: YAML aliases (*name) are not read by autotune; "
+                "write the value out."
+            )
+        self.depth += 1
+        try:
+            if self.depth > _MAX_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise ConfigError(
+                    f"line {mark.line + 1}: nested deeper than {_MAX_DEPTH} levels; "
+                    "this is not an autotune file."
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """Parse ``text`` (from ``source``, for messages) as plain YAML data.
+
+    Raises:
+        ConfigError: the text is too large, not YAML, uses aliases, nests too deep or
+            holds a number Python will not convert.
+    """
+    if len(text) > MAX_BYTES:
+        raise ConfigError(
+            f"{source} is {len(text) / 2**20:.0f} MiB; autotune files are far smaller "
+            f"(at most {MAX_BYTES // 2**20} MiB read). Is it the right file?"
+        )
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of thousands of digits
+        raise ConfigError(f"{source} holds a value autotune cannot read: {exc}") from None
