@@ -17,6 +17,7 @@ from autotune.errors import ProfileError
 from autotune.measure._devices import Transfer
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
 from autotune.measure._profiler import Profiler, block_parameter_bytes
+from autotune.train import _batch as batching
 
 __all__ = ["memory_profile", "working_copy"]
 
@@ -94,5 +95,6 @@ def memory_profile(
         block_bytes=block_parameter_bytes(profiler.model, blocks),
         transfer=transfer,
         host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
+        input_bytes_per_sample=batching.bytes_per_sample(profiler.sample, profiler.device),
     )
     return profile, notes

@@ -186,6 +186,9 @@ class Profile:
     host_param_bytes: int = 0
     """Host bytes of an offloaded optimizer's master weights and gradient buffers, as the
     host allocator takes them (0: not profiled)."""
+    input_bytes_per_sample: float = 0.0
+    """Device bytes of one sample of the input batch where it already lives on the device
+    (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -244,4 +247,5 @@ def profile_from_json(text: str) -> Profile:
         block_bytes=tuple(d["block_bytes"]),
         transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
         host_param_bytes=d["host_param_bytes"],
+        input_bytes_per_sample=d["input_bytes_per_sample"],
     )

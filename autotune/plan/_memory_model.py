@@ -1,8 +1,9 @@
 """Peak device memory of any configuration: the profiled phase timeline, replayed.
 
 Micro-batch 1, micro-batch 2 repeated ``grad_accum_steps - 1`` times, then the optimizer
-step; each block's phases are taken from its kept, checkpointed or offloaded variant and
-each quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
+step, with the step's input batch held throughout where it lives on the device. Each
+block's phases are taken from its kept, checkpointed or offloaded variant and each
+quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class MemoryModel(ProfileView):
         shares = self._variant_shares(mask)
         moved = self.profile.precisions[precision].moved
         start = float(self.profile.precisions[precision].base_bytes + state)
+        start += self.profile.input_bytes_per_sample * b * accum  # the step's batch
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
         peak, live, grads = self._replay(
@@ -204,6 +206,7 @@ class MemoryModel(ProfileView):
         prof = self.profile
         state = 0 if config.offload_optimizer else prof.optimizers[o].state_bytes
         other = prof.precisions[p].base_bytes - prof.param_bytes
+        other += math.ceil(prof.input_bytes_per_sample * b * n)  # the batch, in "other"
         acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
         return device_peak, Breakdown(
             parameters=prof.param_bytes,

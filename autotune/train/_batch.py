@@ -17,7 +17,16 @@ from torch import Tensor
 
 from autotune.errors import BatchError
 
-__all__ = ["Batch", "batch_size", "map_tensors", "resize", "split", "to_device"]
+__all__ = [
+    "Batch",
+    "batch_size",
+    "bytes_per_sample",
+    "map_tensors",
+    "resize",
+    "split",
+    "tensors_on",
+    "to_device",
+]
 
 Batch = Any
 """A Tensor, tuple/list or Mapping of tensors (nested freely) sharing batch dimension 0."""
@@ -153,6 +162,18 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     rows = [slice(i, i + micro_batch_size) for i in range(0, size, micro_batch_size)]
     # itemgetter rather than a lambda in the loop, which would see only the last slice
     return [_map(batch, itemgetter(s), 1) for s in rows]
+
+
+def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:
+    """The tensor leaves of ``batch`` that already live on ``device``: memory the step
+    holds from start to end (a leaf elsewhere is copied up one micro-batch at a time)."""
+    return [t for _, t in _leaves(batch, "batch") if t.device == device]
+
+
+def bytes_per_sample(batch: Batch, device: torch.device) -> float:
+    """Bytes one sample of ``batch`` holds on ``device`` (0 where it lives elsewhere)."""
+    held = sum(t.numel() * t.element_size() for t in tensors_on(batch, device))
+    return held / batch_size(batch)
 
 
 def to_device(batch: Batch, device: torch.device | str, *, non_blocking: bool = False) -> Batch:

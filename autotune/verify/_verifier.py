@@ -106,10 +106,13 @@ class Verifier:
             return reading.peak_bytes, statistics.median(times)
         # CPU: the first step allocates the optimizer state under the guard, the second
         # is measured at steady state; the timed steps run without the tracker's overhead.
-        with measure_peak(self.device, existing=self._state(runner), budget_bytes=budget):
+        # The batch counts: training holds it through the step (on CUDA it is in the
+        # reserved bytes already where it lives on the device).
+        held = batching.tensors_on(batch, self.device)
+        with measure_peak(self.device, existing=[*self._state(runner), *held], budget_bytes=budget):
             runner.step(batch)
         with measure_peak(
-            self.device, existing=self._state(runner), budget_bytes=budget
+            self.device, existing=[*self._state(runner), *held], budget_bytes=budget
         ) as reading:
             runner.step(batch)
         return reading.peak_bytes, statistics.median(self._timed_steps(runner, batch))
