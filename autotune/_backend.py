@@ -35,6 +35,8 @@ class Backend:
     rounds_host = False
     """Whether host buffers for transfers take what torch's pinned allocator takes (each
     rounded up to a power of two)."""
+    host_is_device = True
+    """Whether host memory is this device's memory (the CPU): then offload saves nothing."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -134,6 +136,7 @@ class CudaBackend(Backend):
     streams = True
     pins = True
     rounds_host = True
+    host_is_device = False
 
     def available(self) -> bool:
         return torch.cuda.is_available()

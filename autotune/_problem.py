@@ -4,6 +4,7 @@ target (budget in bytes, blocks, micro-batch sizes, precisions the device runs).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from autotune._backend import backend_for
 from autotune._blocks import resolve_blocks
 from autotune.config import MAX_BATCH
-from autotune.errors import BudgetError, ConfigError, ProfileError
+from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
 from autotune.measure._devices import Target, budget_bytes, discover
 from autotune.plan._candidates import micro_batch_candidates
 from autotune.plan._cost import CostModel
@@ -109,6 +110,14 @@ def make_problem(
             build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
+    if backend_for(target.device).host_is_device and any(space.offloads(target.device.type)):
+        warnings.warn(
+            f"offload saves nothing on {target.device}, where host memory is device memory; "
+            "it is not searched.",
+            AutotuneWarning,
+            stacklevel=3,
+        )
+        space = dataclasses.replace(space, offload_optimizer=False, offload_activations=False)
     batching.batch_size(sample_batch)
     return Problem(
         sample=sample_batch,

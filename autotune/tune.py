@@ -253,7 +253,8 @@ def _profile(work: nn.Module, problem: Problem) -> Profile:
     }
     feasible = {p: b for p, b in caps.items() if b is not None}
     if not feasible:
-        raise too_small(planner, problem.space, problem.budget)
+        helps = not backend_for(problem.target.device).host_is_device
+        raise too_small(planner, problem.space, problem.budget, offload_helps=helps)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     draft = dataclasses.replace(draft, notes=tuple(notes))
     profile = time_profile(profiler, draft, feasible, problem.sizes, device_name=target.name)

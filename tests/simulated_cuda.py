@@ -166,6 +166,7 @@ class SimulatedCuda(Backend):
     streams = True
     pins = False
     rounds_host = True
+    host_is_device = False
 
     def __init__(self, device: torch.device, *, allocator: SimulatedAllocator) -> None:
         super().__init__(device)
@@ -220,3 +221,10 @@ class SimulatedCuda(Backend):
             yield
         finally:
             self.allocator.cap = previous
+
+
+class SeparateHost(Backend):
+    """The CPU as a device whose host memory is separate (as a GPU's is), nothing else:
+    live bytes stay the peak, exactly, so offload's accounting is tested to the byte."""
+
+    host_is_device = False

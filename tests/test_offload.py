@@ -1,7 +1,9 @@
 """Offload on CPU: the same math as without it, and the accounting the cost model relies on.
 
-On CPU the host is the device; the offload code runs all the same (plain copies), and
-what it keeps on the host is left out of the tracker, as on CUDA it is not device memory.
+On a real CPU host memory is device memory and offload saves nothing (the last tests
+here). The rest runs the CPU as a device with separate host memory (``SeparateHost``):
+the offload code runs all the same (plain copies), and what it keeps on the host is left
+out of the tracker, as on CUDA it is not device memory.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import copy
 import dataclasses
 import itertools
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,6 +35,24 @@ from autotune.verify._verifier import Verifier
 CPU = torch.device("cpu")
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
 FAST = Transfer(d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12, host_limit_bytes=2**40)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def separate_host() -> Iterator[None]:
+    from simulated_cuda import SeparateHost
+
+    from autotune import _backend
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_backend._BACKENDS, "cpu", SeparateHost)
+        yield
+
+
+@pytest.fixture
+def real_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotune import _backend
+
+    monkeypatch.setitem(_backend._BACKENDS, "cpu", _backend.Backend)
 
 
 @pytest.fixture(scope="module")
@@ -370,8 +391,7 @@ def test_default_space_offloads_on_cuda_only() -> None:
         SearchSpace(offload_activations="yes")  # type: ignore[arg-type]
 
 
-def test_tune_with_offload_on_cpu_verifies_what_it_picks(model, sample) -> None:
-    # On CPU offload is opt-in (it saves nothing real there), which lets CI run its path.
+def test_tune_with_offload_on_a_separate_host_verifies_what_it_picks(model, sample) -> None:
     cost = CostModel(
         memory_profile(
             Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None),
@@ -408,3 +428,19 @@ def test_the_fp16_scale_moves_with_the_optimizer_and_keeps_its_value(model) -> N
         assert runner.scaler is not None and runner.scaler.get_scale() == 1024.0
         runner.step(gpt_batch(model.config, 4))
     runner.close()
+
+
+def test_on_the_real_cpu_offload_saves_nothing_and_is_not_searched(model, sample, real_cpu) -> None:
+    plain = TrainConfig(micro_batch_size=8)
+    offloaded = plain.replace(offload_optimizer=True, offload_activations=BLOCKS[1:])
+    kept, _ = autotune.estimate(model, sample, plain, device="cpu")
+    moved, _ = autotune.estimate(model, sample, offloaded, device="cpu")
+    assert moved > kept  # the host copies are in the same memory, on top
+    measured = measured_peak(model, sample, offloaded)
+    assert measured >= measured_peak(model, sample, plain)  # it really saves nothing
+    assert abs(moved - measured) <= 0.01 * measured  # the master weights included
+    space = SearchSpace(offload_optimizer=True, offload_activations=True)
+    saves_nothing = pytest.warns(autotune.AutotuneWarning, match="offload saves nothing on cpu")
+    with saves_nothing, pytest.raises(autotune.BudgetTooSmallError) as caught:
+        autotune.autotune(model, sample, 1e-4, space=space, device="cpu", n_trials=4)
+    assert "offload" not in str(caught.value)  # and it is not what the error suggests

@@ -95,6 +95,7 @@ def memory_profile(
         block_bytes=block_parameter_bytes(profiler.model, blocks),
         transfer=transfer,
         host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
+        host_is_device=profiler.ops.host_is_device,
         input_bytes_per_sample=batching.bytes_per_sample(profiler.sample, profiler.device),
     )
     return profile, notes

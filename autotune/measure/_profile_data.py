@@ -186,6 +186,8 @@ class Profile:
     host_param_bytes: int = 0
     """Host bytes of an offloaded optimizer's master weights and gradient buffers, as the
     host allocator takes them (0: not profiled)."""
+    host_is_device: bool = False
+    """Host memory is this device's memory (the CPU): offload moves bytes, saves none."""
     input_bytes_per_sample: float = 0.0
     """Device bytes of one sample of the input batch where it already lives on the device
     (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
@@ -247,5 +249,6 @@ def profile_from_json(text: str) -> Profile:
         block_bytes=tuple(d["block_bytes"]),
         transfer=None if d["transfer"] is None else Transfer(**d["transfer"]),
         host_param_bytes=d["host_param_bytes"],
+        host_is_device=d["host_is_device"],
         input_bytes_per_sample=d["input_bytes_per_sample"],
     )

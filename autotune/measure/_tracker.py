@@ -4,7 +4,8 @@
 allocates and is told (by a weak-reference finalizer) when it is freed. Storages that
 existed before the measured region (parameters, buffers, gradients, optimizer state) are
 registered with :meth:`LiveBytesTracker.track`. Host memory that offload keeps on purpose
-is left out (see :mod:`autotune.train._host`).
+is left out where it is not the device's memory (see :mod:`autotune.train._host`); on the
+CPU it is the same memory, so it counts and offload saves nothing.
 
 On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget
 guard**: it raises ``torch.OutOfMemoryError`` the moment live bytes pass the budget. Every
@@ -22,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autotune._backend import backend_for
 from autotune.measure._profile_data import PhaseKey
 from autotune.train._host import in_host_memory, is_host_storage
 
@@ -52,6 +54,8 @@ class LiveBytesTracker(TorchDispatchMode):
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         self.budget_bytes = budget_bytes
+        self.counts_host = backend_for(torch.device(device_type)).host_is_device
+        """Whether offload's host memory is this device's (the CPU): then it counts."""
         self.live = 0
         self.peak = 0
         self.phases: list[PhaseRecord] = []
@@ -75,7 +79,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if in_host_memory():
+        if in_host_memory() and not self.counts_host:
             return out
         inputs = {
             id(s): s
@@ -104,7 +108,7 @@ class LiveBytesTracker(TorchDispatchMode):
         if (
             key in self._sizes
             or storage.device.type != self.device_type
-            or is_host_storage(storage)
+            or (is_host_storage(storage) and not self.counts_host)
         ):
             return
         nbytes = storage.nbytes()

@@ -80,6 +80,13 @@ class MemoryModel(ProfileView):
         offload_optimizer: bool = False,
     ) -> tuple[int, int, int]:
         """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
+        if offload_optimizer and self.profile.host_is_device:
+            # The CPU: state, gradients and the step's transient are the same bytes on the
+            # "host", plus the master weights (an offloaded block's host copies are in its
+            # measured variant already).
+            device, live_peak, held = self.simulate(precision, optimizer, b, accum, mask)
+            masters = self.profile.param_bytes
+            return device + masters, live_peak + masters, held
         first, later = self._micro[precision]
         opt = self.profile.optimizers[optimizer]
         state = 0 if offload_optimizer else opt.state_bytes
@@ -176,22 +183,34 @@ class MemoryModel(ProfileView):
     def host_bytes(self, config: TrainConfig) -> int:
         """Host bytes offload holds at most: optimizer side and one micro-batch's
         activations, each host buffer as the host allocator takes it."""
+        mask = self.mask_of((), config.offload_activations)
+        return math.ceil(
+            self._host_side(
+                config.precision,
+                config.optimizer,
+                config.micro_batch_size,
+                mask,
+                config.offload_optimizer,
+            )
+        )
+
+    def _host_side(
+        self, precision: str, optimizer: str, b: int, mask: Mask, offload_optimizer: bool
+    ) -> float:
+        """Host bytes of the offloaded optimizer and of one micro-batch's offloaded blocks."""
         prof = self.profile
         total = 0.0
-        if config.offload_optimizer:
+        if offload_optimizer:
             total += prof.host_param_bytes or prof.param_bytes + prof.grad_bytes
-            total += prof.optimizers[config.optimizer].state_bytes
-        if config.offload_activations:
-            precision = prof.precisions[config.precision]
-            rounds = prof.transfer is not None and prof.transfer.rounds_host
-            b = config.micro_batch_size
-            for name in config.offload_activations:
-                i = self._index[name]
-                if rounds and precision.copies:
-                    total += sum(pinned_bytes(math.ceil(c(b))) for c in precision.copies[i])
-                else:
-                    total += precision.moved[i](b)
-        return math.ceil(total)
+            total += prof.optimizers[optimizer].state_bytes
+        rounds = prof.transfer is not None and prof.transfer.rounds_host
+        variant = prof.precisions[precision]
+        for i in (i for i, m in enumerate(mask) if m == OFFLOAD):
+            if rounds and variant.copies:
+                total += sum(pinned_bytes(math.ceil(c(b))) for c in variant.copies[i])
+            else:
+                total += variant.moved[i](b)
+        return total
 
     def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
         """Predicted peak device bytes of ``config`` and what holds them at the peak."""

@@ -12,8 +12,11 @@ from autotune.space import SearchSpace
 __all__ = ["too_small"]
 
 
-def too_small(planner: Planner, space: SearchSpace, budget: int) -> BudgetTooSmallError:
-    """The error for a budget under the cheapest configuration, with what would lower it."""
+def too_small(
+    planner: Planner, space: SearchSpace, budget: int, *, offload_helps: bool = True
+) -> BudgetTooSmallError:
+    """The error for a budget under the cheapest configuration, with what would lower it
+    (offload only where it helps: not where host memory is device memory)."""
     cost = planner.cost
     b = planner.sizes[0]
     settings = itertools.product(planner.precisions, planner.optimizers, planner.offload_optimizer)
@@ -30,9 +33,9 @@ def too_small(planner: Planner, space: SearchSpace, budget: int) -> BudgetTooSma
             "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adamw8bit']) "
             "or 'adafactor'"
         )
-    if not h and True not in planner.offload_optimizer:
+    if offload_helps and not h and True not in planner.offload_optimizer:
         hints.append("allow optimizer offload (SearchSpace(offload_optimizer=True))")
-    if not planner.offload_activations and cost.n_blocks:
+    if offload_helps and not planner.offload_activations and cost.n_blocks:
         hints.append("allow activation offload (SearchSpace(offload_activations=True))")
     if not space.checkpointing:
         hints.append("allow checkpointing (SearchSpace(checkpointing=True))")

@@ -149,7 +149,13 @@ class Verifier:
 
     @staticmethod
     def _state(runner: Runner) -> list[torch.Tensor]:
-        return state_tensors(runner.model, runner.optimizer, runner.scaler)
+        state = state_tensors(runner.model, runner.optimizer, runner.scaler)
+        if runner.host is not None:  # master weights: counted where the host is the device
+            state += [
+                *runner.host.masters,
+                *(m.grad for m in runner.host.masters if m.grad is not None),
+            ]
+        return state
 
     def _timed(self, fn: Callable[[], Any]) -> float:
         self._sync()
