@@ -8,6 +8,7 @@ the copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -20,6 +21,13 @@ from torch import nn
 from autotune._backend import backend_for
 from autotune._identity import fingerprint
 from autotune._problem import Problem, make_problem
+from autotune._shared import (
+    measure_with,
+    open_store,
+    shared_candidates,
+    shared_profile,
+    shared_settle,
+)
 from autotune.config import TrainConfig
 from autotune.measure._devices import measure_transfer
 from autotune.measure._memory_profile import memory_profile, working_copy
@@ -31,13 +39,13 @@ from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
 from autotune.plan._search import search
 from autotune.plan._too_small import too_small
-from autotune.result import Measurement, ModelInfo, TrialRecord, TuneResult
+from autotune.result import ModelInfo, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._loss import LossFn
 from autotune.verify._ladder import fallback_ladder
-from autotune.verify._studies import StudyStore, resolve_storage
+from autotune.verify._studies import StudyStore
 from autotune.verify._verifier import Verifier
-from autotune.verify._winner import Measure, choose_winner, fastest, settle
+from autotune.verify._winner import choose_winner, fastest
 
 __all__ = ["autotune"]
 
@@ -100,16 +108,11 @@ def autotune(
         device=device,
         space=space or SearchSpace(),
     )
-    store = None if storage is None else _store(model, problem, storage, study_name)
+    store = None if storage is None else open_store(model, problem, storage, study_name)
     work = working_copy(model, problem.target.device)
     try:
-        profile = store.profile() if store is not None else None
-        if profile is None:
-            profile = _profile(work, problem)
-            if store is not None:
-                store.save_profile(profile)
-        else:
-            log.info("profile read from study %s", store.name if store else "")
+        measure_profile = functools.partial(_profile, work, problem)
+        profile = measure_profile() if store is None else shared_profile(store, measure_profile)
         problem = problem.with_context(profile.context_bytes)
         cost = CostModel(profile)
         planner = problem.planner(cost, tuple(profile.precisions))
@@ -119,7 +122,8 @@ def autotune(
             "/".join(planner.precisions),
             "/".join(planner.optimizers),
         )
-        candidates = search(
+        run_search = functools.partial(
+            search,
             planner,
             n_trials=n_trials,
             timeout_s=timeout_s,
@@ -127,6 +131,10 @@ def autotune(
             storage=store.storage if store else None,
             study_name=store.name if store else None,
         )
+        if store is None:
+            candidates = run_search()
+        else:
+            candidates = shared_candidates(store, run_search, cost, n_trials, timeout_s, seed)
         chosen, records, fallbacks = _verify(work, problem, planner, candidates, store)
     finally:
         del work
@@ -149,20 +157,6 @@ def autotune(
     )
 
 
-def _store(model: nn.Module, problem: Problem, storage: str, study_name: str | None) -> StudyStore:
-    """The study kept in ``storage`` for this run (made for this model, budget and space)."""
-    key = {
-        "model": fingerprint(model),
-        "budget_bytes": problem.budget,
-        "device": problem.target.name,
-        "global_batch_size": problem.global_batch_size,
-        "space": repr(problem.space),
-        "torch": str(torch.__version__),
-    }
-    name = study_name or f"autotune-{key['model']}-{problem.budget}"
-    return StudyStore(resolve_storage(storage), name, key)
-
-
 def _verify(
     work: nn.Module,
     problem: Problem,
@@ -180,37 +174,10 @@ def _verify(
         context_bytes=problem.target.context_bytes,
         foreign_bytes=problem.foreign,
     )
-    measure = _measure_with(verifier, store)
-    known = {r.config for r in store.records()} if store is not None else set()
-    records = choose_winner(measure, candidates, top=_VERIFY_TOP)
-    if store is not None:  # what other processes verified counts too
-        records += [r for r in store.records() if r.config not in {x.config for x in records}]
-    # A run that measured nothing new (a resumed study) keeps the timings the measuring run
-    # settled and saved: timing them again would re-measure, and could pick another winner.
-    if any(r.config not in known for r in records):
-        records = settle(verifier, records)
-        if store is not None:
-            for record in records:
-                store.save_record(record)
+    measure = measure_with(verifier, store)
+    records = shared_settle(store, verifier, choose_winner(measure, candidates, top=_VERIFY_TOP))
     chosen = fastest(records)
     return chosen, records, fallback_ladder(measure, planner, chosen, records)
-
-
-def _measure_with(verifier: Verifier, store: StudyStore | None) -> Measure:
-    """Run configs for real; with a study, reuse its outcomes and claim before running."""
-
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
-        if store is not None:
-            if (known := store.record(config)) is not None:
-                return known
-            if not store.claim(config):
-                return None
-        record = verifier.record(config, predicted)
-        if store is not None:
-            store.save_record(record)
-        return record
-
-    return measure
 
 
 def _profile(work: nn.Module, problem: Problem) -> Profile:

@@ -1,8 +1,13 @@
 """Keeping a tuning run in an Optuna storage, to resume it or share it between processes.
 
 The study holds, besides its trials on the cost model, what is expensive to redo: the
-measured profile and every verification outcome. A run that finds them there skips that
-work; processes working on one study claim a candidate before they verify it.
+measured profile, the search's candidates, every verification outcome and the final
+timings. Each of these is a job that one process owns at a time (see
+:mod:`autotune.verify._claims`): processes on one study profile once, search once, verify
+each candidate once and re-time once, and so all end with the same winner and the same
+fallbacks. A killed or interrupted process loses nothing: its job lapses and another
+process, or the next run, takes it over. Keys are short hashes: they do not grow with
+the model (PostgreSQL's key column holds 512 characters).
 """
 
 from __future__ import annotations
@@ -10,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 from optuna.storages.journal import JournalFileBackend
@@ -22,8 +30,14 @@ from autotune.errors import ConfigError
 from autotune.measure._profile_data import Profile, profile_from_json, profile_to_json
 from autotune.plan._search import quiet_optuna
 from autotune.result import TrialRecord
+from autotune.verify._claims import Claims, job_id, storage_of
 
 __all__ = ["StudyStore", "resolve_storage"]
+
+T = TypeVar("T")
+
+POLL_S = 0.5
+"""Seconds between two looks at a job another process owns."""
 
 
 def resolve_storage(url: str) -> str | optuna.storages.BaseStorage:
@@ -43,18 +57,25 @@ class StudyStore:
     Args:
         storage: What :func:`resolve_storage` returned.
         name: The study's name.
-        key: What the study was made for (model fingerprint, budget, space, device); a
-            study made for something else is an error rather than silently mixed.
+        key: What the study was made for (autotune's version, model fingerprint, budget,
+            space, device); a study made for something else is an error rather than
+            silently mixed.
     """
 
     def __init__(
         self, storage: str | optuna.storages.BaseStorage, name: str, key: dict[str, Any]
     ) -> None:
-        self.storage = storage
+        try:
+            self.storage = storage_of(storage)
+        except ImportError as exc:  # a database URL whose driver is not installed
+            raise ConfigError(
+                f"the storage {str(storage)[:60]!r} needs a database driver: {exc}. For "
+                "postgresql:// URLs: pip install 'autotune[postgres]'."
+            ) from None
         self.name = name
-        with quiet_optuna():  # "A new study created in ..." is not ours to print
+        with quiet_optuna():
             self.study = optuna.create_study(
-                storage=storage, study_name=name, direction="maximize", load_if_exists=True
+                storage=self.storage, study_name=name, direction="maximize", load_if_exists=True
             )
         made_for = self.study.user_attrs.get("autotune_key")
         if made_for is None:
@@ -65,7 +86,22 @@ class StudyStore:
                 f"study {name!r} was made for another tuning run ({', '.join(changed)} "
                 "differ); pass another study name, or the same model, budget and space."
             )
-        self.me = f"{socket.gethostname()}:{os.getpid()}"
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.claims = Claims(self.storage, name, self.me)
+
+    def once(self, job: str, done: Callable[[], T | None], do: Callable[[], T]) -> T:
+        """``job``'s result: read if done, else done here if no live process owns it, else
+        waited for (and taken over if its owner stops beating)."""
+        while True:
+            result = done()
+            if result is not None:
+                return result
+            owned = self.claims.claim(job)
+            if owned is not None:
+                with owned:
+                    result = done()  # done between our look and our claim
+                    return result if result is not None else do()
+            time.sleep(POLL_S)
 
     def profile(self) -> Profile | None:
         text = self.study.user_attrs.get("autotune_profile")
@@ -75,29 +111,42 @@ class StudyStore:
         self.study.set_user_attr("autotune_profile", profile_to_json(profile))
 
     def record(self, config: TrainConfig) -> TrialRecord | None:
-        data = self.study.user_attrs.get(self._key("verified", config))
+        data = self._attrs().get(self._key("verified", config))
         return None if data is None else from_plain(TrialRecord, data)
 
     def save_record(self, record: TrialRecord) -> None:
         self.study.set_user_attr(self._key("verified", record.config), to_plain(record))
 
-    def claim(self, config: TrainConfig) -> bool:
-        """True if this process may verify ``config`` (no other process claimed it)."""
-        key = self._key("claim", config)
-        owner = self.study.user_attrs.get(key)
-        if owner not in (None, self.me):
-            return False
-        self.study.set_user_attr(key, self.me)
-        return True
-
     def records(self) -> list[TrialRecord]:
         """Every verification outcome in the study, from any process."""
         return [
             from_plain(TrialRecord, v)
-            for k, v in self.study.user_attrs.items()
+            for k, v in self._attrs().items()
             if k.startswith("verified:")
         ]
 
-    @staticmethod
-    def _key(kind: str, config: TrainConfig) -> str:
-        return f"{kind}:" + json.dumps(to_plain(config), sort_keys=True)
+    def configs(self, job: str) -> list[TrainConfig] | None:
+        """The configs a job saved with :meth:`save_configs` (``None``: not yet)."""
+        data = self._attrs().get(f"configs:{job}")
+        return None if data is None else [from_plain(TrainConfig, c) for c in data]
+
+    def save_configs(self, job: str, configs: list[TrainConfig]) -> None:
+        self.study.set_user_attr(f"configs:{job}", [to_plain(c) for c in configs])
+
+    def flag(self, job: str) -> bool | None:
+        """``True`` once :meth:`set_flag` marked ``job`` done (``None``: not yet)."""
+        return True if self._attrs().get(f"done:{job}") else None
+
+    def set_flag(self, job: str) -> None:
+        self.study.set_user_attr(f"done:{job}", True)
+
+    def job_of(self, kind: str, *configs: TrainConfig) -> str:
+        """The job of ``kind`` over ``configs`` (a short hash)."""
+        plain = [json.dumps(to_plain(c), sort_keys=True) for c in configs]
+        return job_id(kind, *plain)
+
+    def _attrs(self) -> dict[str, Any]:
+        return self.storage.get_study_user_attrs(self.study._study_id)
+
+    def _key(self, kind: str, config: TrainConfig) -> str:
+        return f"{kind}:{self.job_of(kind, config)}"

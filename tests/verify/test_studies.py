@@ -10,7 +10,6 @@ import optuna
 import pytest
 
 import autotune
-from autotune._plain import from_plain
 from autotune.errors import ConfigError
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.verify._studies import StudyStore, resolve_storage
@@ -97,49 +96,6 @@ def test_storage_paths_pick_a_backend(tmp_path) -> None:
     assert resolve_storage("sqlite:///x.db") == "sqlite:///x.db"
     assert resolve_storage(str(tmp_path / "a.db")) == f"sqlite:///{tmp_path / 'a.db'}"
     assert isinstance(resolve_storage(str(tmp_path / "a.journal")), optuna.storages.JournalStorage)
-
-
-WORKER = textwrap.dedent("""
-    import sys, torch
-    torch.set_num_threads(1)
-    import autotune
-    from autotune.models import gpt_batch, tiny_gpt
-    m = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-    r = autotune.autotune(m, gpt_batch(m.config, 4), {budget}, device="cpu", global_batch_size=16,
-                          storage=sys.argv[1], study_name="shared", n_trials=20)
-    print(r.config.describe())
-""")
-
-
-def test_two_processes_share_one_study(tmp_path) -> None:
-    journal = str(tmp_path / "shared.journal")
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(budget=BUDGET_GB))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), journal],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    study = optuna.load_study(study_name="shared", storage=resolve_storage(journal))
-    assert len(study.trials) >= 20
-    claims = {k: v for k, v in study.user_attrs.items() if k.startswith("claim:")}
-    verified = [k for k in study.user_attrs if k.startswith("verified:")]
-    # Every verification was claimed first, by one of the two workers.
-    assert verified and len(claims) == len(verified)
-    workers = set(claims.values())
-    assert 1 <= len(workers) <= 2
-    # A run afterwards sees every verification of both and picks the fastest of them all.
-    records = [from_plain(autotune.TrialRecord, study.user_attrs[k]) for k in verified]
-    final = tune(journal, study_name="shared")
-    assert {r.config for r in final.trials} >= {r.config for r in records}
-    best = max(r.measured.samples_per_s for r in final.trials if r.measured is not None)
-    assert final.measured.samples_per_s >= 0.99 * best  # ties within 1%: the smaller peak
 
 
 def test_optuna_prints_nothing_and_its_verbosity_comes_back(tmp_path, capfd) -> None:

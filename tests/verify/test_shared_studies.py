@@ -1,0 +1,199 @@
+"""Studies shared by real worker processes: one owner per job, nothing lost to a crash.
+
+Workers are real processes on one storage (a journal file, SQLite, and PostgreSQL where
+CI runs a server). One is killed with SIGKILL, or interrupted with SIGINT, in the middle
+of a verification; the next process takes its job over and no candidate is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.verify._studies import resolve_storage
+
+BUDGET_GB = 48 / 1024
+POSTGRES = os.environ.get("AUTOTUNE_TEST_POSTGRES")
+"""A PostgreSQL URL (``.ci/run`` starts a server and sets it)."""
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time, torch
+    torch.set_num_threads(1)
+    import autotune
+    from autotune.models import gpt_batch, tiny_gpt
+    from autotune.verify import _claims, _verifier
+    _claims.BEAT_S = 0.2
+    _claims.GRACE_S = float(os.environ.get("GRACE_S", "600"))
+    hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
+    record, seen = _verifier.Verifier.record, []
+
+    def hanging(self, config, predicted):  # the test kills or interrupts us in here
+        seen.append(config)
+        if len(seen) == hang:
+            with open(marker, "w") as f:
+                json.dump(config.describe(), f)
+            time.sleep(3600)
+        return record(self, config, predicted)
+
+    _verifier.Verifier.record = hanging
+    layers = int(os.environ.get("LAYERS", "2"))
+    m = tiny_gpt(n_layer=layers, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    r = autotune.autotune(m, gpt_batch(m.config, 4), {budget}, device="cpu",
+                          global_batch_size=16, storage=sys.argv[1], study_name="shared",
+                          n_trials=20)
+    print(json.dumps({{
+        "winner": r.config.describe(),
+        "fallbacks": [f.describe() for f in r.fallbacks],
+        "trials": sorted(t.config.describe() for t in r.trials),
+        "verified_here": len(seen),
+    }}))
+    """
+)
+
+
+def storages(tmp_path: Path) -> dict[str, str]:
+    out = {"journal": str(tmp_path / "s.journal"), "sqlite": str(tmp_path / "s.db")}
+    if POSTGRES:
+        out["postgres"] = POSTGRES
+    return out
+
+
+def start(tmp_path: Path, storage: str, **env: str) -> subprocess.Popen[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(budget=BUDGET_GB))
+    return subprocess.Popen(
+        [sys.executable, str(script), storage],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, object]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def wait_for(marker: Path, proc: subprocess.Popen[str]) -> str:
+    for _ in range(1200):
+        if marker.exists() and marker.read_text():
+            return json.loads(marker.read_text())
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    raise AssertionError("the worker never reached the verification it hangs in")
+
+
+@contextlib.contextmanager
+def opened(storage: str) -> Iterator[optuna.storages.BaseStorage]:
+    """The storage at ``storage``, its database connections closed afterwards."""
+    resolved = resolve_storage(storage)
+    db = optuna.storages.RDBStorage(resolved) if isinstance(resolved, str) else None
+    try:
+        yield db if db is not None else resolved  # type: ignore[misc]
+    finally:
+        if db is not None:
+            db.engine.dispose()
+
+
+def claims(storage: str) -> dict[str, int]:
+    """Each job's highest claim attempt (0: claimed once, never taken over)."""
+    out: dict[str, int] = {}
+    with opened(storage) as db:
+        for name in optuna.get_all_study_names(db):
+            if "~claim~" in name:
+                job, attempt = name.rsplit("~", 1)
+                out[job] = max(out.get(job, 0), int(attempt))
+    return out
+
+
+def fresh(kind: str, tmp_path: Path, name: str) -> str:
+    """A storage of ``kind`` that no earlier test used."""
+    if kind == "postgres":
+        assert POSTGRES is not None
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(POSTGRES)
+        with engine.begin() as db:  # one database for every test: start from no tables
+            db.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+        engine.dispose()
+        return POSTGRES
+    return storages(tmp_path / name)[kind] if (tmp_path / name).mkdir() is None else ""
+
+
+KINDS = ["journal", "sqlite", "postgres"]
+
+
+def kind_param(kind: str) -> object:
+    skip = kind == "postgres" and not POSTGRES and os.environ.get("CI") != "true"
+    return pytest.param(kind, marks=pytest.mark.skipif(skip, reason="no PostgreSQL server"))
+
+
+@pytest.mark.parametrize("kind", [kind_param(k) for k in KINDS])
+def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str) -> None:
+    storage = fresh(kind, tmp_path, "two")
+    workers = [start(tmp_path, storage) for _ in range(2)]
+    first, second = (finish(w) for w in workers)
+    assert first["winner"] == second["winner"]
+    assert first["fallbacks"] == second["fallbacks"]
+    assert first["trials"] == second["trials"]
+    # One process did each job: no claim was ever taken over or claimed twice.
+    jobs = claims(storage)
+    assert jobs and set(jobs.values()) == {0}
+
+
+@pytest.mark.parametrize("kind", [kind_param(k) for k in ("journal", "sqlite")])
+def test_a_worker_killed_mid_verification_loses_nothing(tmp_path, kind: str) -> None:
+    storage = fresh(kind, tmp_path, "kill")
+    marker = tmp_path / "hang"
+    doomed = start(tmp_path, storage, HANG_AT="2", MARKER=str(marker))
+    hung = wait_for(marker, doomed)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.communicate(timeout=60)
+    # Its claim beats no more: after the grace period the next process takes the job.
+    after = finish(start(tmp_path, storage, GRACE_S="2"))
+    assert hung in after["trials"]
+    assert max(claims(storage).values()) == 1  # the killed job, taken over once
+    # A run after that reads everything and verifies nothing again.
+    again = finish(start(tmp_path, storage))
+    assert again["verified_here"] == 0 and again["winner"] == after["winner"]
+
+
+def test_an_interrupted_worker_releases_its_claim_at_once(tmp_path) -> None:
+    storage = fresh("sqlite", tmp_path, "int")
+    marker = tmp_path / "hang"
+    stopped = start(tmp_path, storage, HANG_AT="1", MARKER=str(marker))
+    hung = wait_for(marker, stopped)
+    stopped.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode != 0 and "KeyboardInterrupt" in err
+    # A grace of 10 minutes: only a released claim lets this run finish in time.
+    after = finish(start(tmp_path, storage, GRACE_S="600"), timeout=120)
+    assert hung in after["trials"]
+
+
+@pytest.mark.parametrize("kind", [kind_param(k) for k in ("sqlite", "postgres")])
+def test_a_64_block_model_fits_the_database(tmp_path, kind: str) -> None:
+    # Keys once held the config as JSON: past ~20 checkpointed blocks, over PostgreSQL's
+    # 512-character key column. They are short hashes now.
+    storage = fresh(kind, tmp_path, "deep")
+    result = finish(start(tmp_path, storage, LAYERS="64"), timeout=300)
+    assert result["winner"]
+    with opened(storage) as db:
+        for name in optuna.get_all_study_names(db):
+            assert len(name) < 100
+            study = optuna.load_study(study_name=name, storage=db)
+            assert all(len(k) < 100 for k in study.user_attrs)
