@@ -394,6 +394,30 @@ def test_budgets_are_read_in_gib_with_or_without_a_unit(text: str, gib: float) -
     assert parse(text) == gib
 
 
+@pytest.mark.parametrize(
+    ("kind", "text", "words"),
+    [
+        ("positive_int", "ten", "a whole number"),
+        ("positive_int", "9" * 5000, "a whole number"),
+        ("positive_int", "0", "from 1 to"),
+        ("seconds", "soon", "expected seconds"),
+        ("seconds", "-3", "above 0"),
+        ("seconds", "inf", "above 0"),
+        ("gib", "24 TB", "24GiB"),
+        ("gib", "0GiB", "above 0"),
+        ("gib", "1e999", "above 0"),
+    ],
+)
+def test_bad_values_say_what_was_expected(kind: str, text: str, words: str) -> None:
+    import argparse
+
+    from autotune.cli import _types
+
+    with pytest.raises(argparse.ArgumentTypeError, match=words) as caught:
+        getattr(_types, kind)(text)
+    assert len(str(caught.value)) < 120
+
+
 def test_a_file_that_cannot_be_written_is_one_line(capsys, tuned: Tuned, tmp_path) -> None:
     missing = tmp_path / "no" / "such" / "dir" / "x.yaml"
     code, _, err = run(capsys, "export", str(tuned.path), "--to", "hf", "-o", str(missing))
