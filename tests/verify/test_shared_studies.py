@@ -36,18 +36,22 @@ WORKER = textwrap.dedent(
     from autotune.verify import _claims, _verifier
     _claims.BEAT_S = 0.2
     _claims.GRACE_S = float(os.environ.get("GRACE_S", "600"))
+    import autotune._shared as shared, autotune.tune as tuning
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
-    record, seen = _verifier.Verifier.record, []
+    stage = os.environ.get("HANG_IN", "record")
+    where = {{"record": (_verifier.Verifier, "record"), "settle": (shared, "settle"),
+             "profile": (tuning, "_profile")}}[stage]
+    original, seen = getattr(*where), []
 
-    def hanging(self, config, predicted):  # the test kills or interrupts us in here
-        seen.append(config)
+    def hanging(*args, **kwargs):  # the test kills or interrupts us in here
+        seen.append(1)
         if len(seen) == hang:
             with open(marker, "w") as f:
-                json.dump(config.describe(), f)
+                json.dump(getattr(args[1], "describe", lambda: stage)(), f)
             time.sleep(3600)
-        return record(self, config, predicted)
+        return original(*args, **kwargs)
 
-    _verifier.Verifier.record = hanging
+    setattr(*where, hanging)
     layers = int(os.environ.get("LAYERS", "2"))
     m = tiny_gpt(n_layer=layers, n_embd=32, n_head=2, block_size=16, vocab_size=64)
     r = autotune.autotune(m, gpt_batch(m.config, 4), {budget}, device="cpu",
@@ -155,17 +159,28 @@ def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str)
     assert jobs and set(jobs.values()) == {0}
 
 
-@pytest.mark.parametrize("kind", [kind_param(k) for k in ("journal", "sqlite")])
-def test_a_worker_killed_mid_verification_loses_nothing(tmp_path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "stage", "at"),
+    [
+        ("journal", "profile", "1"),
+        ("journal", "record", "2"),  # verifying the second candidate
+        ("sqlite", "record", "2"),
+        ("sqlite", "settle", "1"),  # re-timing the contenders
+    ],
+)
+def test_a_worker_killed_at_any_stage_loses_nothing(
+    tmp_path, kind: str, stage: str, at: str
+) -> None:
     storage = fresh(kind, tmp_path, "kill")
     marker = tmp_path / "hang"
-    doomed = start(tmp_path, storage, HANG_AT="2", MARKER=str(marker))
+    doomed = start(tmp_path, storage, HANG_IN=stage, HANG_AT=at, MARKER=str(marker))
     hung = wait_for(marker, doomed)
     doomed.send_signal(signal.SIGKILL)
     doomed.communicate(timeout=60)
     # Its claim beats no more: after the grace period the next process takes the job.
     after = finish(start(tmp_path, storage, GRACE_S="2"))
-    assert hung in after["trials"]
+    if stage == "record":
+        assert hung in after["trials"]
     assert max(claims(storage).values()) == 1  # the killed job, taken over once
     # A run after that reads everything and verifies nothing again.
     again = finish(start(tmp_path, storage))
