@@ -40,14 +40,15 @@ WORKER = textwrap.dedent(
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
     where = {{"record": (_verifier.Verifier, "record"), "settle": (shared, "settle"),
-             "profile": (tuning, "_profile")}}[stage]
+             "profile": (tuning, "_profile"), "search": (tuning, "search")}}[stage]
     original, seen = getattr(*where), []
 
     def hanging(*args, **kwargs):  # the test kills or interrupts us in here
         seen.append(1)
         if len(seen) == hang:
             with open(marker, "w") as f:
-                json.dump(getattr(args[1], "describe", lambda: stage)(), f)
+                config = args[1] if len(args) > 1 else None
+                json.dump(getattr(config, "describe", lambda: stage)(), f)
             time.sleep(3600)
         return original(*args, **kwargs)
 
@@ -163,6 +164,7 @@ def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str)
     ("kind", "stage", "at"),
     [
         ("journal", "profile", "1"),
+        ("sqlite", "search", "1"),
         ("journal", "record", "2"),  # verifying the second candidate
         ("sqlite", "record", "2"),
         ("sqlite", "settle", "1"),  # re-timing the contenders
