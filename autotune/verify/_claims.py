@@ -79,14 +79,14 @@ class Claims:
         """The highest attempt at ``job`` and its attributes (-1: never claimed)."""
         start = f"{self.prefix}{job}{_SEP}"
         attempts = {
-            int(s.study_name[len(start) :]): s._study_id
+            int(s.study_name[len(start) :]): s.user_attrs
             for s in self.storage.get_all_studies()
             if s.study_name.startswith(start)
         }
         if not attempts:
             return -1, {}
         attempt = max(attempts)
-        return attempt, self.storage.get_study_user_attrs(attempts[attempt])
+        return attempt, dict(attempts[attempt])
 
     def _stale(self, job: str, attempt: int, attrs: dict[str, Any]) -> bool:
         now = time.time()

@@ -77,6 +77,7 @@ class StudyStore:
             self.study = optuna.create_study(
                 storage=self.storage, study_name=name, direction="maximize", load_if_exists=True
             )
+        self._id = self.storage.get_study_id_from_name(name)
         made_for = self.study.user_attrs.get("autotune_key")
         if made_for is None:
             self.study.set_user_attr("autotune_key", key)
@@ -146,7 +147,7 @@ class StudyStore:
         return job_id(kind, *plain)
 
     def _attrs(self) -> dict[str, Any]:
-        return self.storage.get_study_user_attrs(self.study._study_id)
+        return self.storage.get_study_user_attrs(self._id)
 
     def _key(self, kind: str, config: TrainConfig) -> str:
         return f"{kind}:{self.job_of(kind, config)}"
