@@ -118,10 +118,14 @@ class OptimizerOffloader:
             p.grad = None
             master.grad = None
 
+    def pinned_tensors(self) -> list[torch.Tensor]:
+        """The pinned host buffers: master weights and the gradients they hold now."""
+        return [*self.masters, *(m.grad for m in self.masters if m.grad is not None)]
+
     def host_bytes(self) -> int:
         """Host bytes held: master weights and gradient buffers (as the pinned allocator
         takes them), and optimizer state."""
-        pinned = [*self.masters, *(m.grad for m in self.masters if m.grad is not None)]
+        pinned = self.pinned_tensors()
         state = [t for s in self.optimizer.state.values() for t in _tensors(s)]
         return sum(self.ops.host_bytes(t.untyped_storage().nbytes()) for t in pinned) + sum(
             t.untyped_storage().nbytes() for t in state

@@ -151,10 +151,7 @@ class Verifier:
     def _state(runner: Runner) -> list[torch.Tensor]:
         state = state_tensors(runner.model, runner.optimizer, runner.scaler)
         if runner.host is not None:  # master weights: counted where the host is the device
-            state += [
-                *runner.host.masters,
-                *(m.grad for m in runner.host.masters if m.grad is not None),
-            ]
+            state += runner.host.pinned_tensors()
         return state
 
     def _timed(self, fn: Callable[[], Any]) -> float:
