@@ -35,11 +35,13 @@ from autotune.space import SearchSpace
 if TYPE_CHECKING:
     from autotune._blocks import find_blocks
     from autotune._estimate import estimate
-    from autotune.train._prepare import prepare
+    from autotune.train._applied import Applied
+    from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.tune import autotune
 
 __all__ = [
+    "Applied",
     "AutotuneError",
     "AutotuneWarning",
     "BatchError",
@@ -58,6 +60,7 @@ __all__ = [
     "TuneResult",
     "VerificationError",
     "__version__",
+    "apply",
     "autotune",
     "estimate",
     "find_blocks",
@@ -68,6 +71,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Applied": "autotune.train._applied",
+    "apply": "autotune.train._prepare",
     "autotune": "autotune.tune",
     "estimate": "autotune._estimate",
     "find_blocks": "autotune._blocks",

@@ -153,7 +153,7 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from autotune.cli._export import export
+    from autotune.integrations._export import export
 
     exported = export(load(args.path), args.to)
     for warning in exported.warnings:

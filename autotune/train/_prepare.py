@@ -1,4 +1,5 @@
-"""``prepare()``: turn a model and a :class:`TrainConfig` into a runner that trains as tuned."""
+"""``prepare()`` and ``apply()``: a model and a :class:`TrainConfig` made into a runner that
+trains as tuned, or into a handle for a loop of one's own."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from autotune._identity import differences
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
-from autotune.train._checkpoint import apply_checkpointing, remove_checkpointing
+from autotune.train._applied import Applied
 from autotune.train._loss import LossFn
 from autotune.train._runner import Runner
 
-__all__ = ["prepare"]
+__all__ = ["apply", "prepare"]
 
 
 def prepare(
@@ -29,10 +30,10 @@ def prepare(
     device: torch.device | str | None = None,
     strict: bool = False,
 ) -> Runner:
-    """Make ``model`` train exactly as ``config`` says.
+    """Make ``model`` train exactly as ``config`` says, one :meth:`Runner.step` at a time.
 
     The model is moved to the device, put in train mode, its checkpointed and offloaded
-    blocks are wrapped (undone by ``remove_checkpointing``), and a Hugging Face model's
+    blocks are wrapped (undone by ``runner.close()``), and a Hugging Face model's
     ``config.use_cache`` is turned off (a key/value cache is for generation, not training).
 
     Args:
@@ -51,6 +52,55 @@ def prepare(
     allocator (CUDA) it caps the allocator at the result's budget, as verification did,
     until the runner is closed.
     """
+    config, result, target, foreign = _setup(model, config, device, strict, "prepare")
+    model.train()
+    _disable_kv_cache(model)
+    fallbacks = result.fallbacks if result is not None else ()
+    runner = Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
+    _hold(runner, result, foreign)
+    return runner
+
+
+def apply(
+    model: nn.Module,
+    config: TrainConfig | TuneResult,
+    *,
+    lr: float = 3e-4,
+    device: torch.device | str | None = None,
+    strict: bool = False,
+) -> Applied:
+    """Apply ``config`` to ``model`` in place, for a training loop of your own (or a
+    trainer's), and return the handle that holds the rest of it.
+
+    The model is moved to the device, its blocks are checkpointed and offloaded exactly
+    as the config says, and a Hugging Face model's ``config.use_cache`` is turned off;
+    ``handle.undo()`` puts all of that back (the weights stay as trained). The handle
+    gives the loop the micro-batches with their loss weights, the autocast context, the
+    GradScaler, the optimizer the config names (built on first use with ``lr``), the
+    optimizer step (with clipping and a scheduler) and, given a :class:`TuneResult`, the
+    fallback ladder (:meth:`Applied.run`) and the allocator's cap at the result's budget.
+    The arguments are :func:`prepare`'s.
+    """
+    config, result, target, foreign = _setup(model, config, device, strict, "apply")
+    cache = getattr(getattr(model, "config", None), "use_cache", None)
+    fallbacks = result.fallbacks if result is not None else ()
+    handle = Applied(model, config, lr=lr, device=target, fallbacks=fallbacks)
+    if cache:
+        _disable_kv_cache(model)
+        handle.on_undo(lambda: setattr(model.config, "use_cache", cache))
+    _hold(handle, result, foreign)
+    return handle
+
+
+def _setup(
+    model: nn.Module,
+    config: TrainConfig | TuneResult,
+    device: torch.device | str | None,
+    strict: bool,
+    caller: str,
+) -> tuple[TrainConfig, TuneResult | None, torch.device, int]:
+    """Check the arguments, move the model: the config, the result, the device, and what
+    other tensors held on it."""
     if isinstance(config, TuneResult):
         result: TuneResult | None = config
         config = config.config
@@ -58,29 +108,29 @@ def prepare(
         result = None
     if not isinstance(config, TrainConfig):
         raise ConfigError(
-            f"prepare() takes a TrainConfig or a TuneResult, got {type(config).__name__}; "
+            f"{caller}() takes a TrainConfig or a TuneResult, got {type(config).__name__}; "
             "load a YAML file with autotune.load(path)."
         )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{caller}() takes a torch.nn.Module, got {type(model).__name__}.")
     target = _default_device(device, result)
     if result is not None and (found := differences(result, model, target)):
         message = "this config may not fit here: " + "; ".join(found) + ". Tune again here."
         if strict:
             raise ConfigError(message)
-        warnings.warn(message, AutotuneWarning, stacklevel=2)
+        warnings.warn(message, AutotuneWarning, stacklevel=3)
     foreign = _foreign_bytes(model, target) if result is not None else 0
     model.to(target)
-    model.train()
-    _disable_kv_cache(model)
-    remove_checkpointing(model)
-    apply_checkpointing(model, config.checkpoint)  # the runner wraps the offloaded blocks
     for p in model.parameters():
         p.grad = None
-    fallbacks = result.fallbacks if result is not None else ()
-    runner = Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
-    if result is not None:  # train within the budget it was verified under
+    return config, result, target, foreign
+
+
+def _hold(handle: Applied, result: TuneResult | None, foreign: int) -> None:
+    """Train within the budget a result was verified under."""
+    if result is not None:
         context = result.target.context_bytes
-        runner.hold_budget(result.budget_bytes, context_bytes=context, foreign_bytes=foreign)
-    return runner
+        handle.hold_budget(result.budget_bytes, context_bytes=context, foreign_bytes=foreign)
 
 
 def _default_device(device: torch.device | str | None, result: TuneResult | None) -> torch.device:

@@ -132,10 +132,10 @@ def test_an_oom_in_the_optimizer_step_is_not_retried(monkeypatch) -> None:
     )
     runner = autotune.prepare(model, result_for(model, fast, frugal), lr=0.01)
 
-    def oom() -> None:
+    def oom(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError("injected")
 
-    monkeypatch.setattr(runner, "optimizer_step", oom)
+    monkeypatch.setattr(runner.optimizer, "step", oom)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         runner.step(batches[0])
     assert runner.config == fast and runner.fallbacks == [frugal]
@@ -230,10 +230,10 @@ def test_an_oom_in_the_optimizer_step_leaves_no_gradients(monkeypatch) -> None:
     model, batches, _ = gpt_case()
     runner = autotune.prepare(model, TrainConfig(micro_batch_size=8), lr=0.01)
 
-    def oom() -> None:
+    def oom(*args: object, **kwargs: object) -> None:
         raise torch.OutOfMemoryError("injected")
 
-    monkeypatch.setattr(runner, "optimizer_step", oom)
+    monkeypatch.setattr(runner.optimizer, "step", oom)
     with pytest.raises(torch.OutOfMemoryError):
         runner.step(batches[0])
     assert all(p.grad is None for p in model.parameters())

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from autotune.cli._export import TARGETS, export, to_accelerate, to_deepspeed, to_hf, to_lightning
-from autotune.config import TrainConfig
+from autotune.config import OPTIMIZERS, TrainConfig
 from autotune.errors import ConfigError
+from autotune.integrations._export import (
+    TARGETS,
+    export,
+    to_accelerate,
+    to_deepspeed,
+    to_hf,
+    to_lightning,
+)
 from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TuneResult
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
@@ -52,35 +60,40 @@ def test_hf_builds_real_training_arguments_from_the_file(tmp_path: Path) -> None
     out = to_hf(result_for(config))
     path = tmp_path / "hf.yaml"
     path.write_text(out.text)
-    (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no key transformers 5 deprecates
+        (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(str(path))
     assert args.per_device_train_batch_size == 8
     assert args.gradient_accumulation_steps == 4
     assert args.bf16 and not args.fp16
-    assert args.gradient_checkpointing is True
-    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert args.optim == "adamw_torch"
+    assert args.optim == "adamw_torch" and args.weight_decay == 0.01
     assert args.use_cpu  # tuned on the CPU
-    assert out.warnings == ()  # every block checkpointed: all-or-nothing expresses it
+    # Never gradient_checkpointing, which some models reject: the callback applies the mask.
+    assert not args.gradient_checkpointing
+    (warning,) = out.warnings
+    assert "AutotuneCallback" in warning and ", ".join(BLOCKS) in warning
 
 
-def test_hf_partial_mask_turns_checkpointing_on_with_a_warning_and_a_comment(
+def test_hf_partial_mask_is_left_to_the_callback_with_a_warning_and_a_comment(
     tmp_path: Path,
 ) -> None:
     from transformers import TrainingArguments
 
     config = TrainConfig(micro_batch_size=2, checkpoint=("blocks.0", "blocks.1"))
     out = to_hf(result_for(config))
-    assert out.settings["gradient_checkpointing"] is True
+    assert not any("checkpointing" in key for key in out.settings)
     (warning,) = out.warnings
-    assert "2 of 4 blocks" in warning and "blocks.0, blocks.1" in warning
+    assert "checkpoint (blocks.0, blocks.1)" in warning and "AutotuneCallback" in warning
     assert f"WARNING: {warning}" in comments(out.text)
     args = TrainingArguments(output_dir=str(tmp_path), **yaml.safe_load(out.text))
-    assert args.gradient_checkpointing
+    assert not args.gradient_checkpointing
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "optim"), [("adamw", "adamw_torch"), ("sgd", "sgd"), ("adafactor", "adafactor")]
-)
+    ("optimizer", "optim"),
+    [("adamw", "adamw_torch"), ("sgd", "sgd"), ("adafactor", "adafactor"),
+     ("adamw8bit", "adamw_bnb_8bit")],
+)  # fmt: skip
 def test_hf_optimizer_names(tmp_path: Path, optimizer: str, optim: str) -> None:
     from transformers import TrainingArguments
 
@@ -102,7 +115,7 @@ def test_hf_cannot_offload_and_says_so() -> None:
     out = to_hf(result_for(config))
     assert len(out.warnings) == 2
     assert any("offload_optimizer" in w and "deepspeed" in w for w in out.warnings)
-    assert any("offload_activations (blocks.3)" in w for w in out.warnings)
+    assert any("offload_activations (blocks.3)" in w and "Callback" in w for w in out.warnings)
     assert all(f"WARNING: {w}" in comments(out.text) for w in out.warnings)
 
 
@@ -178,14 +191,35 @@ def test_deepspeed_offload_and_activation_checkpointing() -> None:
     assert any("blocks.0, blocks.1" in line for line in data["comment"])  # what to wrap
 
 
-def test_deepspeed_builds_its_config_object() -> None:
-    pytest.importorskip("deepspeed")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("offload", [False, True])
+def test_deepspeed_parses_the_config_with_its_own_class(optimizer: str, offload: bool) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    out = to_deepspeed(result_for(TrainConfig(micro_batch_size=4, grad_accum_steps=2)))
-    ds = DeepSpeedConfig(json.loads(out.text))
+    config = TrainConfig(
+        micro_batch_size=4,
+        grad_accum_steps=2,
+        precision="bf16",
+        checkpoint=BLOCKS[:2],
+        optimizer=optimizer,
+        offload_optimizer=offload,
+    )
+    ds = DeepSpeedConfig(json.loads(to_deepspeed(result_for(config)).text))
     assert ds.train_micro_batch_size_per_gpu == 4
     assert ds.gradient_accumulation_steps == 2
+    assert ds.train_batch_size == 8
+    assert ds.bfloat16_config.enabled
+    assert ds.zero_optimization_stage == (2 if offload else 0)
+    if offload:
+        assert ds.zero_config.offload_optimizer.device == "cpu"
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_optimizer_exports_to_every_target(target: str, optimizer: str) -> None:
+    out = export(result_for(TrainConfig(optimizer=optimizer)), target)
+    said = json.dumps(out.settings) + "\n".join(out.warnings)
+    assert optimizer in said or {"adamw8bit": "8bit", "adafactor": "Adafactor"}[optimizer] in said
 
 
 def test_accelerate_builds_a_real_cluster_config(tmp_path: Path) -> None:

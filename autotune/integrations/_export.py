@@ -22,7 +22,16 @@ from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import TuneResult
 
-__all__ = ["TARGETS", "Export", "export", "to_accelerate", "to_deepspeed", "to_hf", "to_lightning"]
+__all__ = [
+    "TARGETS",
+    "Export",
+    "export",
+    "hf_settings",
+    "to_accelerate",
+    "to_deepspeed",
+    "to_hf",
+    "to_lightning",
+]
 
 
 @dataclass(frozen=True)
@@ -51,35 +60,74 @@ class Export:
 def to_hf(result: TuneResult) -> Export:
     """Keyword arguments of ``transformers.TrainingArguments``.
 
-    Hugging Face checkpoints all layers or none: any checkpointed block turns
-    ``gradient_checkpointing`` on, and a partial mask is a warning.
+    The checkpoint mask and activation offload are applied to the model by
+    ``autotune.integrations.transformers.AutotuneCallback``, block by block, never by
+    ``gradient_checkpointing``, which some models reject and which means every layer.
     """
+    settings, warnings = hf_settings(result)
+    usage = (
+        "use: autotune.integrations.transformers.training_arguments(result, output_dir), "
+        "HfArgumentParser(TrainingArguments).parse_yaml_file(path), "
+        "or TrainingArguments(output_dir=..., **yaml.safe_load(text))"
+    )
+    notes = (*_origin(result, "TrainingArguments"), usage, *_hf_notes(result.config))
+    c = result.config
+    named = [
+        f"{knob} ({', '.join(blocks)})"
+        for knob, blocks in (
+            ("checkpoint", c.checkpoint),
+            ("offload_activations", c.offload_activations),
+        )
+        if blocks
+    ]
+    if named:
+        warnings.append(
+            f"{' and '.join(named)}: TrainingArguments cannot name blocks: pass "
+            "Trainer(callbacks=[AutotuneCallback(result)]) from "
+            "autotune.integrations.transformers, which applies them to the model exactly."
+        )
+    return Export("hf", settings, tuple(warnings), notes)
+
+
+def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
+    """The ``TrainingArguments`` keywords of ``result`` and what they cannot express."""
     c = result.config
     settings: dict[str, Any] = {
         "per_device_train_batch_size": c.micro_batch_size,
         "gradient_accumulation_steps": c.grad_accum_steps,
         "bf16": c.precision == "bf16",
         "fp16": c.precision == "fp16",
-        "gradient_checkpointing": bool(c.checkpoint),
         "optim": _HF_OPTIM[c.optimizer],
     }
-    if c.checkpoint:
-        settings["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if c.optimizer in ("adamw", "adamw8bit"):
+        settings["weight_decay"] = 0.01  # torch's and bitsandbytes' AdamW default, as tuned
     if c.optimizer == "sgd":
         settings["optim_args"] = "momentum=0.9"  # autotune's SGD keeps a momentum buffer
     if _on_cpu(result):
         settings["use_cpu"] = True
-    warnings = [
-        *_partial_mask(result, "gradient_checkpointing"),
-        *_offload(
-            c, "TrainingArguments", "export --to deepspeed and pass that file as deepspeed=path"
-        ),
-    ]
-    usage = (
-        "use: HfArgumentParser(TrainingArguments).parse_yaml_file(path), "
-        "or TrainingArguments(output_dir=..., **yaml.safe_load(text))"
+    warnings = []
+    if c.optimizer == "adafactor":
+        warnings.append(
+            "optimizer adafactor: Hugging Face's 'adafactor' is transformers' Adafactor, "
+            "not the torch.optim.Adafactor that was tuned (same factored state, other "
+            "updates); for the tuned one pass "
+            "Trainer(optimizer_cls_and_kwargs=(torch.optim.Adafactor, {}))."
+        )
+    if c.offload_optimizer:
+        warnings.append(
+            "offload_optimizer: TrainingArguments cannot keep the optimizer on the host; "
+            "export --to deepspeed and pass that file as deepspeed=path."
+        )
+    return settings, warnings
+
+
+def _hf_notes(c: TrainConfig) -> tuple[str, ...]:
+    if c.optimizer not in ("adamw", "adamw8bit"):
+        return ()
+    return (
+        "weight_decay 0.01 is AdamW's default in torch, as tuned; the Trainer exempts "
+        "biases and norm weights from it",
     )
-    return Export("hf", settings, tuple(warnings), (*_origin(result, "TrainingArguments"), usage))
 
 
 def to_lightning(result: TuneResult) -> Export:
@@ -95,7 +143,7 @@ def to_lightning(result: TuneResult) -> Export:
         f"micro_batch_size {c.micro_batch_size} is not a Trainer setting: give your "
         f"DataLoader batch_size={c.micro_batch_size}.",
         _optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
-        *_checkpoint_in_code(result, "the Trainer has no activation checkpointing"),
+        *_checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
         *_offload(
             c,
             "these Trainer settings",
@@ -230,12 +278,18 @@ def export(result: TuneResult, target: str) -> Export:
 
 # --- the knobs each target leaves to the user's code -----------------------------------
 
-_HF_OPTIM = {"adamw": "adamw_torch", "sgd": "sgd", "adafactor": "adafactor"}
+_HF_OPTIM = {
+    "adamw": "adamw_torch",
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+    "adamw8bit": "adamw_bnb_8bit",
+}
 _LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _TORCH_OPTIMIZER = {
     "adamw": "torch.optim.AdamW",
     "sgd": "torch.optim.SGD(momentum=0.9)",
     "adafactor": "torch.optim.Adafactor",
+    "adamw8bit": "bitsandbytes.optim.AdamW8bit",
 }
 
 
@@ -269,11 +323,10 @@ def _checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
     ckpt = result.config.checkpoint
     if not ckpt:
         return []
-    every = set(ckpt) >= set(result.model.blocks)
-    how = "model.gradient_checkpointing_enable() for a Hugging Face model, or " if every else ""
     return [
-        f"checkpoint: {why}: checkpoint {', '.join(ckpt)} in your model ({how}"
-        "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))."
+        f"checkpoint: {why}: autotune.apply(model, result) checkpoints exactly "
+        f"{', '.join(ckpt)} (or wrap them in torch.utils.checkpoint.checkpoint(block, x, "
+        "use_reentrant=False) yourself)."
     ]
 
 
@@ -294,6 +347,5 @@ def _offload(c: TrainConfig, where: str, instead: str) -> list[str]:
 def _lost_offload_activations(c: TrainConfig, where: str) -> str:
     return (
         f"offload_activations ({', '.join(c.offload_activations)}): {where} cannot offload "
-        "activations to the host; wrap those blocks in "
-        "torch.autograd.graph.save_on_cpu(pin_memory=True) in your model."
+        "activations to the host; autotune.apply(model, result) offloads exactly these blocks."
     )

@@ -1,0 +1,319 @@
+"""``Applied``: a :class:`TrainConfig` applied to a model, for any training loop.
+
+The model-side knobs (the checkpoint mask, activation offload) are applied in place, and
+the handle holds the rest of the config for the loop that trains: the micro-batch split
+with exact mean-loss weights, autocast, fp16's GradScaler, the optimizer the config names
+(offloaded to the host if it says so), and the fallback ladder on an out-of-memory error.
+:class:`~autotune.train._runner.Runner` is this handle plus a loss and a loop, so a loop
+written with these pieces trains exactly as the runner does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from autotune._backend import backend_for
+from autotune._device import resolve_device
+from autotune.config import TrainConfig
+from autotune.errors import AutotuneWarning, ConfigError
+from autotune.train import _batch as batching
+from autotune.train._checkpoint import (
+    apply_checkpointing,
+    apply_offloading,
+    check_blocks,
+    remove_checkpointing,
+)
+from autotune.train._offload_activations import ActivationOffloader
+from autotune.train._offload_optimizer import OptimizerOffloader
+from autotune.train._optimizers import build_optimizer
+from autotune.train._steps import Scheduler, apply_step, make_scaler
+
+__all__ = ["Applied"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+T = TypeVar("T")
+
+
+class Applied:
+    """A config applied to a model: what a training loop needs to train as tuned.
+
+    Attributes:
+        model: The model, on ``device``, its blocks checkpointed and offloaded as configured.
+        config: The configuration in use (a fallback after an out-of-memory error).
+        fallbacks: Configurations still to fall back to, fastest first.
+        device: Where the model trains.
+        scaler: fp16's ``torch.amp.GradScaler``; ``None`` for fp32 and bf16.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainConfig,
+        *,
+        lr: float,
+        device: torch.device,
+        fallbacks: Sequence[TrainConfig] = (),
+    ) -> None:
+        for c in (config, *fallbacks):  # now, not at the first OOM in the middle of training
+            check_blocks(model, c)
+        self.model = model
+        self.config = config
+        self.device = device = resolve_device(device)
+        self.ops = backend_for(device)
+        self.lr = lr
+        self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no parameters that require grad: nothing to train.")
+        self.host: OptimizerOffloader | None = None
+        """The host side of an offloaded optimizer (``None`` without optimizer offload)."""
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.scaler = make_scaler(config, device)
+        self.offloader = ActivationOffloader(model, device)
+        remove_checkpointing(model)
+        apply_checkpointing(model, config.checkpoint)
+        apply_offloading(model, config.offload_activations, self.offloader)
+        self._in_optimizer_step = False
+        self._closed = False
+        self._budget = contextlib.ExitStack()
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the config names, over the model's trainable parameters, built on
+        first use (with an offloaded optimizer: over host master weights, stepped on the
+        host by :meth:`optimizer_step`)."""
+        if self._optimizer is None:
+            self._optimizer = self._build_optimizer(self.config.offload_optimizer)
+        return self._optimizer
+
+    def _build_optimizer(self, offload: bool) -> torch.optim.Optimizer:
+        name, lr = self.config.optimizer, self.lr
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        if not offload:
+            return build_optimizer(name, self.params, lr)
+        self.host = OptimizerOffloader(
+            self.params, self.device, lambda masters: build_optimizer(name, masters, lr)
+        )
+        return self.host.optimizer
+
+    # --- the pieces of a training step --------------------------------------------------
+
+    def micro_batches(self, batch: Any) -> Iterator[tuple[Any, float]]:
+        """``(micro_batch, weight)`` pairs: ``batch`` in micro-batches of the config's size,
+        each moved to the device, with its loss weight (its share of the samples), so that
+        the weighted losses add up to the mean loss over ``batch``.
+
+        With an offloaded optimizer, the last micro-batch's backward sends the gradients
+        to the host as it makes them; run each backward before taking the next pair.
+        """
+        for chunk, weight in self._chunks(batch):
+            yield batching.to_device(chunk, self.device, non_blocking=True), weight
+
+    def _chunks(self, batch: Any) -> Iterator[tuple[Any, float]]:
+        """:meth:`micro_batches` where the batch is (the runner moves each one itself)."""
+        self._check_open()
+        n = batching.batch_size(batch)
+        chunks = batching.split(batch, self.config.micro_batch_size)
+        for i, chunk in enumerate(chunks):
+            self.last_micro_batch(i == len(chunks) - 1)
+            try:
+                yield chunk, batching.batch_size(chunk) / n
+            finally:
+                self.last_micro_batch(False)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast context of the config's precision (a no-op for fp32)."""
+        dtype = _DTYPES.get(self.config.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a (weighted) loss, scaled by the GradScaler for fp16."""
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def optimizer_step(
+        self, *, max_grad_norm: float | None = None, scheduler: Scheduler | None = None
+    ) -> torch.Tensor | None:
+        """Apply the accumulated gradients and free them.
+
+        Args:
+            max_grad_norm: Clip the gradients to this total 2-norm first (unscaled for
+                fp16, on the host with an offloaded optimizer).
+            scheduler: A learning-rate scheduler of :attr:`optimizer`, stepped once after.
+
+        Returns:
+            The gradients' total norm before clipping, if ``max_grad_norm`` was given.
+        """
+        self._in_optimizer_step = True  # an OOM from here on is not retried
+        optimizer = self.optimizer
+        norm: list[torch.Tensor] = []
+
+        def run(opt: torch.optim.Optimizer) -> None:
+            norm.append(apply_step(opt, self.scaler, max_grad_norm))
+
+        if self.host is not None:
+            self.host.step(run)
+        else:
+            run(optimizer)
+        self.zero_grad()
+        if scheduler is not None:
+            # A fallback that moved the optimizer between host and device rebuilt it.
+            scheduler.optimizer = optimizer
+            scheduler.step()
+        return norm[0] if max_grad_norm is not None else None
+
+    def zero_grad(self) -> None:
+        """Free every gradient (on the host too, with an offloaded optimizer)."""
+        if self.host is not None:
+            self.host.zero_grad()
+        elif self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.params:
+                p.grad = None
+
+    def last_micro_batch(self, last: bool) -> None:
+        """Mark the coming backward as the step's last (offloaded optimizer: grads go down)."""
+        if self.host is not None:
+            self.host.collect = last
+
+    # --- the fallback ladder ------------------------------------------------------------
+
+    def run(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``step(*args, **kwargs)``, one optimizer step, run again on a fallback after an
+        out-of-memory error.
+
+        When ``step`` raises ``torch.OutOfMemoryError`` before :meth:`optimizer_step`
+        began, with fallbacks left, the partial step is freed, the random state and the
+        buffers are put back, the next fallback takes over (with a warning) and ``step``
+        runs again with the same arguments: :meth:`micro_batches` then splits the same
+        batch as the fallback says. Without fallbacks it is just a call.
+        """
+        self._check_open()
+        while True:
+            restore = self._snapshot() if self.fallbacks else None
+            self._in_optimizer_step = False
+            try:
+                return step(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                if restore is None or self._in_optimizer_step:
+                    # No fallback left, or weights already half-updated: not retried. The
+                    # partial gradients go, so that a caller who retries starts clean.
+                    self.zero_grad()
+                    raise
+                reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            # Outside the except block, so that the traceback no longer pins the step's tensors.
+            self.zero_grad()
+            restore()
+            previous = self.config
+            self.switch(self.fallbacks.pop(0))
+            warnings.warn(
+                f"out of memory with {previous.describe()} ({reason}); the same batch runs "
+                f"again with fallback {self.config.describe()}.",
+                AutotuneWarning,
+                stacklevel=3,
+            )
+
+    def switch(self, config: TrainConfig) -> None:
+        """Train with ``config`` from the next step on, keeping weights and optimizer state.
+
+        Raises:
+            ConfigError: ``config`` names another optimizer (its state could not be kept).
+        """
+        if config.optimizer != self.config.optimizer:
+            raise ConfigError(
+                f"cannot switch from optimizer {self.config.optimizer} to {config.optimizer} "
+                "mid-training; apply the new config to the model instead."
+            )
+        check_blocks(self.model, config)
+        remove_checkpointing(self.model)
+        apply_checkpointing(self.model, config.checkpoint)
+        apply_offloading(self.model, config.offload_activations, self.offloader)
+        moved = config.offload_optimizer != self.config.offload_optimizer
+        if moved and self._optimizer is not None:
+            # The state moves with a state dict: load_state_dict puts it where the new
+            # optimizer's parameters are (host or device).
+            state = self._optimizer.state_dict()
+            self.zero_grad()
+            self._optimizer = self._build_optimizer(config.offload_optimizer)
+            self._optimizer.load_state_dict(state)
+        self.scaler = make_scaler(config, self.device, self.scaler)
+        self.config = config
+
+    def _snapshot(self) -> Callable[[], None]:
+        """A function that puts the random state and buffers back as they are now."""
+        cpu_rng = torch.random.get_rng_state()
+        device_rng = self.ops.rng_state()
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+
+        def restore() -> None:
+            torch.random.set_rng_state(cpu_rng)
+            if device_rng is not None:
+                self.ops.set_rng_state(device_rng)
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
+            self.ops.empty_cache()
+
+        return restore
+
+    # --- the budget, and giving the model back ------------------------------------------
+
+    def hold_budget(
+        self, budget_bytes: int, *, context_bytes: int = 0, foreign_bytes: int = 0
+    ) -> None:
+        """Cap the device's caching allocator so that it and the context stay within
+        ``budget_bytes`` until :meth:`close`, as verification did; ``foreign_bytes``, what
+        the allocator holds for other tensors, comes on top. A device without a caching
+        allocator is not capped."""
+        if not self.ops.caching:
+            return
+        self._budget.close()
+        self._budget.enter_context(self.ops.cap(budget_bytes - context_bytes + foreign_bytes))
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in :meth:`undo`, to put back a change made when applying."""
+        self._undo.append(fn)
+
+    def close(self) -> None:
+        """Release what the handle holds on the model: gradients on both sides, the
+        offloaded optimizer's gradient hooks (they keep its pinned host memory alive), the
+        checkpoint and offload wrappers of the blocks, and the allocator's cap. The weights
+        stay as trained. Closing twice is harmless; the handle cannot train after it.
+        """
+        self.zero_grad()
+        if self.host is not None:
+            self.host.close()
+        remove_checkpointing(self.model)
+        self._budget.close()  # the allocator's cap as it was before
+        self._closed = True
+
+    def undo(self) -> None:
+        """:meth:`close`, and put back what applying changed on the model (a Hugging Face
+        ``config.use_cache``): the model is as it was, with the weights as trained."""
+        self.close()
+        while self._undo:
+            self._undo.pop()()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this config was undone (or its runner closed); apply it again.")
+
+    def __enter__(self) -> Applied:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()

@@ -1,0 +1,67 @@
+"""The optimizer step's pieces shared by every loop: fp16's GradScaler, gradient
+clipping, and the learning-rate scheduler's type."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from autotune.config import TrainConfig
+
+__all__ = ["Scheduler", "apply_step", "make_scaler"]
+
+
+class Scheduler(Protocol):
+    """A learning-rate scheduler (``torch.optim.lr_scheduler.LRScheduler`` is one)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def step(self) -> None: ...
+
+
+def apply_step(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None = None,
+) -> torch.Tensor:
+    """Step ``optimizer`` (through ``scaler`` for fp16), gradients kept.
+
+    With ``max_grad_norm``, the gradients of the optimizer's parameters are first
+    unscaled and clipped to that total 2-norm, as ``torch.nn.utils.clip_grad_norm_`` does.
+
+    Returns:
+        The total norm before clipping (an empty tensor without ``max_grad_norm``).
+    """
+    norm = torch.empty(0)
+    if max_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return norm
+
+
+def make_scaler(
+    config: TrainConfig, device: torch.device, previous: torch.amp.GradScaler | None = None
+) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (``None`` otherwise), carrying ``previous``'s scale and counters.
+
+    Its scale lives where the optimizer steps. An offloaded optimizer unscales host
+    gradients; a scale left on the GPU would reach the host by a non-blocking copy that
+    torch does not wait for. On the host, scaling the loss copies it up (from pageable
+    memory, so the copy has read it before it returns) and unscaling needs no copy.
+    """
+    if config.precision != "fp16":
+        return None
+    home = torch.device("cpu") if config.offload_optimizer else device
+    scaler = torch.amp.GradScaler(home.type)
+    if previous is not None:
+        scaler.load_state_dict(previous.state_dict())
+    scaler.scale(torch.ones((), device=home))  # the scale is made on ``home`` now
+    return scaler

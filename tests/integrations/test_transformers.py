@@ -1,0 +1,147 @@
+"""Hugging Face ``Trainer``, built and run for real with the tuned config."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MICRO, Recorder, fresh, gpt2, runner_replay, samples
+from torch.utils.data import Dataset
+
+from autotune import TrainConfig, TuneResult
+from autotune.errors import AutotuneWarning, ConfigError
+
+transformers = pytest.importorskip("transformers")
+from autotune.integrations.transformers import (  # noqa: E402
+    AutotuneCallback,
+    training_arguments,
+)
+
+STEPS = 3
+LR = 0.05
+
+
+class Rows(Dataset):  # type: ignore[type-arg]
+    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def trainer_for(model, result: TuneResult, tmp_path: Path, **overrides):
+    args = training_arguments(
+        result,
+        str(tmp_path),
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_steps=STEPS,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **overrides,
+    )
+    data = Rows(samples(STEPS * result.config.effective_batch_size, seed=1))
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[AutotuneCallback(result)]
+    )
+
+
+def test_the_trainer_trains_as_tuned_within_the_budget(
+    tuned: TuneResult, tmp_path, peak_of
+) -> None:
+    model = gpt2()
+    start = fresh(model)  # before the recorder's hook, which a copy would share
+    recorder = Recorder()
+    recorder.attach(model)
+    trainer = trainer_for(model, tuned, tmp_path)
+    callback = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, AutotuneCallback)
+    )
+
+    with peak_of(model, tuned.budget_bytes) as reading:
+        trainer.train()
+
+    # (a) the measured peak: under the budget, and what was predicted
+    assert reading.peak_bytes <= tuned.budget_bytes
+    assert reading.peak_bytes == pytest.approx(tuned.predicted.peak_bytes, rel=0.03)
+    # (c) the effective batch is exact: micro-batches of the tuned size, accumulated
+    c = tuned.config
+    assert [len(x["input_ids"]) for x in recorder.inputs] == [MICRO] * c.grad_accum_steps * STEPS
+    assert trainer.state.global_step == STEPS
+    # (b) the same math as autotune's Runner on the same batches (with the Trainer's
+    # default clipping at norm 1), loss by loss and weight by weight
+    replay, reference = runner_replay(start, tuned, recorder, lr=LR, max_grad_norm=1.0)
+    assert torch.equal(torch.stack(recorder.losses), torch.stack(replay.losses))
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the mask was applied block by block while training, and taken off after
+    assert callback.handle is None
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert model.config.use_cache is trainer.args.use_cache  # as the Trainer set it
+
+
+def test_training_arguments_are_real_and_use_transformers_5_names(tuned, tmp_path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation, no autotune warning
+        args = training_arguments(tuned, str(tmp_path))
+    c = tuned.config
+    assert isinstance(args, transformers.TrainingArguments)
+    assert args.per_device_train_batch_size == c.micro_batch_size
+    assert args.gradient_accumulation_steps == c.grad_accum_steps
+    assert args.optim == "sgd" and args.optim_args == "momentum=0.9"
+    assert not args.gradient_checkpointing  # the callback checkpoints exactly the mask
+    assert args.use_cpu
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "optim"),
+    [("adamw", "adamw_torch"), ("sgd", "sgd"), ("adafactor", "adafactor"),
+     ("adamw8bit", "adamw_bnb_8bit")],
+)  # fmt: skip
+def test_every_optimizer_has_its_hugging_face_name(tuned, tmp_path, optimizer, optim) -> None:
+    result = dataclasses.replace(tuned, config=TrainConfig(micro_batch_size=2, optimizer=optimizer))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = training_arguments(result, str(tmp_path))
+    assert args.optim == optim
+    said = [str(w.message) for w in caught if issubclass(w.category, AutotuneWarning)]
+    assert bool(said) == (optimizer == "adafactor"), said  # HF's Adafactor is not torch's
+    if optimizer.startswith("adamw"):
+        assert args.weight_decay == 0.01
+
+
+def test_overrides_win_and_a_changed_tuned_setting_is_a_warning(tuned, tmp_path) -> None:
+    with pytest.warns(AutotuneWarning, match="per_device_train_batch_size"):
+        args = training_arguments(tuned, str(tmp_path), per_device_train_batch_size=1)
+    assert args.per_device_train_batch_size == 1
+
+
+def test_the_callback_warns_when_the_trainer_was_not_given_the_tuned_arguments(
+    tuned, tmp_path
+) -> None:
+    model = gpt2()
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=8, max_steps=1, use_cpu=True, report_to=[]
+    )
+    data = Rows(samples(8))
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[AutotuneCallback(tuned)]
+    )
+    with pytest.warns(AutotuneWarning, match=r"per_device_train_batch_size=8 \(tuned 4\)"):
+        trainer.train()
+
+
+def test_bad_results_are_refused(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="takes the TuneResult"):
+        training_arguments(TrainConfig(), str(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="takes the TuneResult"):
+        AutotuneCallback({"config": {}})  # type: ignore[arg-type]
