@@ -1,0 +1,121 @@
+"""Lightning's ``Trainer`` with the ``Autotune`` callback, built and run for real."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from conftest import MICRO, G, Recorder, fresh, gpt2, runner_replay, samples
+from test_transformers import Rows
+from torch.utils.data import DataLoader
+
+from autotune import SearchSpace, TuneResult
+from autotune.errors import ConfigError
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
+
+pl = pytest.importorskip("lightning.pytorch")
+from autotune.integrations.lightning import Autotune  # noqa: E402
+
+STEPS = 3
+LR = 0.05
+
+
+class LitGPT(pl.LightningModule):
+    def __init__(self, batch_size: int = 1, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.model = gpt2()
+        self.batch_size = batch_size
+        self.momentum = momentum
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)  # silent while tuning, logged while training
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Rows(samples(STEPS * G, seed=1)), batch_size=self.batch_size)
+
+
+class Watch(pl.Callback):
+    """While training (after tuning): the peak under the budget guard, and each micro-batch."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.recorder = Recorder()
+        self.stack = contextlib.ExitStack()
+        self.reading: Any = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.stack.callback(self.recorder.attach(pl_module.model).remove)
+        existing = state_tensors(pl_module, *trainer.optimizers)
+        peak = measure_peak(torch.device("cpu"), existing=existing, budget_bytes=self.budget)
+        self.reading = self.stack.enter_context(peak)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.stack.close()
+
+
+def trainer_with(*callbacks: pl.Callback) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_autotune_tunes_at_fit_start_and_trains_as_tuned(tuned: TuneResult) -> None:
+    module = LitGPT()
+    start = fresh(module.model)
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(MICRO,))
+    callback = Autotune(tuned.budget_bytes / 2**30, global_batch_size=G, space=space, n_trials=20)
+    watch = Watch(tuned.budget_bytes)
+    trainer = trainer_with(callback, watch)
+    trainer.fit(module)
+
+    result = callback.result
+    assert result is not None and result.config.optimizer == "sgd"  # the module's optimizer
+    c = result.config
+    assert c.checkpoint and set(c.checkpoint) <= set(result.model.blocks)  # mask applied below
+    # applied: the batch-size attribute, accumulation, precision
+    assert module.batch_size == c.micro_batch_size == MICRO
+    assert trainer.accumulate_grad_batches == c.grad_accum_steps == G // MICRO
+    assert trainer.precision == "32-true"
+    # (a) the peak while training: under the budget, and what was predicted
+    assert watch.reading.peak_bytes <= result.budget_bytes
+    assert watch.reading.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.03)
+    # (c) the effective batch is exact
+    recorder = watch.recorder
+    assert [len(x["input_ids"]) for x in recorder.inputs] == [MICRO] * (G // MICRO) * STEPS
+    assert trainer.global_step == STEPS
+    # (b) the same math as autotune's Runner on the same batches (of the inner model, whose
+    # blocks are named without the module's "model." prefix)
+    inner = c.replace(checkpoint=tuple(n.removeprefix("model.") for n in c.checkpoint))
+    replay, reference = runner_replay(
+        start, dataclasses.replace(result, config=inner), recorder, lr=LR
+    )
+    assert torch.equal(torch.stack(recorder.losses), torch.stack(replay.losses))
+    for a, b in zip(module.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the blocks are unwrapped when fit ends, and nothing of the tuning is left behind
+    assert not any("forward" in vars(m) for m in module.modules())
+    assert callback.handle is None
+
+
+def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
+    module = LitGPT()
+    del module.batch_size
+    module.train_dataloader = lambda: DataLoader(Rows(samples(8)), batch_size=2)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="'batch_size'"):
+        trainer_with(Autotune(1.0)).fit(module)
