@@ -31,12 +31,7 @@ def tune(args: argparse.Namespace) -> int:
         if "study_name" not in inspect.signature(autotune).parameters:
             raise ConfigError("--study needs an autotune() that takes study_name.")
         extra["study_name"] = args.study
-    offload = {"auto": None, "on": True, "off": False}[args.offload]
-    space = SearchSpace(
-        optimizers=tuple(args.optimizers.split(",")) if args.optimizers else ("adamw",),
-        offload_optimizer=offload,
-        offload_activations=offload,
-    )
+    space = _space(args)
     with progress(quiet=args.quiet):
         result = autotune(
             model,
@@ -59,6 +54,34 @@ def tune(args: argparse.Namespace) -> int:
         print(_describe(result))
         print(f"\nwritten to {path}")
     return 0
+
+
+def _space(args: argparse.Namespace) -> SearchSpace:
+    """The search space the flags of ``tune`` describe."""
+    offload = {"auto": None, "on": True, "off": False}[args.offload]
+    knobs: dict[str, Any] = {
+        "optimizers": _names(args.optimizers) or ("adamw",),
+        "offload_optimizer": offload,
+        "offload_activations": offload,
+        "checkpointing": not args.no_checkpointing,
+    }
+    if args.precisions:
+        knobs["precisions"] = _names(args.precisions)
+    if args.blocks:
+        knobs["blocks"] = _names(args.blocks)
+    if args.micro_batch_sizes:
+        try:
+            knobs["micro_batch_sizes"] = tuple(int(s) for s in _names(args.micro_batch_sizes))
+        except ValueError:
+            raise ConfigError(
+                f"--micro-batch-sizes takes integers separated by commas, e.g. 8,16,32; got "
+                f"{args.micro_batch_sizes[:40]!r}."
+            ) from None
+    return SearchSpace(**knobs)
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip()) if text else ()
 
 
 def show(args: argparse.Namespace) -> int:

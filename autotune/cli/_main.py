@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from autotune.cli import _commands as commands
 from autotune.cli._types import gib, positive_int, seconds
+from autotune.cli._words import cli_words
 from autotune.config import PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
 
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error_line(exc: Exception) -> str:
     message = " ".join(str(exc).split())  # one line, whatever the message held
     if isinstance(exc, AutotuneError):
-        return message
+        return cli_words(message)
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror or message}."
     return f"{type(exc).__name__}: {message} (run with --traceback for details)"
@@ -75,7 +76,8 @@ def _show_warning(
 ) -> None:
     """A warning as one line on stderr (clearing a progress bar first on a terminal)."""
     clear = "\r\033[K" if sys.stderr.isatty() else ""
-    print(f"{clear}autotune: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    line = cli_words(" ".join(str(message).split()))
+    print(f"{clear}autotune: warning: {line}", file=sys.stderr)
 
 
 # --- the parser ---------------------------------------------------------------------
@@ -116,6 +118,17 @@ def _add_tune(sub: Any) -> None:
         "--optimizers",
         help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw)",
     )
+    tune.add_argument(
+        "--precisions",
+        help=f"precisions to search, e.g. bf16,fp32 (default {','.join(PRECISIONS)})",
+    )
+    tune.add_argument(
+        "--micro-batch-sizes", help="only these micro-batch sizes, e.g. 8,16,32 (default: any)"
+    )
+    tune.add_argument(
+        "--blocks", help="the blocks to checkpoint or offload, NAME,NAME (default: found)"
+    )
+    tune.add_argument("--no-checkpointing", action="store_true", help="never checkpoint a block")
     tune.add_argument(
         "--offload",
         choices=("auto", "on", "off"),

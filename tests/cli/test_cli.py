@@ -157,6 +157,39 @@ def test_tune_passes_storage_and_study(
     assert_one_error_line(err, "--study")
 
 
+def test_tune_takes_the_search_space_flags(capsys, tuned: Tuned, tmp_path: Path) -> None:
+    out_path = tmp_path / "narrow.yaml"
+    args = [*tuned.inputs(), "--budget-gb", "0.004", "--global-batch", "8", "--device", "cpu"]
+    args += ["--precisions", "fp32", "--micro-batch-sizes", "2,4", "--no-checkpointing"]
+    code, _, err = run(capsys, "tune", *args, "-q", "-o", str(out_path))
+    assert code == 0, err
+    config = autotune.load(out_path).config
+    assert config.precision == "fp32" and config.micro_batch_size in (2, 4)
+    assert config.checkpoint == ()
+    args = [*tuned.inputs(), "--budget-gb", "0.004", "--device", "cpu", "--trials", "8"]
+    code, _, err = run(capsys, "tune", *args, "--blocks", "blocks.1", "-q", "-o", str(out_path))
+    assert code == 0, err
+    assert set(autotune.load(out_path).config.checkpoint) <= {"blocks.1"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--precisions", "fp64"], "--precisions must be a non-empty list"),
+        (["--micro-batch-sizes", "8,x"], "--micro-batch-sizes takes integers"),
+        (["--micro-batch-sizes", "0"], "--micro-batch-sizes must be positive"),
+        (["--optimizers", "lion"], "--optimizers must be"),
+        (["--budget-gb", "0.0001"], "raise --budget-gb"),
+    ],
+)
+def test_errors_name_the_flags_not_the_python_keywords(capsys, tuned: Tuned, flags, words) -> None:
+    args = [*tuned.inputs(), "--budget-gb", "0.004", "--device", "cpu", *flags]
+    code, _, err = run(capsys, "tune", *args, "-q", "-o", os.devnull)
+    assert code == 2
+    assert_one_error_line(err, words)
+    assert "SearchSpace" not in err and "budget_gb" not in err
+
+
 def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
     code, out, _ = run(capsys, "show", str(tuned.path))
     assert code == 0
