@@ -152,7 +152,8 @@ class Applied:
         Args:
             max_grad_norm: Clip the gradients to this total 2-norm first (unscaled for
                 fp16, on the host with an offloaded optimizer).
-            scheduler: A learning-rate scheduler of :attr:`optimizer`, stepped once after.
+            scheduler: A learning-rate scheduler of :attr:`optimizer` that steps without
+                arguments, stepped once after.
 
         Returns:
             The gradients' total norm before clipping, if ``max_grad_norm`` was given.
@@ -170,8 +171,10 @@ class Applied:
             run(optimizer)
         self.zero_grad()
         if scheduler is not None:
-            # A fallback that moved the optimizer between host and device rebuilt it.
-            scheduler.optimizer = optimizer
+            if scheduler.optimizer is not optimizer:
+                # A fallback that moved the optimizer between host and device rebuilt it;
+                # its learning rates came along in the state dict.
+                scheduler.optimizer = optimizer
             scheduler.step()
         return norm[0] if max_grad_norm is not None else None
 
@@ -303,7 +306,7 @@ class Applied:
 
     def undo(self) -> None:
         """:meth:`close`, and put back what applying changed on the model (a Hugging Face
-        ``config.use_cache``): the model is as it was, with the weights as trained."""
+        ``config.use_cache``). The model stays on the device, its weights as trained."""
         self.close()
         while self._undo:
             self._undo.pop()()

@@ -74,7 +74,8 @@ def apply(
 
     The model is moved to the device, its blocks are checkpointed and offloaded exactly
     as the config says, and a Hugging Face model's ``config.use_cache`` is turned off;
-    ``handle.undo()`` puts all of that back (the weights stay as trained). The handle
+    ``handle.undo()`` takes the wrappers off and turns the cache back on (the model stays
+    on the device, its weights as trained). Its train/eval mode is left as it is. The handle
     gives the loop the micro-batches with their loss weights, the autocast context, the
     GradScaler, the optimizer the config names (built on first use with ``lr``), the
     optimizer step (with clipping and a scheduler) and, given a :class:`TuneResult`, the
