@@ -25,11 +25,10 @@ from typing import Any
 from accelerate import Accelerator
 
 from autotune.errors import ConfigError
+from autotune.integrations._export import to_accelerate
 from autotune.result import TuneResult
 
 __all__ = ["accelerator"]
-
-_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def accelerator(result: TuneResult, **kwargs: Any) -> Accelerator:
@@ -51,10 +50,11 @@ def accelerator(result: TuneResult, **kwargs: Any) -> Accelerator:
             "this result offloads the optimizer, which accelerate does through DeepSpeed: "
             "autotune export --to accelerate writes that config for accelerate launch."
         )
+    exported = to_accelerate(result).settings  # the same settings as the exported file
     settings: dict[str, Any] = {
-        "mixed_precision": _MIXED[c.precision],
+        "mixed_precision": exported["mixed_precision"],
         "gradient_accumulation_steps": c.grad_accum_steps,
     }
-    if result.target.device.split(":")[0] == "cpu":
+    if exported["use_cpu"]:
         settings["cpu"] = True
     return Accelerator(**{**settings, **kwargs})

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.parsing import (
 )
 
 from autotune.errors import ConfigError, LossError
+from autotune.integrations._export import to_lightning
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train._applied import Applied
@@ -135,7 +136,8 @@ class Autotune(pl.Callback):
         lightning_setattr(pl_module, self.batch_arg_name, c.micro_batch_size)
         _reload_dataloaders(trainer)
         trainer.accumulate_grad_batches = c.grad_accum_steps
-        trainer.strategy.precision_plugin = _precision(c.precision, device)
+        precision = to_lightning(result).settings["trainer"]["precision"]
+        trainer.strategy.precision_plugin = _precision(precision, device)
         self.handle = apply(pl_module, c, device=device)
         log.info(
             "autotune: %s=%s (was %s), accumulate_grad_batches=%d, precision %s, "
@@ -245,6 +247,7 @@ def _reload_dataloaders(trainer: pl.Trainer) -> None:
 
 
 def _precision(precision: str, device: torch.device) -> Precision:
-    if precision == "fp32":
+    """Lightning's precision plugin for one of its precision strings."""
+    if precision == "32-true":
         return Precision()
-    return MixedPrecision("bf16-mixed" if precision == "bf16" else "16-mixed", device.type)
+    return MixedPrecision(precision, device.type)  # type: ignore[arg-type]

@@ -108,8 +108,11 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
     """Warn where the Trainer's arguments differ from what was tuned."""
     settings, _ = hf_settings(result)
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16")
-    differ = [f"{k}={getattr(args, k)!r} (tuned {settings[k]!r})" for k in keys]
-    differ = [d for d, k in zip(differ, keys, strict=True) if getattr(args, k) != settings[k]]
+    differ = [
+        f"{k}={getattr(args, k)!r} (tuned {settings[k]!r})"
+        for k in keys
+        if getattr(args, k) != settings[k]
+    ]
     if getattr(args, "gradient_checkpointing", False) or getattr(
         args, "activation_checkpointing", False
     ):
