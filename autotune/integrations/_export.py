@@ -23,6 +23,7 @@ from autotune.errors import ConfigError
 from autotune.result import TuneResult
 
 __all__ = [
+    "LIGHTNING_PRECISION",
     "TARGETS",
     "Export",
     "export",
@@ -136,7 +137,7 @@ def to_lightning(result: TuneResult) -> Export:
     trainer: dict[str, Any] = {
         "accelerator": "cpu" if _on_cpu(result) else "gpu",
         "devices": 1,
-        "precision": _LIGHTNING_PRECISION[c.precision],
+        "precision": LIGHTNING_PRECISION[c.precision],
         "accumulate_grad_batches": c.grad_accum_steps,
     }
     warnings = [
@@ -284,7 +285,7 @@ _HF_OPTIM = {
     "adafactor": "adafactor",
     "adamw8bit": "adamw_bnb_8bit",
 }
-_LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _TORCH_OPTIMIZER = {
     "adamw": "torch.optim.AdamW",
     "sgd": "torch.optim.SGD(momentum=0.9)",

@@ -10,30 +10,28 @@ applies the result: the batch-size attribute (found where ``BatchSizeFinder`` fi
 the module, its ``hparams``, the datamodule or its ``hparams``), the dataloaders rebuilt
 with it, ``accumulate_grad_batches``, the precision, and the exact per-block checkpoint
 mask; and it logs the choice. The tuned config is ``callback.result``.
+
+On one device, a step that runs out of device memory falls back down the result's
+fallbacks and runs again (see :mod:`autotune.integrations._lightning_ladder`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import logging
-import types
-import warnings
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.parsing import (
     lightning_getattr,
     lightning_hasattr,
     lightning_setattr,
 )
 
-from autotune.errors import ConfigError, LossError
-from autotune.integrations._export import to_lightning
+from autotune.errors import ConfigError
+from autotune.integrations._lightning_ladder import Ladder, precision_plugin
+from autotune.integrations._lightning_tuning import as_a_model, first_batch, optimizer_name
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train._applied import Applied
@@ -43,14 +41,6 @@ from autotune.tune import autotune
 __all__ = ["Autotune"]
 
 log = logging.getLogger("autotune")
-
-_OPTIMIZERS = {  # optimizer class name -> the autotune optimizer with the same state
-    "AdamW": "adamw",
-    "Adam": "adamw",
-    "SGD": "sgd",
-    "Adafactor": "adafactor",
-    "AdamW8bit": "adamw8bit",
-}
 
 
 class Autotune(pl.Callback):
@@ -95,6 +85,8 @@ class Autotune(pl.Callback):
         )
         self.result: TuneResult | None = None
         self.handle: Applied | None = None
+        self.ladder: Ladder | None = None
+        self._given: TuneResult | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -111,24 +103,29 @@ class Autotune(pl.Callback):
                 "optimization, tune with autotune.autotune() and train with autotune.apply()."
             )
 
+    @classmethod
+    def from_result(cls, result: TuneResult, *, batch_arg_name: str = "batch_size") -> Autotune:
+        """A callback that applies ``result``, tuned before on this module (by an earlier
+        fit, or ``autotune tune``), without tuning again."""
+        callback = cls(
+            result.budget_bytes / 2**30,
+            result.config.effective_batch_size,
+            batch_arg_name=batch_arg_name,
+        )
+        callback._given = result
+        return callback
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device
-        sample = _first_batch(trainer)
-        # Lightning steps the optimizer configure_optimizers returned, on the device.
-        space = dataclasses.replace(
-            self.space or SearchSpace(),
-            optimizers=(_optimizer_name(trainer.optimizers),),
-            offload_optimizer=False,
+        optimizer = optimizer_name(trainer.optimizers)
+        result = (
+            self._given if self._given is not None else self._tune(trainer, pl_module, optimizer)
         )
-        with _as_a_model(pl_module, trainer, sample):
-            result = autotune(
-                pl_module,
-                sample,
-                self.budget_gb,
-                global_batch_size=self.global_batch_size,
-                device=device,
-                space=space,
-                **self.tune_kwargs,
+        if (result.config.optimizer, result.config.offload_optimizer) != (optimizer, False):
+            raise ConfigError(
+                f"the result was tuned for {result.config.describe()}, but Lightning steps "
+                f"the module's own optimizer on the device ({optimizer}); tune again with "
+                f"optimizers=[{optimizer!r}] and offload_optimizer=False."
             )
         self.result = result
         c = result.config
@@ -136,9 +133,12 @@ class Autotune(pl.Callback):
         lightning_setattr(pl_module, self.batch_arg_name, c.micro_batch_size)
         _reload_dataloaders(trainer)
         trainer.accumulate_grad_batches = c.grad_accum_steps
-        precision = to_lightning(result).settings["trainer"]["precision"]
-        trainer.strategy.precision_plugin = _precision(precision, device)
-        self.handle = apply(pl_module, c, device=device)
+        trainer.strategy.precision_plugin = precision_plugin(c, device)
+        # Several processes would have to fall back together: one device only.
+        self.handle = apply(pl_module, result if trainer.world_size == 1 else c, device=device)
+        _free_grads_first(trainer)
+        if self.handle.fallbacks:
+            self.ladder = Ladder(trainer, self.handle)
         log.info(
             "autotune: %s=%s (was %s), accumulate_grad_batches=%d, precision %s, "
             "%d of %d blocks checkpointed; predicted peak %.1f MiB, %.1f samples/s",
@@ -153,90 +153,47 @@ class Autotune(pl.Callback):
             result.measured.samples_per_s,
         )
 
+    def _tune(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: str) -> TuneResult:
+        """Tune on the first batch, through the module's ``training_step``."""
+        sample = first_batch(trainer)
+        # Lightning steps the optimizer configure_optimizers returned, on the device.
+        space = dataclasses.replace(
+            self.space or SearchSpace(), optimizers=(optimizer,), offload_optimizer=False
+        )
+        with as_a_model(module, trainer, sample):
+            return autotune(
+                module,
+                sample,
+                self.budget_gb,
+                global_batch_size=self.global_batch_size,
+                device=trainer.strategy.root_device,
+                space=space,
+                **self.tune_kwargs,
+            )
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.ladder is not None:
+            self.ladder.updating = True
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove(trainer)
+
+    def _remove(self, trainer: pl.Trainer) -> None:
+        """Give the trainer and the module back as they were (the weights as trained)."""
+        vars(trainer.fit_loop.epoch_loop.automatic_optimization).pop("_make_zero_grad_fn", None)
+        if self.ladder is not None:
+            self.ladder.remove()
+            self.ladder = None
         if self.handle is not None:
             self.handle.undo()
             self.handle = None
-
-
-def _first_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader, as ``training_step`` receives it."""
-    trainer.fit_loop.setup_data()
-    loader = trainer.train_dataloader
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        raise ConfigError(
-            "Autotune tunes with one train DataLoader; got "
-            f"{type(loader).__name__}. Tune with autotune.autotune() instead."
-        )
-    batch = next(iter(loader))
-    module = trainer.lightning_module
-    batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-
-
-def _optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str:
-    """The autotune optimizer whose state costs what the module's optimizer's does."""
-    if len(optimizers) != 1:
-        raise ConfigError(
-            f"Autotune tunes modules with one optimizer; configure_optimizers returned "
-            f"{len(optimizers)}."
-        )
-    name = type(optimizers[0]).__name__
-    if name not in _OPTIMIZERS:
-        warnings.warn(
-            f"Autotune does not know the state of optimizer {name}; it tunes as for AdamW "
-            "(two states per parameter). Pass space=SearchSpace(optimizers=[...]) to say.",
-            stacklevel=3,
-        )
-    return _OPTIMIZERS.get(name, "adamw")
-
-
-@contextlib.contextmanager
-def _as_a_model(module: pl.LightningModule, trainer: pl.Trainer, sample: Any) -> Iterator[None]:
-    """While tuning, ``module(batch)`` is ``module.training_step(batch, 0)``'s loss, copies
-    of the module share the trainer instead of copying it, and ``self.log`` is silent."""
-    kind = type(sample)
-    names = ("forward", "log", "log_dict")
-    saved: dict[str, Any] = {k: module.__dict__[k] for k in names if k in module.__dict__}
-
-    def forward(self: pl.LightningModule, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if issubclass(kind, Mapping):
-            batch: Any = kwargs
-        elif issubclass(kind, (tuple, list)):
-            batch = list(args) if kind is list else tuple(args)
-        else:
-            batch = args[0]
-        out = self.training_step(batch, 0)
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if not isinstance(loss, torch.Tensor):
-            raise LossError(
-                "training_step must return the loss (a tensor, or a dict with 'loss') for "
-                f"Autotune to tune it; it returned {type(out).__name__}."
-            )
-        return loss
-
-    def quiet(self: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def deepcopy(memo: dict[int, Any]) -> pl.LightningModule:
-        memo[id(trainer)] = trainer
-        new = object.__new__(type(module))
-        memo[id(module)] = new
-        state = {k: v for k, v in module.__dict__.items() if k != "__deepcopy__"}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        return new
-
-    # On the instance, as the checkpoint wrappers are: copies get them, the class is untouched.
-    module.__dict__["forward"] = types.MethodType(forward, module)
-    module.__dict__["log"] = types.MethodType(quiet, module)
-    module.__dict__["log_dict"] = types.MethodType(quiet, module)
-    module.__dict__["__deepcopy__"] = deepcopy
-    try:
-        yield
-    finally:
-        for k in ("forward", "log", "log_dict", "__deepcopy__"):
-            module.__dict__.pop(k, None)
-        module.__dict__.update(saved)
 
 
 def _reload_dataloaders(trainer: pl.Trainer) -> None:
@@ -246,8 +203,21 @@ def _reload_dataloaders(trainer: pl.Trainer) -> None:
     loop.epoch_loop.val_loop._combined_loader = None
 
 
-def _precision(precision: str, device: torch.device) -> Precision:
-    """Lightning's precision plugin for one of its precision strings."""
-    if precision == "32-true":
-        return Precision()
-    return MixedPrecision(precision, device.type)  # type: ignore[arg-type]
+def _free_grads_first(trainer: pl.Trainer) -> None:
+    """Free the last step's gradients before the next step's first forward, not after it.
+
+    Lightning zeroes them in the closure, between ``training_step`` and the backward, so
+    that in the first forward of every step they are alive with its activations: memory
+    the tuned peak does not hold (the runner frees them as soon as the optimizer stepped).
+    The same hooks (``on_before_zero_grad``, ``optimizer_zero_grad``) run, before the
+    step instead of within it.
+    """
+    optimization = trainer.fit_loop.epoch_loop.automatic_optimization
+    make = optimization._make_zero_grad_fn
+
+    def at_once(batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        zero_grad = make(batch_idx, optimizer)
+        if zero_grad is not None:
+            zero_grad()
+
+    optimization._make_zero_grad_fn = at_once  # type: ignore[method-assign]

@@ -207,7 +207,7 @@ class Applied:
         """
         self._check_open()
         while True:
-            restore = self._snapshot() if self.fallbacks else None
+            restore = self.snapshot() if self.fallbacks else None
             self._in_optimizer_step = False
             try:
                 return step(*args, **kwargs)
@@ -256,7 +256,7 @@ class Applied:
         self.scaler = make_scaler(config, self.device, self.scaler)
         self.config = config
 
-    def _snapshot(self) -> Callable[[], None]:
+    def snapshot(self) -> Callable[[], None]:
         """A function that puts the random state and buffers back as they are now."""
         cpu_rng = torch.random.get_rng_state()
         device_rng = self.ops.rng_state()

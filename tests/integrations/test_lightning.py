@@ -54,6 +54,12 @@ class Watch(pl.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.stack.callback(self.recorder.attach(pl_module.model).remove)
+        self.grads_alive: list[bool] = []  # at each forward
+
+        def before(module: Any, args: Any) -> None:
+            self.grads_alive.append(any(p.grad is not None for p in module.parameters()))
+
+        self.stack.callback(pl_module.model.register_forward_pre_hook(before).remove)
         existing = state_tensors(pl_module, *trainer.optimizers)
         peak = measure_peak(torch.device("cpu"), existing=existing, budget_bytes=self.budget)
         self.reading = self.stack.enter_context(peak)
@@ -99,6 +105,9 @@ def test_autotune_tunes_at_fit_start_and_trains_as_tuned(tuned: TuneResult) -> N
     recorder = watch.recorder
     assert [len(x["input_ids"]) for x in recorder.inputs] == [MICRO] * (G // MICRO) * STEPS
     assert trainer.global_step == STEPS
+    # the last step's gradients are gone before a step's first forward (Lightning would
+    # free them only after it, holding them with its activations)
+    assert watch.grads_alive == [i % (G // MICRO) != 0 for i in range(STEPS * G // MICRO)]
     # (b) the same math as autotune's Runner on the same batches (of the inner model, whose
     # blocks are named without the module's "model." prefix)
     inner = c.replace(checkpoint=tuple(n.removeprefix("model.") for n in c.checkpoint))

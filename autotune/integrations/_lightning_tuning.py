@@ -1,0 +1,111 @@
+"""Tuning a ``LightningModule`` through its own ``training_step``: the first batch, the
+optimizer it configures, and the module seen as a model whose forward is the step's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from autotune.errors import ConfigError, LossError
+
+__all__ = ["as_a_model", "first_batch", "optimizer_name", "step_loss"]
+
+_OPTIMIZERS = {  # optimizer class name -> the autotune optimizer with the same state
+    "AdamW": "adamw",
+    "Adam": "adamw",
+    "SGD": "sgd",
+    "Adafactor": "adafactor",
+    "AdamW8bit": "adamw8bit",
+}
+
+
+def step_loss(out: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returned (a tensor, or a dict with ``"loss"``)."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(
+            "training_step must return the loss (a tensor, or a dict with 'loss') for "
+            f"Autotune to tune it; it returned {type(out).__name__}."
+        )
+    return loss
+
+
+def first_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the train dataloader, as ``training_step`` receives it."""
+    trainer.fit_loop.setup_data()
+    loader = trainer.train_dataloader
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ConfigError(
+            "Autotune tunes with one train DataLoader; got "
+            f"{type(loader).__name__}. Tune with autotune.autotune() instead."
+        )
+    batch = next(iter(loader))
+    module = trainer.lightning_module
+    batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str:
+    """The autotune optimizer whose state costs what the module's optimizer's does."""
+    if len(optimizers) != 1:
+        raise ConfigError(
+            f"Autotune tunes modules with one optimizer; configure_optimizers returned "
+            f"{len(optimizers)}."
+        )
+    name = type(optimizers[0]).__name__
+    if name not in _OPTIMIZERS:
+        warnings.warn(
+            f"Autotune does not know the state of optimizer {name}; it tunes as for AdamW "
+            "(two states per parameter). Pass space=SearchSpace(optimizers=[...]) to say.",
+            stacklevel=3,
+        )
+    return _OPTIMIZERS.get(name, "adamw")
+
+
+@contextlib.contextmanager
+def as_a_model(module: pl.LightningModule, trainer: pl.Trainer, sample: Any) -> Iterator[None]:
+    """While tuning, ``module(batch)`` is ``module.training_step(batch, 0)``'s loss, copies
+    of the module share the trainer instead of copying it, and ``self.log`` is silent."""
+    kind = type(sample)
+    names = ("forward", "log", "log_dict")
+    saved: dict[str, Any] = {k: module.__dict__[k] for k in names if k in module.__dict__}
+
+    def forward(self: pl.LightningModule, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if issubclass(kind, Mapping):
+            batch: Any = kwargs
+        elif issubclass(kind, (tuple, list)):
+            batch = list(args) if kind is list else tuple(args)
+        else:
+            batch = args[0]
+        return step_loss(self.training_step(batch, 0))
+
+    def quiet(self: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def deepcopy(memo: dict[int, Any]) -> pl.LightningModule:
+        memo[id(trainer)] = trainer
+        new = object.__new__(type(module))
+        memo[id(module)] = new
+        state = {k: v for k, v in module.__dict__.items() if k != "__deepcopy__"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        return new
+
+    # On the instance, as the checkpoint wrappers are: copies get them, the class is untouched.
+    module.__dict__["forward"] = types.MethodType(forward, module)
+    module.__dict__["log"] = types.MethodType(quiet, module)
+    module.__dict__["log_dict"] = types.MethodType(quiet, module)
+    module.__dict__["__deepcopy__"] = deepcopy
+    try:
+        yield
+    finally:
+        for k in ("forward", "log", "log_dict", "__deepcopy__"):
+            module.__dict__.pop(k, None)
+        module.__dict__.update(saved)
