@@ -13,12 +13,11 @@ next to the activations: the first step alone would under-state the peak) with m
   ``CUDA out of memory`` error is raised.
 
 accelerate decides whether to retry with ``should_reduce_batch_size``, which matches message
-strings (``" out of memory."`` among others). The CPU guard's message, ``"autotune budget
-guard: N live bytes on cpu exceed the budget of M bytes"``, matches none of them, so accelerate
-would re-raise it and give up. Such an error is therefore re-raised as
-``torch.OutOfMemoryError("CPU out of memory. " + message)``, which it recognises; errors it
-already recognises (CUDA's) pass through unchanged. Whether the raw error was recognised is
-recorded per attempt.
+strings (``" out of memory."`` among others). The CPU guard's message is worded like torch's
+own (``"CPU out of memory. DefaultCPUAllocator: can't allocate memory: autotune budget
+guard: ..."``), which it recognises as is; an error it would not recognise is re-raised
+as ``torch.OutOfMemoryError("CPU out of memory. " + message)``. Whether the raw error was
+recognised is recorded per attempt.
 
 The batch found is then run keeping the global batch exact: micro-batch = the largest
 divisor of ``G`` not above it, accumulation = ``G / micro-batch``.

@@ -123,11 +123,15 @@ class LiveBytesTracker(TorchDispatchMode):
         if self.phases and self.live > self.phases[-1].peak:
             self.phases[-1].peak = self.live
         if check_budget and self.budget_bytes is not None and self.live > self.budget_bytes:
+            # Worded like torch's own (and its CPU allocator's), so that tools which
+            # recognise OOMs by message (accelerate, Lightning, Hugging Face) react as to
+            # a real one.
+            allocator = (
+                " DefaultCPUAllocator: can't allocate memory:" if self.device_type == "cpu" else ""
+            )
             raise torch.OutOfMemoryError(
-                # Worded like torch's own ("CPU out of memory."), so that tools which
-                # recognise OOMs by message (accelerate, Hugging Face) react as to a real one.
-                f"{self.device_type.upper()} out of memory. autotune budget guard: {self.live} "
-                f"live bytes on {self.device_type} "
+                f"{self.device_type.upper()} out of memory.{allocator} autotune budget guard: "
+                f"{self.live} live bytes on {self.device_type} "
                 f"exceed the budget of {self.budget_bytes} bytes"
             )
 

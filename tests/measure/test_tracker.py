@@ -209,6 +209,17 @@ def test_budget_guard_raises_torch_out_of_memory_error() -> None:
     del ok
 
 
+def test_the_guards_error_is_an_oom_to_the_tools_that_retry_smaller_batches() -> None:
+    """accelerate's ``find_executable_batch_size`` (Hugging Face's ``auto_find_batch_size``)
+    and Lightning's ``BatchSizeFinder`` recognise an OOM by its message."""
+    accelerate = pytest.importorskip("accelerate.utils.memory")
+    lightning = pytest.importorskip("lightning.pytorch.utilities.memory")
+    with pytest.raises(torch.OutOfMemoryError) as caught, LiveBytesTracker(budget_bytes=0):
+        torch.empty(1)
+    assert accelerate.should_reduce_batch_size(caught.value)
+    assert lightning.is_oom_error(caught.value)
+
+
 def test_budget_guard_does_not_count_tracked_state_as_an_overflow() -> None:
     state = torch.empty(1000)
     tracker = LiveBytesTracker(budget_bytes=100)
