@@ -57,6 +57,9 @@ class Autotune(pl.Callback):
 
     Attributes:
         result: The tuned result, after fit start.
+        handle: The result applied to the module while fit runs (``None`` after).
+        ladder: The fallback ladder in Lightning's loop while fit runs, when the result
+            has fallbacks and the trainer one device.
     """
 
     def __init__(
