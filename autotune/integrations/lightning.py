@@ -108,8 +108,9 @@ class Autotune(pl.Callback):
 
     @classmethod
     def from_result(cls, result: TuneResult, *, batch_arg_name: str = "batch_size") -> Autotune:
-        """A callback that applies ``result``, tuned before on this module (by an earlier
-        fit, or ``autotune tune``), without tuning again."""
+        """A callback that applies ``result``, tuned before on this module (an earlier
+        fit's ``callback.result``, or one saved and read back with ``autotune.load``),
+        without tuning again."""
         callback = cls(
             result.budget_bytes / 2**30,
             result.config.effective_batch_size,
