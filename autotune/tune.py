@@ -82,8 +82,10 @@ def autotune(
             default: no accumulation, the micro-batch is the batch.
         device: Target device; default CUDA if available, else CPU.
         space: Knobs to search; default :class:`SearchSpace()`.
-        n_trials: Optuna trials on the cost model (default: scaled to the space).
-        timeout_s: Time limit of the Optuna study.
+        n_trials: Optuna trials on the cost model, for a space too large to enumerate
+            (default: scaled to the space); a space of up to 4096 settings that can fit
+            is enumerated exactly.
+        timeout_s: Time limit of the Optuna study (a large space only).
         seed: Seed of the study; the same profile gives the same configuration.
         storage: Where to keep the study, to resume it or share it between processes: an
             Optuna URL (``sqlite:///tune.db``, ``postgresql://...``), a ``*.journal`` file

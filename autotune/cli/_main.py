@@ -111,7 +111,11 @@ def _add_tune(sub: Any) -> None:
         "--budget-gb", type=gib, required=True, help="device memory: 24, 24GiB or 512MiB"
     )
     tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
-    tune.add_argument("--trials", type=positive_int, help="Optuna trials on the cost model")
+    tune.add_argument(
+        "--trials",
+        type=positive_int,
+        help="Optuna trials on the cost model, for a space too large to enumerate",
+    )
     tune.add_argument("--timeout", type=seconds, help="time limit of the search, seconds")
     tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
     tune.add_argument(

@@ -11,7 +11,14 @@ from autotune.errors import ConfigError
 from autotune.plan._planner import Candidate, Planner
 from autotune.space import SearchSpace
 
-__all__ = ["best_config", "fallback_candidates", "largest_fitting", "micro_batch_candidates"]
+__all__ = [
+    "best_config",
+    "enumerate_candidates",
+    "fallback_candidates",
+    "largest_fitting",
+    "micro_batch_candidates",
+    "space_points",
+]
 
 _MAX_ACCUM = 64
 """The most frugal fallback accumulates at most this many micro-batches."""
@@ -65,20 +72,41 @@ def largest_fitting(
     return best
 
 
+def space_points(planner: Planner) -> list[tuple[int, str, str, bool]]:
+    """Every setting of the searched knobs that can fit: ``(micro-batch, precision,
+    optimizer, optimizer offload)``, the micro-batch no larger than the largest that fits
+    with those other knobs (found by binary search; a larger one cannot fit)."""
+    points = []
+    for p, o, h in itertools.product(
+        planner.precisions, planner.optimizers, planner.offload_optimizer
+    ):
+        top = largest_fitting(planner, p, o, h)
+        if top is not None:
+            points += [(b, p, o, h) for b in planner.sizes if b <= top]
+    return points
+
+
+def enumerate_candidates(
+    planner: Planner, points: list[tuple[int, str, str, bool]] | None = None
+) -> list[Candidate]:
+    """The cheapest fitting configuration of every point of the space (``points``:
+    :func:`space_points`), fastest predicted first (ties: smaller peak, then the order
+    of the space): the exact answer of the search."""
+    found = [
+        c
+        for b, p, o, h in (space_points(planner) if points is None else points)
+        if (c := planner.candidate(p, o, b, h)) is not None
+    ]
+    found.sort(
+        key=lambda c: (-c.prediction.measurement.samples_per_s, c.prediction.measurement.peak_bytes)
+    )
+    return found
+
+
 def best_config(planner: Planner) -> Candidate | None:
-    """The fastest predicted candidate by exhaustive enumeration (small spaces only)."""
-    best: Candidate | None = None
-    for p in planner.precisions:
-        for o in planner.optimizers:
-            for b, h in itertools.product(planner.sizes, planner.offload_optimizer):
-                c = planner.candidate(p, o, b, h)
-                if c and (
-                    best is None
-                    or c.prediction.measurement.samples_per_s
-                    > best.prediction.measurement.samples_per_s
-                ):
-                    best = c
-    return best
+    """The fastest predicted candidate by exhaustive enumeration."""
+    found = enumerate_candidates(planner)
+    return found[0] if found else None
 
 
 def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) -> list[Candidate]:

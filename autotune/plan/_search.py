@@ -1,10 +1,13 @@
-"""The Optuna study over the knobs.
+"""The search over the knobs: exact enumeration, or an Optuna study for a large space.
 
-Each trial picks a micro-batch size, a precision, an optimizer and whether the optimizer
-lives on the host; the :class:`~autotune.plan._planner.Planner` derives accumulation
-and solves each block's choice exactly for that trial. The objective is predicted
-throughput; the device budget is a constraint (not a penalty), and so is the host
-memory offload may pin.
+A point of the space is a micro-batch size, a precision, an optimizer and whether the
+optimizer lives on the host; the :class:`~autotune.plan._planner.Planner` derives
+accumulation and solves each block's choice exactly for it (a knapsack: microseconds).
+A space of a few thousand points is therefore enumerated exactly. A larger one (many
+micro-batch sizes and no global batch) is searched by Optuna's TPE: the objective is
+predicted throughput, the device budget a constraint (not a penalty), and so is the host
+memory offload may pin. With a storage, the study keeps the points either way (Optuna's
+dashboard shows them).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any
 
 import optuna
 
-from autotune.plan._candidates import largest_fitting
+from autotune.config import TrainConfig
+from autotune.plan._candidates import enumerate_candidates, largest_fitting, space_points
 from autotune.plan._planner import Candidate, Planner
 
 __all__ = ["default_trials", "quiet_optuna", "search"]
@@ -27,6 +31,10 @@ _Key = tuple[int, str, str, bool]
 """A trial's sampled knobs: micro-batch, precision, optimizer, optimizer offload."""
 
 
+_EXACT_POINTS = 4096
+"""A space of at most this many points that can fit is enumerated exactly."""
+
+
 def search(
     planner: Planner,
     *,
@@ -35,11 +43,21 @@ def search(
     seed: int,
     storage: str | optuna.storages.BaseStorage | None = None,
     study_name: str | None = None,
+    exact_limit: int | None = None,
 ) -> list[Candidate]:
-    """Run the Optuna study; return its distinct feasible candidates, fastest first.
+    """The distinct feasible candidates of the space, fastest predicted first.
 
-    A study kept in ``storage`` resumes: trials already done count towards ``n_trials``.
+    A space of at most ``exact_limit`` (default 4096) points is enumerated exactly (``n_trials``,
+    ``timeout_s`` and ``seed`` do not apply); a larger one runs the Optuna study. A study
+    kept in ``storage`` resumes: trials already done count towards ``n_trials``.
     """
+    points = space_points(planner)
+    if len(points) <= (_EXACT_POINTS if exact_limit is None else exact_limit):
+        log.info("enumerating all %d settings that can fit", len(points))
+        found = enumerate_candidates(planner, points)
+        if storage is not None:
+            _keep(planner, found, storage, study_name)
+        return found
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, **_constraint_option())
     with quiet_optuna():
         study = optuna.create_study(
@@ -66,6 +84,37 @@ def search(
     return _candidates(planner, study.trials)
 
 
+def _keep(
+    planner: Planner,
+    found: list[Candidate],
+    storage: str | optuna.storages.BaseStorage,
+    study_name: str | None,
+) -> None:
+    """Add the enumerated candidates to the study as finished trials (once)."""
+    with quiet_optuna():
+        study = optuna.create_study(
+            direction="maximize", storage=storage, study_name=study_name, load_if_exists=True
+        )
+        if study.trials:
+            return
+        distributions = _distributions(planner)
+        study.add_trials(
+            [
+                optuna.trial.create_trial(
+                    params={
+                        k: v
+                        for k, v in zip(_NAMES, _key(c.config), strict=True)
+                        if k in distributions
+                    },
+                    distributions=distributions,
+                    value=c.prediction.measurement.samples_per_s,
+                    user_attrs={"constraint": [0.0], "exact": True},
+                )
+                for c in found
+            ]
+        )
+
+
 def default_trials(planner: Planner) -> int:
     """Trials for a space of this size: twice its settings, within 30..200."""
     size = min(len(planner.sizes), 64) * len(planner.precisions) * len(planner.optimizers)
@@ -79,6 +128,7 @@ def _objective(planner: Planner) -> Any:
         if planner.global_batch_size is None:
             b = trial.suggest_int("micro_batch_size", sizes[0], sizes[-1], log=True)
             b = sizes[min(range(len(sizes)), key=lambda i: abs(sizes[i] - b))]
+            trial.set_user_attr("micro_batch_size", b)  # the size planned, not the one drawn
         else:
             b = int(trial.suggest_categorical("micro_batch_size", sizes))
         p = str(_choose(trial, "precision", planner.precisions))
@@ -113,7 +163,7 @@ def _candidates(planner: Planner, trials: Sequence[optuna.trial.FrozenTrial]) ->
         ):
             continue
         key: _Key = (
-            int(t.params.get("micro_batch_size", planner.sizes[0])),
+            int(t.user_attrs.get("micro_batch_size", t.params.get("micro_batch_size", 0))),
             t.params.get("precision", planner.precisions[0]),
             t.params.get("optimizer", planner.optimizers[0]),
             bool(t.params.get("offload_optimizer", planner.offload_optimizer[0])),
@@ -131,6 +181,29 @@ def _candidates(planner: Planner, trials: Sequence[optuna.trial.FrozenTrial]) ->
         ):
             seen[key] = c
     return sorted(seen.values(), key=lambda c: -c.prediction.measurement.samples_per_s)
+
+
+_NAMES = ("micro_batch_size", "precision", "optimizer", "offload_optimizer")
+
+
+def _key(config: TrainConfig) -> _Key:
+    return (config.micro_batch_size, config.precision, config.optimizer, config.offload_optimizer)
+
+
+def _distributions(planner: Planner) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The study's parameters: the knobs with more than one choice."""
+    out: dict[str, optuna.distributions.BaseDistribution] = {
+        "micro_batch_size": optuna.distributions.CategoricalDistribution(list(planner.sizes))
+    }
+    choices: dict[str, Sequence[str | bool]] = {
+        "precision": planner.precisions,
+        "optimizer": planner.optimizers,
+        "offload_optimizer": planner.offload_optimizer,
+    }
+    for name, values in choices.items():
+        if len(values) > 1:
+            out[name] = optuna.distributions.CategoricalDistribution(list(values))
+    return out
 
 
 def _seeds(planner: Planner) -> Iterator[dict[str, object]]:

@@ -35,17 +35,20 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
 
     Candidates are taken fastest predicted first, except that predictions within 3% of
     each other count as a tie won by the smaller predicted peak; and a candidate too like
-    one already run (same precision, optimizer and checkpointing, a micro-batch within a
-    factor of 1.5) is skipped, so that verification tests different ideas.
+    one that fitted (same precision, optimizer and checkpointing, a micro-batch within a
+    factor of 1.5) is skipped, so that verification tests different ideas. A candidate
+    like one that was rejected is run: it is that idea's more frugal sibling.
 
     Returns:
         The verification records, rejected ones included; the caller picks the winner.
     """
     records: list[TrialRecord] = []
-    fitted = 0
-    for cand in _distinct(_tie_frugal(candidates)):
-        if fitted >= top or len(records) >= 3 * top:
+    fitted: list[TrainConfig] = []
+    for cand in _tie_frugal(candidates):
+        if len(fitted) >= top or len(records) >= 3 * top:
             break
+        if any(_alike(cand.config, f) for f in fitted):
+            continue
         log.info("verifying %s", cand.config.describe())
         record = measure(cand.config, cand.prediction.measurement)
         if record is None:
@@ -55,7 +58,7 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
         if record.measured is None:
             log.info("  rejected: %s", record.error)
             continue
-        fitted += 1
+        fitted.append(cand.config)
         log.info(
             "  measured %.1f samples/s, peak %s",
             record.measured.samples_per_s,
@@ -77,20 +80,12 @@ def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
     return tied + rest
 
 
-def _distinct(candidates: list[Candidate]) -> list[Candidate]:
-    """Drop candidates too like an earlier one (see :func:`choose_winner`)."""
-    kept: list[Candidate] = []
-    for cand in candidates:
-        c = cand.config
-        if not any(
-            (k.config.precision, k.config.optimizer, bool(k.config.checkpoint))
-            == (c.precision, c.optimizer, bool(c.checkpoint))
-            and max(k.config.micro_batch_size, c.micro_batch_size)
-            < 1.5 * min(k.config.micro_batch_size, c.micro_batch_size)
-            for k in kept
-        ):
-            kept.append(cand)
-    return kept
+def _alike(a: TrainConfig, b: TrainConfig) -> bool:
+    """Too like each other to verify both: the same precision, optimizer and
+    checkpointing, micro-batches within a factor of 1.5."""
+    idea = (a.precision, a.optimizer, bool(a.checkpoint))
+    small, large = sorted((a.micro_batch_size, b.micro_batch_size))
+    return idea == (b.precision, b.optimizer, bool(b.checkpoint)) and large < 1.5 * small
 
 
 def fastest(records: list[TrialRecord]) -> TrialRecord:

@@ -1,4 +1,5 @@
-"""The Optuna study on a fixed profile: constraints, determinism, agreement with enumeration."""
+"""The search on a fixed profile: exact enumeration of a small space, the Optuna study of a
+large one (forced here with ``exact_limit=0``), constraints, determinism, storage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import pytest
 
 from autotune.measure._profile_data import Profile, TimeCurve
-from autotune.plan._candidates import best_config, largest_fitting
+from autotune.plan._candidates import best_config, enumerate_candidates, largest_fitting
 from autotune.plan._cost import CostModel
 from autotune.plan._planner import Planner
 from autotune.plan._search import search
@@ -52,10 +53,24 @@ def test_candidates_fit_and_keep_the_global_batch(cost: CostModel, fraction: flo
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.8])
-def test_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) -> None:
+def test_a_small_space_is_enumerated_exactly(cost: CostModel, fraction: float) -> None:
+    s = study(cost, fraction)
+    found = search(s, n_trials=5, timeout_s=None, seed=0)  # n_trials does not cut it short
+    assert [c.config for c in found] == [c.config for c in enumerate_candidates(s)]
+    best = best_config(s)
+    assert best is not None and found[0].config == best.config
+    # every fitting setting is there, once
+    keys = {(c.config.micro_batch_size, c.config.precision) for c in found}
+    assert len(keys) == len(found)
+    fitting = [(b, p) for p in s.precisions for b in s.sizes if s.config(p, "adamw", b)]
+    assert keys == set(fitting)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.8])
+def test_the_optuna_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) -> None:
     s = study(cost, fraction)
     best = best_config(s)
-    found = search(s, n_trials=40, timeout_s=None, seed=0)
+    found = search(s, n_trials=40, timeout_s=None, seed=0, exact_limit=0)
     assert best is not None
     got = found[0].prediction.measurement.samples_per_s
     assert got >= 0.99 * best.prediction.measurement.samples_per_s
@@ -63,7 +78,7 @@ def test_study_finds_the_enumerated_optimum(cost: CostModel, fraction: float) ->
 
 def test_study_without_global_batch_searches_sizes(cost: CostModel) -> None:
     s = study(cost, 0.5, global_batch=None)
-    found = search(s, n_trials=60, timeout_s=None, seed=0)
+    found = search(s, n_trials=60, timeout_s=None, seed=0, exact_limit=0)
     assert all(c.config.grad_accum_steps == 1 for c in found)
     best = best_config(s)
     assert best is not None
@@ -73,9 +88,18 @@ def test_study_without_global_batch_searches_sizes(cost: CostModel) -> None:
     )
 
 
+def test_the_study_keeps_the_sizes_it_planned_not_the_ones_it_drew(cost: CostModel) -> None:
+    """With a few allowed sizes and no global batch, a drawn size is snapped to the
+    nearest allowed one; the trial is harvested by the size planned."""
+    s = dataclasses.replace(study(cost, 0.5, global_batch=None), sizes=(3, 5, 12, 40))
+    found = search(s, n_trials=30, timeout_s=None, seed=0, exact_limit=0)
+    exact = enumerate_candidates(s)
+    assert {c.config for c in found} == {c.config for c in exact}
+
+
 def test_seeded_studies_agree(cost: CostModel) -> None:
-    a = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7)
-    b = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7)
+    a = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7, exact_limit=0)
+    b = search(study(cost, 0.4), n_trials=30, timeout_s=None, seed=7, exact_limit=0)
     assert [c.config for c in a] == [c.config for c in b]
 
 
@@ -106,15 +130,27 @@ def test_storage_keeps_the_study_and_n_trials_counts_its_trials(cost: CostModel,
     import optuna
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    first = search(
-        study(cost, 0.5), n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s"
-    )
+    kw = {"timeout_s": None, "seed": 0, "storage": url, "study_name": "s", "exact_limit": 0}
+    first = search(study(cost, 0.5), n_trials=12, **kw)
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
     # Resuming with the same n_trials runs nothing more, and finds the same candidates.
-    again = search(
-        study(cost, 0.5), n_trials=12, timeout_s=None, seed=0, storage=url, study_name="s"
-    )
+    again = search(study(cost, 0.5), n_trials=12, **kw)
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 12
     assert [c.config for c in again] == [c.config for c in first]
-    search(study(cost, 0.5), n_trials=17, timeout_s=None, seed=0, storage=url, study_name="s")
+    search(study(cost, 0.5), n_trials=17, **kw)
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 17
+
+
+def test_an_enumerated_space_is_kept_in_the_study_once(cost: CostModel, tmp_path) -> None:
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    kw = {"n_trials": None, "timeout_s": None, "seed": 0, "storage": url, "study_name": "s"}
+    found = search(study(cost, 0.5), **kw)
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    assert len(trials) == len(found)  # one finished trial per candidate, for the dashboard
+    best = max(trials, key=lambda t: t.value or 0.0)
+    assert best.params["micro_batch_size"] == found[0].config.micro_batch_size
+    assert best.value == found[0].prediction.measurement.samples_per_s
+    search(study(cost, 0.5), **kw)  # resumed: nothing added
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == len(found)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
-from autotune.verify._winner import fastest
+from autotune.plan._cost import Prediction
+from autotune.plan._planner import Candidate
+from autotune.result import Breakdown
+from autotune.verify._winner import choose_winner, fastest
+
+
+def candidate(b: int, speed: float, peak: int) -> Candidate:
+    config = TrainConfig(micro_batch_size=b)
+    prediction = Measurement(peak, b / speed, speed)
+    return Candidate(config, Prediction(prediction, Breakdown(0, 0, 0, 0, peak)))
 
 
 def record(b: int, speed: float | None, peak: int = 100, error: str | None = None) -> TrialRecord:
@@ -31,3 +40,21 @@ def test_a_near_tie_goes_to_the_smaller_peak() -> None:
     slow = record(2, 90.0, peak=100)
     assert fastest([fast, close, slow]) is close
     assert fastest([record(8, 100.0, peak=900), slow]).config.micro_batch_size == 8
+
+
+def test_the_frugal_sibling_of_a_rejected_candidate_is_verified() -> None:
+    """A candidate like one that ran out of memory is that idea's next try, not a repeat;
+    one like a candidate that fitted is skipped."""
+    ran: list[int] = []
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        ran.append(config.micro_batch_size)
+        if config.micro_batch_size > 24:  # the prediction was wrong: it does not fit
+            return TrialRecord(config, predicted, None, "out of memory")
+        return TrialRecord(config, predicted, predicted, None)
+
+    candidates = [candidate(32, 300.0, 900), candidate(24, 290.0, 700),
+                  candidate(20, 280.0, 600), candidate(8, 200.0, 300)]  # fmt: skip
+    records = choose_winner(measure, candidates, top=2)
+    assert ran == [32, 24, 8]  # 20 is too like 24, which fitted
+    assert fastest(records).config.micro_batch_size == 24
