@@ -33,7 +33,7 @@ from autotune.measure._devices import measure_transfer
 from autotune.measure._memory_profile import memory_profile, working_copy
 from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
-from autotune.measure._time_profile import time_profile
+from autotune.measure._time_profile import fast_precisions, time_profile
 from autotune.plan._candidates import largest_fitting
 from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
@@ -201,10 +201,11 @@ def _profile(work: nn.Module, problem: Problem) -> Profile:
         loss_fn=problem.loss_fn,
         foreign_bytes=problem.foreign,
     )
+    precisions, slow = fast_precisions(profiler, problem.precisions, device_name=target.name)
     log.info("profiling memory on %s (%d blocks)", target.name, len(problem.blocks))
     draft, notes = memory_profile(
         profiler,
-        problem.precisions,
+        precisions,
         problem.space.optimizers,
         device_name=target.name,
         context_bytes=target.context_bytes,
@@ -225,7 +226,7 @@ def _profile(work: nn.Module, problem: Problem) -> Profile:
         helps = not backend_for(problem.target.device).host_is_device
         raise too_small(planner, problem.space, problem.budget, offload_helps=helps)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
-    draft = dataclasses.replace(draft, notes=tuple(notes))
+    draft = dataclasses.replace(draft, notes=(*slow, *notes))
     profile = time_profile(profiler, draft, feasible, problem.sizes, device_name=target.name)
     for note in profile.notes:
         log.info("note: %s", note)

@@ -16,12 +16,44 @@ import torch
 from autotune.measure._profile_data import Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
-__all__ = ["time_profile"]
+__all__ = ["fast_precisions", "time_profile"]
 
 _SATURATED_S = 0.5
 _LONGEST_PASS_S = 2.0
 _SLOW_PRECISION = 1.6
 """A precision this many times slower than fp32 at the same micro-batch cannot win."""
+
+
+def fast_precisions(
+    profiler: Profiler, precisions: Sequence[str], *, device_name: str
+) -> tuple[tuple[str, ...], list[str]]:
+    """The precisions not much slower than fp32 at micro-batch 1, and a note per one dropped.
+
+    Timed before anything else is measured, so that a precision the device only emulates
+    (fp16 on most CPUs: several times slower) costs one small pass, not a memory profile
+    and a time probe. The time profile checks again at a larger micro-batch, where a
+    precision that pays off on a device shows it; at 1 it is at worst as fast as fp32.
+    """
+    if "fp32" not in precisions or len(precisions) < 2:
+        return tuple(precisions), []
+    kept, notes = ["fp32"], []
+    try:
+        reference = profiler.fwd_bwd_time("fp32", 1)
+        for p in precisions:
+            if p == "fp32":
+                continue
+            seconds = profiler.fwd_bwd_time(p, 1)
+            if seconds > _SLOW_PRECISION * reference:
+                notes.append(_slow_note(p, seconds / reference, device_name))
+            else:
+                kept.append(p)
+    except torch.OutOfMemoryError:  # the device cannot hold even this: the profile decides
+        return tuple(precisions), []
+    return tuple(p for p in precisions if p in kept), notes
+
+
+def _slow_note(precision: str, ratio: float, device_name: str) -> str:
+    return f"{precision}: {ratio:.1f}x slower than fp32 on {device_name}, not searched"
 
 
 def time_profile(
@@ -58,9 +90,7 @@ def time_profile(
         times[p][b] = profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
         if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
-            notes.append(
-                f"{p}: {times[p][b] / ref:.1f}x slower than fp32 on {device_name}, not searched"
-            )
+            notes.append(_slow_note(p, times[p][b] / ref, device_name))
             del feasible[p], times[p]
     precision_profiles = {}
     for p, cap in feasible.items():

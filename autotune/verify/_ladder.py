@@ -26,28 +26,36 @@ def fallback_ladder(
     Besides the candidates already verified, two more are run: the fastest predicted
     config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
     with at most 64 accumulation steps, every block checkpointed, the precision that
-    needs least). ``records`` gains their trials.
+    needs least); each only if no verified config goes as low as it is predicted to.
+    ``records`` gains their trials.
     """
     config = winner.config
     assert winner.measured is not None
-    effective = config.effective_batch_size
+
+    def same(rs: list[TrialRecord]) -> list[TrialRecord]:
+        return [
+            r
+            for r in rs
+            if r.measured is not None
+            and r.config != config
+            and r.config.effective_batch_size == config.effective_batch_size
+            and r.config.optimizer == config.optimizer
+        ]
+
     for cand in fallback_candidates(planner, config, winner.measured.peak_bytes):
-        if all(r.config != cand.config for r in records):
-            log.info("verifying fallback %s", cand.config.describe())
-            if (record := measure(cand.config, cand.prediction.measurement)) is not None:
-                records.append(record)
-    same = [
-        r
-        for r in records
-        if r.measured is not None
-        and r.config != config
-        and r.config.effective_batch_size == effective
-        and r.config.optimizer == config.optimizer
-    ]
-    same.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
+        low = cand.prediction.measurement.peak_bytes
+        if any(r.config == cand.config for r in records) or any(
+            r.measured is not None and r.measured.peak_bytes <= low for r in same(records)
+        ):
+            continue  # verified already, or a verified one goes as low
+        log.info("verifying fallback %s", cand.config.describe())
+        if (record := measure(cand.config, cand.prediction.measurement)) is not None:
+            records.append(record)
+    ladder = same(records)
+    ladder.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
     out: list[TrainConfig] = []
     last = winner.measured.peak_bytes
-    for r in same:
+    for r in ladder:
         assert r.measured is not None
         if r.measured.peak_bytes < last:
             out.append(r.config)

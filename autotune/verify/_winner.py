@@ -26,6 +26,13 @@ _SAME_MEASURED = 0.01
 """Measured throughputs within this fraction are a tie: the smaller peak wins it. Kept
 small: every point of it is speed given up, and the target is the best config's speed."""
 
+_MODEL_SLACK = 0.15
+"""How much better than its most optimistic calibration a candidate's speed may still turn
+out: the time model's error differs from config to config by up to about this much."""
+
+_BEHIND = 0.07
+"""A contender this far behind the leader's median after a round of re-timing is settled."""
+
 Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
 """Runs a config for real (or reads its outcome from a study); None: another process has it."""
 
@@ -39,15 +46,26 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     factor of 1.5) is skipped, so that verification tests different ideas. A candidate
     like one that was rejected is run: it is that idea's more frugal sibling.
 
+    Verification skips what cannot win: each fitted candidate calibrates the time model
+    (measured / predicted speed); once two have, a candidate whose prediction, scaled by
+    the most optimistic calibration so far and 15% more, stays below the best measured
+    speed is not run.
+
     Returns:
         The verification records, rejected ones included; the caller picks the winner.
     """
     records: list[TrialRecord] = []
     fitted: list[TrainConfig] = []
+    calibration: list[float] = []  # measured / predicted speed of each fitted candidate
+    best, hopeless = 0.0, 0
     for cand in _tie_frugal(candidates):
         if len(fitted) >= top or len(records) >= 3 * top:
             break
         if any(_alike(cand.config, f) for f in fitted):
+            continue
+        predicted = cand.prediction.measurement.samples_per_s
+        if len(calibration) >= 2 and predicted * max(calibration) * (1 + _MODEL_SLACK) < best:
+            hopeless += 1  # it cannot beat what was measured
             continue
         log.info("verifying %s", cand.config.describe())
         record = measure(cand.config, cand.prediction.measurement)
@@ -59,11 +77,15 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
             log.info("  rejected: %s", record.error)
             continue
         fitted.append(cand.config)
+        calibration.append(record.measured.samples_per_s / max(predicted, 1e-9))
+        best = max(best, record.measured.samples_per_s)
         log.info(
             "  measured %.1f samples/s, peak %s",
             record.measured.samples_per_s,
             format_bytes(record.measured.peak_bytes),
         )
+    if hopeless:
+        log.info("not verified: %d candidates that could not beat %.1f samples/s", hopeless, best)
     return records
 
 
@@ -113,8 +135,10 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
     """Time the close contenders again, interleaved, and keep the median of all timings.
 
     One timing per candidate is at the mercy of whatever else the machine does for those
-    seconds; contenders within 15% of the fastest run ``rounds`` more times, alternating,
-    so that a slow spell hits them alike.
+    seconds; contenders within 15% of the fastest run up to ``rounds`` more times,
+    alternating, so that a slow spell hits them alike. After a round, a contender whose
+    median is more than 7% behind the leader's is settled (it cannot catch up within the
+    noise) and is not timed again. The figures that decide are logged.
     """
     passed = [r for r in records if r.measured is not None]
     if len(passed) < 2:
@@ -124,9 +148,17 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
     if len(close) < 2:
         return records
     times = {r.config: [r.measured.step_s] for r in close if r.measured}
+    racing = [r.config for r in close]
     for _ in range(rounds):
-        for r in close:
-            times[r.config].append(verifier.retime(r.config))
+        if len(racing) < 2:
+            break
+        for c in racing:
+            times[c].append(verifier.retime(c))
+        lead = max(_speed(c, times[c]) for c in racing)
+        racing = [c for c in racing if _speed(c, times[c]) >= (1 - _BEHIND) * lead]
+    for c, ts in times.items():
+        speed = _speed(c, ts)
+        log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), speed, len(ts))
     out = []
     for r in records:
         if r.config in times and r.measured is not None:
@@ -137,3 +169,8 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
             )
         out.append(r)
     return out
+
+
+def _speed(config: TrainConfig, step_times: list[float]) -> float:
+    """Samples per second at the median of ``step_times``."""
+    return config.effective_batch_size / statistics.median(step_times)

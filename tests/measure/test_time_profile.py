@@ -9,7 +9,7 @@ import torch
 
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
-from autotune.measure._time_profile import time_profile
+from autotune.measure._time_profile import fast_precisions, time_profile
 from autotune.models import gpt_batch, tiny_gpt
 
 CPU = torch.device("cpu")
@@ -52,3 +52,35 @@ def test_an_oom_at_the_first_size_is_not_hidden(setup, monkeypatch) -> None:
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
     with pytest.raises(torch.OutOfMemoryError):
         time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
+
+
+@pytest.mark.parametrize(
+    ("slowdown", "kept"), [({"bf16": 1.2, "fp16": 5.0}, ("fp32", "bf16")), ({}, None)]
+)
+def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
+    setup, monkeypatch, slowdown: dict[str, float], kept: tuple[str, ...] | None
+) -> None:
+    """The real passes, made slower for the precisions a device would only emulate."""
+    profiler, _ = setup
+    timed = profiler.fwd_bwd_time
+    asked: list[tuple[str, int]] = []
+
+    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+        asked.append((precision, b))
+        return timed("fp32", b) * slowdown.get(precision, 1.0)
+
+    monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
+    found, notes = fast_precisions(profiler, ("fp32", "bf16", "fp16"), device_name="cpu")
+    assert asked == [("fp32", 1), ("bf16", 1), ("fp16", 1)]  # one small pass each
+    if kept is None:  # as fast as fp32 at 1: kept, for the time profile to judge
+        assert found == ("fp32", "bf16", "fp16") and notes == []
+    else:
+        assert found == kept
+        assert len(notes) == 1 and notes[0].startswith("fp16: ") and "not searched" in notes[0]
+
+
+def test_without_fp32_or_with_one_precision_nothing_is_timed(setup, monkeypatch) -> None:
+    profiler, _ = setup
+    monkeypatch.setattr(profiler, "fwd_bwd_time", lambda *a, **k: pytest.fail("timed"))
+    assert fast_precisions(profiler, ("bf16", "fp16"), device_name="cpu") == (("bf16", "fp16"), [])
+    assert fast_precisions(profiler, ("fp32",), device_name="cpu") == (("fp32",), [])

@@ -8,7 +8,7 @@ from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
 from autotune.plan._cost import Prediction
 from autotune.plan._planner import Candidate
 from autotune.result import Breakdown
-from autotune.verify._winner import choose_winner, fastest
+from autotune.verify._winner import choose_winner, fastest, settle
 
 
 def candidate(b: int, speed: float, peak: int) -> Candidate:
@@ -58,3 +58,50 @@ def test_the_frugal_sibling_of_a_rejected_candidate_is_verified() -> None:
     records = choose_winner(measure, candidates, top=2)
     assert ran == [32, 24, 8]  # 20 is too like 24, which fitted
     assert fastest(records).config.micro_batch_size == 24
+
+
+def fits(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    """Every config fits and runs at its predicted speed."""
+    return TrialRecord(config, predicted, predicted, None)
+
+
+def test_candidates_that_cannot_beat_the_measured_best_are_not_verified() -> None:
+    ran: list[int] = []
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        ran.append(config.micro_batch_size)
+        return fits(config, predicted)
+
+    # Speeds as predicted (calibration 1.0): 70 * 1.15 < 100 cannot win, 90 * 1.15 can.
+    candidates = [candidate(64, 100.0, 900), candidate(8, 95.0, 300),
+                  candidate(2, 90.0, 100), candidate(1, 70.0, 50)]  # fmt: skip
+    choose_winner(measure, candidates, top=5)
+    assert ran == [64, 8, 2]
+    # With one calibration point nothing is skipped yet.
+    ran.clear()
+    choose_winner(measure, [candidate(64, 100.0, 900), candidate(2, 50.0, 100)], top=5)
+    assert ran == [64, 2]
+
+
+class Clockwork:
+    """Re-timings in a fixed order (seconds per step), as a verifier would measure them."""
+
+    def __init__(self, seconds: dict[int, list[float]]) -> None:
+        self.seconds = seconds
+        self.asked: list[int] = []
+
+    def retime(self, config: TrainConfig) -> float:
+        self.asked.append(config.micro_batch_size)
+        return self.seconds[config.micro_batch_size].pop(0)
+
+
+def test_settle_stops_re_timing_a_contender_that_fell_behind() -> None:
+    # micro-batch b runs b samples per step: speeds b / seconds.
+    records = [record(8, 100.0), record(4, 96.0), record(2, 95.0)]
+    clock = Clockwork({8: [0.080, 0.080], 4: [0.040, 0.040], 2: [0.025, 0.025]})
+    settled = settle(clock, records, rounds=2)  # type: ignore[arg-type]
+    # round 1: 8 -> 100/s, 4 -> 100/s, 2 -> 80/s (over 7% behind): 2 is not timed again
+    assert clock.asked == [8, 4, 2, 8, 4]
+    speeds = {r.config.micro_batch_size: r.measured.samples_per_s for r in settled if r.measured}
+    assert speeds[2] == pytest.approx(2 / ((2 / 95 + 0.025) / 2))  # its 2 timings' median
+    assert speeds[8] == pytest.approx(100.0)  # its 3 timings' median
