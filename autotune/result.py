@@ -24,6 +24,7 @@ __all__ = [
     "Breakdown",
     "Measurement",
     "ModelInfo",
+    "Spent",
     "TargetInfo",
     "TrialRecord",
     "TuneResult",
@@ -101,6 +102,21 @@ class TrialRecord:
     """``None`` when the run failed (see ``error``)."""
     error: str | None = None
     """Why the candidate was rejected (e.g. out of memory), or ``None``."""
+    timings: tuple[float, ...] = ()
+    """Seconds per step of each timing whose median is ``measured`` (the first run's and
+    every re-timing), when it was timed again; empty when timed once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spent:
+    """Where a tuning run's seconds went."""
+
+    profile_s: float = 0.0
+    """Profiling memory and time on the device."""
+    search_s: float = 0.0
+    """Searching the space on the cost model."""
+    verification_s: float = 0.0
+    """Running candidates and fallbacks for real, and re-timing the contenders."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +140,8 @@ class TuneResult:
     """Every verification run, including the rejected ones."""
     tuning_s: float = 0.0
     """Wall time of the tuning run."""
+    spent: Spent = Spent()
+    """Where ``tuning_s`` went."""
     version: int = SCHEMA_VERSION
     """Schema version of the YAML file."""
 

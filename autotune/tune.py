@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
 from autotune.plan._search import search
 from autotune.plan._too_small import too_small
-from autotune.result import ModelInfo, TrialRecord, TuneResult
+from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._loss import LossFn
 from autotune.verify._ladder import fallback_ladder
@@ -113,8 +114,10 @@ def autotune(
     store = None if storage is None else open_store(model, problem, storage, study_name)
     work = working_copy(model, problem.target.device)
     try:
+        clock = [time.perf_counter()]  # the ends of profiling, search and verification
         measure_profile = functools.partial(_profile, work, problem)
         profile = measure_profile() if store is None else shared_profile(store, measure_profile)
+        clock.append(time.perf_counter())
         problem = problem.with_context(profile.context_bytes)
         cost = CostModel(profile)
         planner = problem.planner(cost, tuple(profile.precisions))
@@ -137,7 +140,9 @@ def autotune(
             candidates = run_search()
         else:
             candidates = shared_candidates(store, run_search, cost, n_trials, timeout_s, seed)
+        clock.append(time.perf_counter())
         chosen, records, fallbacks = _verify(work, problem, planner, candidates, store)
+        clock.append(time.perf_counter())
     finally:
         del work
         gc.collect()
@@ -156,6 +161,7 @@ def autotune(
         fallbacks=tuple(fallbacks),
         trials=tuple(records),
         tuning_s=time.perf_counter() - started,
+        spent=Spent(*(b - a for a, b in itertools.pairwise(clock))),
     )
 
 

@@ -16,7 +16,7 @@ from autotune.cli._inputs import inputs
 from autotune.cli._progress import progress
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import PARTS, TuneResult, load
+from autotune.result import PARTS, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 __all__ = ["estimate_command", "export_command", "report", "show", "tune", "verify"]
@@ -212,8 +212,26 @@ def _describe(result: TuneResult) -> str:
     ]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")
-    lines.append(f"tuned in    {result.tuning_s:.1f} s; {len(result.trials)} configs run for real")
+    s = result.spent
+    lines.append(
+        f"tuned in    {result.tuning_s:.1f} s: profile {s.profile_s:.1f} s, search "
+        f"{s.search_s:.1f} s, verification {s.verification_s:.1f} s"
+    )
+    lines.append(f"verified    {len(result.trials)} configs run for real:")
+    lines += [f"  {_trial(r)}" for r in result.trials]
     return "\n".join(lines)
+
+
+def _trial(r: TrialRecord) -> str:
+    """One verification: what it measured (re-timings included) or why it was rejected."""
+    m = r.measured
+    if m is None:
+        return f"{r.config.describe()}: rejected, {r.error}"
+    timed = f" (median of {len(r.timings)} timings)" if r.timings else ""
+    return (
+        f"{r.config.describe()}: {m.samples_per_s:.1f} samples/s{timed}, "
+        f"predicted {r.predicted.samples_per_s:.1f}; peak {format_bytes(m.peak_bytes)}"
+    )
 
 
 def _peak(measurement: Any) -> str:

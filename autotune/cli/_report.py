@@ -91,7 +91,12 @@ def _summary(result: TuneResult) -> str:
             f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
         ),
         ("fallbacks", "; ".join(f.describe() for f in result.fallbacks) or "none"),
-        ("tuned in", f"{result.tuning_s:.1f} s, torch {result.target.torch_version}"),
+        (
+            "tuned in",
+            f"{result.tuning_s:.1f} s (profile {result.spent.profile_s:.1f} s, search "
+            f"{result.spent.search_s:.1f} s, verification {result.spent.verification_s:.1f} s), "
+            f"torch {result.target.torch_version}",
+        ),
     ]
     return _table(("", ""), [(_esc(k), _esc(v)) for k, v in rows], header=False)
 
@@ -162,10 +167,19 @@ def _trials(result: TuneResult) -> str:
                 _num(format_bytes(m.peak_bytes) if m else "-"),
                 _num(f"{r.predicted.samples_per_s:.1f}"),
                 _num(f"{m.samples_per_s:.1f}" if m else "-"),
+                _num(str(len(r.timings) or 1) if m else "-"),
                 _esc(point(result, r).note),
             )
         )
-    head = ("configuration", "predicted peak", "measured peak", "predicted /s", "measured /s", "")
+    head = (
+        "configuration",
+        "predicted peak",
+        "measured peak",
+        "predicted /s",
+        "measured /s",
+        "timings",
+        "",
+    )
     return _table(head, rows)
 
 

@@ -16,15 +16,17 @@ from autotune.plan._planner import Candidate
 from autotune.result import Measurement, TrialRecord
 from autotune.verify._verifier import Verifier
 
-__all__ = ["Measure", "choose_winner", "fastest", "settle"]
+__all__ = ["Measure", "choose_winner", "fastest", "noise", "settle"]
 
 log = logging.getLogger("autotune")
 
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
 _SAME_MEASURED = 0.01
-"""Measured throughputs within this fraction are a tie: the smaller peak wins it. Kept
-small: every point of it is speed given up, and the target is the best config's speed."""
+"""The least timing noise: measured throughputs within it are a tie, won by the simpler
+config. Kept small: every point of it is speed given up."""
+_MOST_NOISE = 0.03
+"""The most timing noise a tie may span, however noisy the re-timings were."""
 
 _MODEL_SLACK = 0.15
 """How much better than its most optimistic calibration a candidate's speed may still turn
@@ -111,7 +113,12 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
 
 
 def fastest(records: list[TrialRecord]) -> TrialRecord:
-    """The record with the highest measured throughput (ties within 1%: smallest peak).
+    """The record with the highest measured throughput; among those within the timing
+    noise of it, the simplest (fewest checkpointed or offloaded blocks, then the least
+    accumulation, then the smallest peak).
+
+    The noise is what the re-timings showed: the median half-spread of the re-timed
+    records' timings relative to their median, kept between 1% and 3%.
 
     Raises:
         VerificationError: no configuration fitted.
@@ -124,11 +131,27 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
     best = max(r.measured.samples_per_s for r in passed if r.measured is not None)
-    # Measured throughputs within noise of the best: the smallest peak is the safer pick.
-    tied = [
-        r for r in passed if r.measured and r.measured.samples_per_s >= (1 - _SAME_MEASURED) * best
+    tie = noise(passed)
+    tied = [r for r in passed if r.measured and r.measured.samples_per_s >= (1 - tie) * best]
+    return min(tied, key=_simplicity)
+
+
+def noise(records: list[TrialRecord]) -> float:
+    """The timing noise the re-timed ``records`` showed (1% to 3%; 1% without re-timings)."""
+    spreads = [
+        (max(r.timings) - min(r.timings)) / 2 / statistics.median(r.timings)
+        for r in records
+        if len(r.timings) >= 2
     ]
-    return min(tied, key=lambda r: r.measured.peak_bytes if r.measured else 0)
+    if not spreads:
+        return _SAME_MEASURED
+    return min(max(statistics.median(spreads), _SAME_MEASURED), _MOST_NOISE)
+
+
+def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
+    c = r.config
+    wrapped = len(c.checkpoint) + len(c.offload_activations) + int(c.offload_optimizer)
+    return wrapped, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
 
 
 def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -> list[TrialRecord]:
@@ -164,9 +187,8 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
         if r.config in times and r.measured is not None:
             step = statistics.median(times[r.config])
             n = r.config.effective_batch_size
-            r = dataclasses.replace(
-                r, measured=dataclasses.replace(r.measured, step_s=step, samples_per_s=n / step)
-            )
+            measured = dataclasses.replace(r.measured, step_s=step, samples_per_s=n / step)
+            r = dataclasses.replace(r, measured=measured, timings=tuple(times[r.config]))
         out.append(r)
     return out
 

@@ -198,6 +198,12 @@ def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
     for word in ("predicted", "measured", "parameters", "gradients", "optimizer", "activations"):
         assert word in out
     assert out.count("fallback ") == len(result.fallbacks)
+    s = result.spent  # where the time went, each part measured
+    assert s.profile_s > 0 and s.verification_s > 0
+    assert f"profile {s.profile_s:.1f} s, search {s.search_s:.1f} s" in out
+    # every verification, with what it measured or why it was rejected
+    for r in result.trials:
+        assert f"  {r.config.describe()}: " in out
     code, out, _ = run(capsys, "show", str(tuned.path), "--json")
     assert json.loads(out) == result.to_dict()
 

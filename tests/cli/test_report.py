@@ -13,7 +13,15 @@ from autotune.cli._chart import pareto_front
 from autotune.cli._report import render_html, write_report
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TrialRecord, TuneResult
+from autotune.result import (
+    Breakdown,
+    Measurement,
+    ModelInfo,
+    Spent,
+    TargetInfo,
+    TrialRecord,
+    TuneResult,
+)
 
 MIB = 2**20
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
@@ -33,7 +41,7 @@ def result() -> TuneResult:
     oom = TrainConfig(micro_batch_size=16)
     trials = (
         TrialRecord(oom, m(95, 900), None, "out of memory: budget guard"),
-        TrialRecord(chosen, m(70, 700), m(72, 650)),
+        TrialRecord(chosen, m(70, 700), m(72, 650), timings=(1.01, 0.98, 1.0)),
         TrialRecord(slow, m(60, 600), m(62, 300)),
         TrialRecord(middle, m(50, 500), m(51, 480)),
         TrialRecord(frugal, m(20, 200), m(21, 210)),
@@ -49,6 +57,7 @@ def result() -> TuneResult:
         fallbacks=(middle, frugal),
         trials=trials,
         tuning_s=12.5,
+        spent=Spent(profile_s=4.0, search_s=0.5, verification_s=7.5),
     )
 
 
@@ -108,6 +117,11 @@ def test_page_is_self_contained(result: TuneResult) -> None:
     assert "<script" not in page and "http" not in page and "src=" not in page
     assert "micro_batch=8 accum=1 fp32 checkpoint=1 adamw" in page
     assert "fallback 2" in page and "out of memory: budget guard" in page
+    # where the time went, and how many timings decided each measured speed
+    assert "12.5 s (profile 4.0 s, search 0.5 s, verification 7.5 s)" in page
+    rows = re.findall(r"<tr><td>micro_batch=8 accum=1 fp32 checkpoint=1 adamw</td>(.*?)</tr>", page)
+    cells = [re.findall(r"<span class='num'>(.*?)</span>", r) for r in rows]
+    assert ["72.0 MiB", "650.0", "3"] in [[c[1], c[3], c[4]] for c in cells if len(c) == 5]
 
 
 def test_a_result_without_trials_still_shows_the_chosen_config(result: TuneResult) -> None:

@@ -8,7 +8,7 @@ from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
 from autotune.plan._cost import Prediction
 from autotune.plan._planner import Candidate
 from autotune.result import Breakdown
-from autotune.verify._winner import choose_winner, fastest, settle
+from autotune.verify._winner import choose_winner, fastest, noise, settle
 
 
 def candidate(b: int, speed: float, peak: int) -> Candidate:
@@ -105,3 +105,32 @@ def test_settle_stops_re_timing_a_contender_that_fell_behind() -> None:
     speeds = {r.config.micro_batch_size: r.measured.samples_per_s for r in settled if r.measured}
     assert speeds[2] == pytest.approx(2 / ((2 / 95 + 0.025) / 2))  # its 2 timings' median
     assert speeds[8] == pytest.approx(100.0)  # its 3 timings' median
+    timings = {r.config.micro_batch_size: r.timings for r in settled}
+    assert timings == {8: (0.08, 0.08, 0.08), 4: (4 / 96, 0.04, 0.04), 2: (2 / 95, 0.025)}
+
+
+def timed(config: TrainConfig, speed: float, peak: int, timings: tuple[float, ...] = ()):
+    step = config.effective_batch_size / speed
+    m = Measurement(peak, step, speed)
+    return TrialRecord(config, m, m, None, timings)
+
+
+def test_within_the_timing_noise_the_simpler_config_wins() -> None:
+    checkpointed = TrainConfig(micro_batch_size=8, grad_accum_steps=4, checkpoint=("a", "b"))
+    plain = TrainConfig(micro_batch_size=8, grad_accum_steps=4)
+    fewer_steps = TrainConfig(micro_batch_size=16, grad_accum_steps=2, checkpoint=("a", "b"))
+    # Re-timings that spread 2% either side: a 2% tie.
+    spread = (0.98, 1.0, 1.02)
+    fast = timed(checkpointed, 100.0, 500, spread)
+    simple = timed(plain, 98.5, 900, spread)
+    assert noise([fast, simple]) == pytest.approx(0.02)
+    assert fastest([fast, simple]) is simple  # fewer wrapped blocks, larger peak
+    assert fastest([fast, timed(fewer_steps, 98.5, 900, spread)]).config is fewer_steps
+    # Outside the noise the faster one wins; without re-timings the noise is 1%.
+    assert fastest([fast, timed(plain, 97.0, 900, spread)]) is fast
+    assert (
+        fastest([timed(checkpointed, 100.0, 500), timed(plain, 98.5, 900)]).config is checkpointed
+    )
+    # However noisy the re-timings, a tie spans at most 3%.
+    wild = (0.5, 1.0, 1.5)
+    assert noise([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, wild)]) == 0.03
