@@ -65,7 +65,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         value = item["value"]
         if value is None:
             shown = "-"
-        elif name.startswith("peak_error"):
+        elif name.startswith(("peak_error", "step_error")):
             shown = _pct(value)
         elif isinstance(value, float):
             shown = f"{value:.3g}"
@@ -73,7 +73,7 @@ def summary_table(summary: dict[str, Any]) -> str:
             shown = str(value)
         verdict = {True: "met", False: "**missed**", None: "n/a"}[item["met"]]
         target = item["target"]
-        if name.startswith("peak_error"):
+        if name.startswith(("peak_error", "step_error")):
             op, bound = target.split()
             target = f"{op} {100 * float(bound):g}%"
         out.append(f"| {name} | {shown} | {target} | {verdict} |")
