@@ -7,7 +7,8 @@ the optimizer has stepped. When a forward or backward runs out of device memory 
 the optimizer began its update, the partial gradients are freed, the random state and
 the buffers are put back as they were when the step began, the next fallback takes over
 (its checkpoint mask, activation offload and precision; its smaller micro-batch by
-splitting each batch inside ``training_step``, with exact loss weights), and the step's
+splitting each batch inside ``training_step`` with the handle's own micro-batches and
+loss weights), and the step's
 batches run again from the first. What the step's ``training_step`` logged before the
 error is logged again.
 """
@@ -27,7 +28,6 @@ from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning
 from autotune.integrations._export import LIGHTNING_PRECISION
 from autotune.integrations._lightning_tuning import step_loss
-from autotune.train import _batch as batching
 from autotune.train._applied import Applied
 
 __all__ = ["Ladder", "precision_plugin"]
@@ -138,7 +138,7 @@ class Ladder:
         module = trainer.lightning_module
         vars(module).pop("training_step", None)
         if config.micro_batch_size < m:
-            module.__dict__["training_step"] = _split(module, config.micro_batch_size)
+            module.__dict__["training_step"] = _split(module, handle)
         warnings.warn(
             f"out of memory with {previous.describe()} ({reason}); the step's "
             f"{len(self.window)} batches run again with fallback {config.describe()}.",
@@ -147,28 +147,27 @@ class Ladder:
         )
 
 
-def _split(module: pl.LightningModule, size: int) -> Callable[..., Any]:
-    """``module.training_step`` over micro-batches of ``size`` rows: the backward of each
-    but the last runs here, with its loss weighted by its share of the batch (and divided
-    by the accumulation, as Lightning divides the loss it is returned)."""
+def _split(module: pl.LightningModule, handle: Applied) -> Callable[..., Any]:
+    """``module.training_step`` over the handle's micro-batches: the backward of each but
+    the last runs here, with its loss weighted by its share of the batch (and divided by
+    the accumulation, as Lightning divides the loss it is returned)."""
     step = module.training_step
     trainer = module.trainer
 
     def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        n = batching.batch_size(batch)
-        chunks = batching.split(batch, size)
-        for chunk in chunks[:-1]:
+        # The batch is on the device already; Lightning never offloads the optimizer, so
+        # taking the pairs at once changes nothing the handle does between them.
+        *rest, (last, last_weight) = handle.micro_batches(batch)
+        for chunk, weight in rest:
             # In Lightning's order: weighted by its share, then divided by the accumulation.
-            weight = batching.batch_size(chunk) / n
             loss = step_loss(step(chunk, *args, **kwargs)) * weight
             loss = loss / trainer.accumulate_grad_batches
             with torch.autocast(trainer.strategy.root_device.type, enabled=False):
                 trainer.strategy.backward(loss, trainer.optimizers[0])
             del loss
-        out = step(chunks[-1], *args, **kwargs)
-        weight = batching.batch_size(chunks[-1]) / n
+        out = step(last, *args, **kwargs)
         if isinstance(out, Mapping):
-            return {**out, "loss": step_loss(out) * weight}
-        return step_loss(out) * weight
+            return {**out, "loss": step_loss(out) * last_weight}
+        return step_loss(out) * last_weight
 
     return training_step
