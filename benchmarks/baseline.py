@@ -46,7 +46,7 @@ from autotune.train._batch import resize
 
 from .cases import Case
 
-__all__ = ["Attempt", "BaselineResult", "describe", "find_batch_baseline"]
+__all__ = ["Attempt", "BaselineResult", "describe", "find_batch_baseline", "kept_global"]
 
 _STEPS = 2
 _LADDER_START = 64  # starting batch when the case fixes no global batch
@@ -139,13 +139,19 @@ def find_batch_baseline(
     out.seconds = time.perf_counter() - started
     if found is not None:
         out.found_batch_size = found
-        micro = max(b for b in range(1, found + 1) if not g or g % b == 0)
+        micro = kept_global(found, g)
         out.config = TrainConfig(
             micro_batch_size=micro,
             grad_accum_steps=g // micro if g else 1,
             optimizer=optimizer,
         )
     return out
+
+
+def kept_global(found: int, global_batch: int | None) -> int:
+    """The micro-batch a user keeping ``global_batch`` exact trains with after a finder
+    found ``found``: the largest divisor of it not above ``found`` (``found`` without one)."""
+    return max(b for b in range(1, found + 1) if not global_batch or global_batch % b == 0)
 
 
 def _release(device: torch.device) -> None:

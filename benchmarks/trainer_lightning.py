@@ -32,6 +32,7 @@ from autotune import TuneResult
 from autotune.integrations.lightning import Autotune
 from autotune.train._loss import call_model, compute_loss
 
+from .baseline import kept_global
 from .budgets import Budget
 from .cases import Case
 from .trainer_parts import TIMED, WARMUP, Clock, Guard, Rows
@@ -125,8 +126,7 @@ class Baseline:
 
     def __init__(self, found: int, global_batch: int, seconds: float) -> None:
         self.found = found
-        self.batch_size = max(d for d in range(1, global_batch + 1) if global_batch % d == 0
-                              and d <= found)  # fmt: skip
+        self.batch_size = kept_global(found, global_batch)
         self.accumulate = global_batch // self.batch_size
         self.seconds = seconds
 
