@@ -81,6 +81,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
 
 
 def _names(text: str | None) -> tuple[str, ...]:
+    """The comma-separated names of a flag's value, blanks dropped."""
     return tuple(s.strip() for s in text.split(",") if s.strip()) if text else ()
 
 
@@ -246,4 +247,4 @@ def _checkpoint(spec: str, model: Any, blocks: Sequence[str] | None) -> tuple[st
         from autotune._blocks import resolve_blocks
 
         return resolve_blocks(model, blocks)
-    return tuple(name.strip() for name in spec.split(",") if name.strip())
+    return _names(spec)
