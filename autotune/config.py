@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
-__all__ = ["MAX_BATCH", "OPTIMIZERS", "PRECISIONS", "TrainConfig"]
+__all__ = ["MAX_BATCH", "OPTIMIZERS", "PARALLEL", "PRECISIONS", "TrainConfig"]
 
 MAX_BATCH = 2**31 - 1
 """The largest micro-batch size or accumulation count a config may hold."""
@@ -19,6 +19,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Training precisions: fp32, bf16 autocast, fp16 autocast with a GradScaler."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor", "adamw8bit")
 """Optimizer names; :mod:`autotune.train._optimizers` builds them."""
+PARALLEL: tuple[str, ...] = ("none", "ddp", "fsdp")
+"""Data parallelism over ``world_size`` ranks: none, DDP (replicated), FSDP2 (sharded)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,17 @@ class TrainConfig:
     optimizer: str = "adamw"
     """Optimizer name, one of :data:`OPTIMIZERS`."""
     offload_optimizer: bool = False
-    """Keep optimizer states and run the step on the host."""
+    """Keep optimizer states and run the step on the host (with FSDP: its
+    ``CPUOffloadPolicy``, the sharded parameters and gradients on the host too)."""
+    parallel: str = "none"
+    """Data parallelism, one of :data:`PARALLEL`: ``ddp`` replicates the model on every
+    rank, ``fsdp`` shards parameters, gradients and optimizer state with FSDP2's
+    ``fully_shard`` (each block a unit; bf16 as its ``MixedPrecisionPolicy``)."""
+    world_size: int = 1
+    """Ranks training together; the global batch is ``effective_batch_size * world_size``."""
+    keep_gathered: tuple[str, ...] = ()
+    """FSDP units (blocks) not resharded after forward (``reshard_after_forward=False``):
+    their parameters stay gathered until their backward, one all-gather fewer."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps"):
@@ -71,6 +83,41 @@ class TrainConfig:
             raise ConfigError(
                 f"offload_optimizer must be true or false, got {self.offload_optimizer!r}."
             )
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.parallel not in PARALLEL:
+            got = str(self.parallel)[:40]
+            raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {got!r}.")
+        n = self.world_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 65536:
+            raise ConfigError(f"world_size must be an integer from 1 to 65536, got {n!r}.")
+        if self.parallel == "none" and n != 1:
+            raise ConfigError(
+                f"world_size is {n} but parallel is none; set parallel to ddp or fsdp."
+            )
+        value = self.keep_gathered
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"keep_gathered must be a list of block names, got {value!r:.40}.")
+        object.__setattr__(self, "keep_gathered", tuple(value))
+        if value and self.parallel != "fsdp":
+            raise ConfigError("keep_gathered names FSDP units; it needs parallel: fsdp.")
+        if self.parallel == "none":
+            return
+        unsupported = [
+            (self.offload_activations, "activation offload"),
+            (self.optimizer == "adamw8bit", "the adamw8bit optimizer"),
+            (self.precision == "fp16" and self.parallel == "fsdp", "fp16 (use bf16)"),
+            (self.offload_optimizer and self.parallel == "ddp", "optimizer offload"),
+        ]
+        for flag, what in unsupported:
+            if flag:
+                raise ConfigError(f"{what} is not supported with parallel: {self.parallel}.")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.effective_batch_size * self.world_size
 
     @property
     def effective_batch_size(self) -> int:
@@ -94,4 +141,8 @@ class TrainConfig:
             parts.append(f"offload_act={len(self.offload_activations)}")
         if self.offload_optimizer:
             parts.append("offload_opt")
+        if self.parallel != "none":
+            parts.append(f"{self.parallel}x{self.world_size}")
+        if self.keep_gathered:
+            parts.append(f"keep_gathered={len(self.keep_gathered)}")
         return " ".join(parts)

@@ -16,6 +16,7 @@ __all__ = [
     "BudgetError",
     "BudgetTooSmallError",
     "ConfigError",
+    "DistributedError",
     "LossError",
     "ProfileError",
     "VerificationError",
@@ -58,6 +59,11 @@ class ConfigError(AutotuneError, ValueError):
 
 class BlockError(AutotuneError, ValueError):
     """The model's blocks cannot be found, or a named block does not exist."""
+
+
+class DistributedError(AutotuneError, RuntimeError):
+    """Data-parallel tuning or training cannot go on: no process group, one of another
+    size than the config's, or a rank that failed or stopped answering."""
 
 
 class ProfileError(AutotuneError):

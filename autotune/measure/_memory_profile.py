@@ -16,7 +16,7 @@ from torch import nn
 from autotune.errors import ProfileError
 from autotune.measure._devices import Transfer
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
-from autotune.measure._profiler import Profiler, block_parameter_bytes
+from autotune.measure._profiler import Profiler, block_parameter_bytes, parameter_layout
 from autotune.train import _batch as batching
 
 __all__ = ["memory_profile", "working_copy"]
@@ -97,5 +97,6 @@ def memory_profile(
         host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
         host_is_device=profiler.ops.host_is_device,
         input_bytes_per_sample=batching.bytes_per_sample(profiler.sample, profiler.device),
+        layout=parameter_layout(profiler.model, blocks),
     )
     return profile, notes

@@ -40,6 +40,7 @@ def measure_peak(
     context_bytes: int = 0,
     foreign_bytes: int = 0,
     tracker: LiveBytesTracker | None = None,
+    resized: Iterable[torch.Tensor] = (),
 ) -> Iterator[PeakReading]:
     """Measure the peak device memory of the block, by the device's definition.
 
@@ -57,6 +58,8 @@ def measure_peak(
         foreign_bytes: Allocator bytes held by tensors that are not part of the run.
         tracker: A tracker to use (to read its phases); without a caching allocator a
             new one otherwise.
+        resized: Tensors whose storage is freed and allocated again by resizing, outside
+            any op (FSDP2's gathered parameters); the tracker reads their size at every op.
     """
     ops = backend_for(device)
     reading = PeakReading()
@@ -64,6 +67,7 @@ def measure_peak(
         tracker = LiveBytesTracker(device.type, budget_bytes=budget_bytes)
     if tracker is not None:
         tracker.track(existing)
+        tracker.watch(resized)
         tracker.peak = tracker.live
     cap = None
     if ops.caching and budget_bytes is not None:

@@ -191,6 +191,10 @@ class Profile:
     input_bytes_per_sample: float = 0.0
     """Device bytes of one sample of the input batch where it already lives on the device
     (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
+    layout: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Every parameter as ``(unit, rows, bytes per row, element size, trainable)``: its
+    block's index (-1: outside the blocks) and what sharding it on its first dimension
+    costs (empty: not recorded)."""
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -251,4 +255,5 @@ def profile_from_json(text: str) -> Profile:
         host_param_bytes=d["host_param_bytes"],
         host_is_device=d["host_is_device"],
         input_bytes_per_sample=d["input_bytes_per_sample"],
+        layout=tuple(tuple(row) for row in d.get("layout", ())),
     )

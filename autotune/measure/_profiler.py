@@ -45,6 +45,24 @@ def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int,
     )
 
 
+def parameter_layout(
+    model: nn.Module, blocks: Sequence[str]
+) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Each parameter once as ``(unit, rows, bytes per row, element size, trainable)``: the
+    index of the first block holding it (-1: none), its first dimension, the bytes of one
+    row, of one element, and whether it is trained."""
+    owner: dict[int, int] = {}
+    for i, name in enumerate(blocks):
+        for p in model.get_submodule(name).parameters():
+            owner.setdefault(id(p), i)
+    out = []
+    for p in {id(p): p for p in model.parameters()}.values():
+        rows = p.shape[0] if p.dim() else 1
+        row = p.untyped_storage().nbytes() // max(rows, 1)
+        out.append((owner.get(id(p), -1), rows, row, p.element_size(), int(p.requires_grad)))
+    return tuple(out)
+
+
 class Profiler:
     """Runs the measurements on ``model`` (a copy the tuner owns, on the target device).
 

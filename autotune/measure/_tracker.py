@@ -60,11 +60,21 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak = 0
         self.phases: list[PhaseRecord] = []
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
+        self._watched: list[torch.UntypedStorage] = []
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of tensors that already exist (model and optimizer state)."""
         for t in tensors:
-            self._add(t.untyped_storage(), check_budget=False)
+            self._add(_storage(t), check_budget=False)
+
+    def watch(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors whose storage is freed and allocated again by resizing it outside
+        any op (FSDP2's gathered parameters): their size is read again at every op."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._add(storage, check_budget=False)
+            if id(storage) in self._sizes:
+                self._watched.append(storage)
 
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
         """Close the current phase and open one labelled ``key`` at the current live bytes."""
@@ -78,30 +88,38 @@ class LiveBytesTracker(TorchDispatchMode):
             self.phases[-1].exit = self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for storage in self._watched:  # resized since the last op?
+            self._resized(storage, check_budget=False)
         out = func(*args, **(kwargs or {}))
+        for storage in self._watched:
+            self._resized(storage, check_budget=True)
         if in_host_memory() and not self.counts_host:
             return out
         inputs = {
             id(s): s
             for t in tree_flatten((args, kwargs))[0]
             if isinstance(t, torch.Tensor) and _has_storage(t)
-            for s in (t.untyped_storage(),)
+            for s in (_storage(t),)
         }
         schema = getattr(func, "_schema", None)
         if schema is None or schema.is_mutable:
             # An out= or resize_ op may resize a counted storage in place: count the change.
-            for key, storage in inputs.items():
-                if key in self._sizes and storage.nbytes() != self._sizes[key]:
-                    delta = storage.nbytes() - self._sizes[key]
-                    self._sizes[key] = storage.nbytes()
-                    self._grow(delta, check_budget=True)
+            for storage in inputs.values():
+                self._resized(storage, check_budget=True)
         for t in tree_flatten(out)[0]:
             # An output sharing an input's storage is a view or an in-place result: no new bytes.
             if isinstance(t, torch.Tensor) and _has_storage(t):
-                storage = t.untyped_storage()
+                storage = _storage(t)
                 if id(storage) not in inputs:
                     self._add(storage, check_budget=True)
         return out
+
+    def _resized(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
+        key = id(storage)
+        if key in self._sizes and storage.nbytes() != self._sizes[key]:
+            delta = storage.nbytes() - self._sizes[key]
+            self._sizes[key] = storage.nbytes()
+            self._grow(delta, check_budget=check_budget)
 
     def _add(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key = id(storage)
@@ -140,9 +158,21 @@ class LiveBytesTracker(TorchDispatchMode):
 
 
 def _has_storage(t: torch.Tensor) -> bool:
-    # Sparse, nested and wrapper-subclass tensors have no plain storage; they are not counted.
+    # Sparse, nested and other wrapper-subclass tensors have no plain storage; they are not
+    # counted. A DTensor (FSDP2's shards) counts its local tensor.
+    t = _local(t)
     plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
     return plain and t.layout == torch.strided and not t.is_meta
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s bytes on this process: a DTensor's local shard."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return _local(t).untyped_storage()
 
 
 def state_tensors(*objects: Any) -> list[torch.Tensor]:
@@ -165,4 +195,4 @@ def state_tensors(*objects: Any) -> list[torch.Tensor]:
         elif obj is not None and hasattr(obj, "state_dict"):
             flat = tree_flatten(obj.state_dict())[0]
             out.extend(v for v in flat if isinstance(v, torch.Tensor))
-    return [t for t in out if _has_storage(t)]
+    return [_local(t) for t in out if _has_storage(t)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from autotune.config import TrainConfig
 from autotune.plan._knapsack import min_cost_choice
 from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
+from autotune.plan._sharded import sharded_memory
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 
@@ -122,6 +123,13 @@ class CostModel(MemoryModel, TimeModel):
             out.append(choices)
         return out
 
+    def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
+        """Predicted peak device bytes of ``config`` (of one rank, with data parallelism)
+        and what holds them at the peak."""
+        if config.parallel != "none":
+            return sharded_memory(self, config)
+        return super().memory(config)
+
     def predict(self, config: TrainConfig) -> Prediction:
         """Predicted peak, step time, throughput and memory breakdown of ``config``."""
         peak, breakdown = self.memory(config)
@@ -133,7 +141,8 @@ class CostModel(MemoryModel, TimeModel):
             self.mask_of(config.checkpoint, config.offload_activations),
             offload_optimizer=config.offload_optimizer,
         )
-        return Prediction(Measurement(peak, step, config.effective_batch_size / step), breakdown)
+        # Per rank: compute as measured on one device; the collectives are not in it yet.
+        return Prediction(Measurement(peak, step, config.global_batch_size / step), breakdown)
 
 
 def _most_saving(choices: Sequence[tuple[float, float]]) -> int:

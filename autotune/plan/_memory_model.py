@@ -90,7 +90,7 @@ class MemoryModel(ProfileView):
         first, later = self._micro[precision]
         opt = self.profile.optimizers[optimizer]
         state = 0 if offload_optimizer else opt.state_bytes
-        shares = self._variant_shares(mask)
+        shares = self.variant_shares(mask)
         moved = self.profile.precisions[precision].moved
         start = float(self.profile.precisions[precision].base_bytes + state)
         start += self.profile.input_bytes_per_sample * b * accum  # the step's batch
@@ -121,7 +121,7 @@ class MemoryModel(ProfileView):
         live_peak = math.ceil(max(peak, start))
         return self.device_bytes(live_peak, precision, b, shares), live_peak, grads
 
-    def _variant_shares(self, mask: Mask) -> tuple[float, float]:
+    def variant_shares(self, mask: Mask) -> tuple[float, float]:
         """Parameter shares of the checkpointed and of the offloaded blocks."""
         ckpt = sum(w for w, m in zip(self._shares, mask, strict=True) if m == CHECKPOINT)
         off = sum(w for w, m in zip(self._shares, mask, strict=True) if m == OFFLOAD)

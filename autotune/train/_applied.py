@@ -32,6 +32,7 @@ from autotune.train._checkpoint import (
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
+from autotune.train._parallel import Parallel
 from autotune.train._steps import Scheduler, apply_step, make_scaler
 
 __all__ = ["Applied"]
@@ -59,6 +60,7 @@ class Applied:
         lr: float,
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
+        units: Sequence[str] = (),
     ) -> None:
         for c in (config, *fallbacks):  # now, not at the first OOM in the middle of training
             check_blocks(model, c)
@@ -67,9 +69,8 @@ class Applied:
         self.device = device = resolve_device(device)
         self.ops = backend_for(device)
         self.lr = lr
-        self.fallbacks = [f for f in fallbacks if f.optimizer == config.optimizer]
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
+        self.fallbacks = [f for f in fallbacks if _same_kind(f, config)]
+        if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
         self.host: OptimizerOffloader | None = None
         """The host side of an offloaded optimizer (``None`` without optimizer offload)."""
@@ -79,6 +80,10 @@ class Applied:
         remove_checkpointing(model)
         apply_checkpointing(model, config.checkpoint)
         apply_offloading(model, config.offload_activations, self.offloader)
+        self.parallel = Parallel(model, config, units, device)
+        """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
+        # After fully_shard, whose parameters are the shards.
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self._in_optimizer_step = False
         self._closed = False
         self._budget = contextlib.ExitStack()
@@ -182,6 +187,11 @@ class Applied:
         """Free every gradient (on the host too, with an offloaded optimizer)."""
         if self.host is not None:
             self.host.zero_grad()
+        elif self.parallel.kind == "ddp":
+            # DDP's gradients are views of its buckets, which live anyway: zeroed, not freed.
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
         elif self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=True)
         else:
@@ -189,9 +199,11 @@ class Applied:
                 p.grad = None
 
     def last_micro_batch(self, last: bool) -> None:
-        """Mark the coming backward as the step's last (offloaded optimizer: grads go down)."""
+        """Mark the coming backward as the step's last (offloaded optimizer: grads go down;
+        DDP: gradients are reduced)."""
         if self.host is not None:
             self.host.collect = last
+        self.parallel.last_micro_batch(last)
 
     # --- the fallback ladder ------------------------------------------------------------
 
@@ -242,6 +254,7 @@ class Applied:
                 "mid-training; apply the new config to the model instead."
             )
         check_blocks(self.model, config)
+        self.parallel.switch(config)
         remove_checkpointing(self.model)
         apply_checkpointing(self.model, config.checkpoint)
         apply_offloading(self.model, config.offload_activations, self.offloader)
@@ -298,6 +311,8 @@ class Applied:
         stay as trained. Closing twice is harmless; the handle cannot train after it.
         """
         self.zero_grad()
+        for p in self.params:  # DDP's zeroed bucket views too
+            p.grad = None
         if self.host is not None:
             self.host.close()
         remove_checkpointing(self.model)
@@ -320,3 +335,12 @@ class Applied:
 
     def __exit__(self, *exc: object) -> None:
         self.undo()
+
+
+def _same_kind(fallback: TrainConfig, config: TrainConfig) -> bool:
+    """Whether a handle can switch to ``fallback``: same optimizer and data parallelism."""
+    return (fallback.optimizer, fallback.parallel, fallback.world_size) == (
+        config.optimizer,
+        config.parallel,
+        config.world_size,
+    )

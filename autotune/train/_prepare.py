@@ -56,7 +56,10 @@ def prepare(
     model.train()
     _disable_kv_cache(model)
     fallbacks = result.fallbacks if result is not None else ()
-    runner = Runner(model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks)
+    units = result.model.blocks if result is not None else ()
+    runner = Runner(
+        model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks, units=units
+    )
     _hold(runner, result, foreign)
     return runner
 
@@ -85,7 +88,8 @@ def apply(
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
     cache = getattr(getattr(model, "config", None), "use_cache", None)
     fallbacks = result.fallbacks if result is not None else ()
-    handle = Applied(model, config, lr=lr, device=target, fallbacks=fallbacks)
+    units = result.model.blocks if result is not None else ()
+    handle = Applied(model, config, lr=lr, device=target, fallbacks=fallbacks, units=units)
     if cache:
         _disable_kv_cache(model)
         handle.on_undo(lambda: setattr(model.config, "use_cache", cache))

@@ -47,8 +47,9 @@ class Runner(Applied):
         loss_fn: LossFn | None,
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
+        units: Sequence[str] = (),
     ) -> None:
-        super().__init__(model, config, lr=lr, device=device, fallbacks=fallbacks)
+        super().__init__(model, config, lr=lr, device=device, fallbacks=fallbacks, units=units)
         self.loss_fn = loss_fn
         _ = self.optimizer  # built now: its memory is part of what the runner holds
 
@@ -96,7 +97,7 @@ class Runner(Applied):
         """Forward of one micro-batch: its loss times ``weight``, ready for :meth:`backward`."""
         chunk = batching.to_device(chunk, self.device, non_blocking=True)
         with self.autocast():
-            output = call_model(self.model, chunk, has_loss_fn=self.loss_fn is not None)
+            output = call_model(self.parallel.module, chunk, has_loss_fn=self.loss_fn is not None)
             # The output goes out of scope here, so what only it held is freed before backward.
             return compute_loss(output, chunk, self.loss_fn) * weight
 

@@ -1,0 +1,255 @@
+"""Peak memory per rank under data parallelism, from the single-process profile.
+
+The single-process phase timeline gives the activations of every phase at any micro-batch
+size; what DDP and FSDP2 change is added phase by phase:
+
+- **DDP** keeps the gradients in persistent buckets (``gradient_as_bucket_view``): the whole
+  gradient from the step's start, and no gradient allocated in backward.
+- **FSDP2** keeps the parameters, gradients and optimizer state sharded (each parameter
+  padded to a multiple of the ranks on its first dimension). Each unit (block) is
+  all-gathered into a flat buffer and copied out to its parameters before its forward;
+  the flat buffer lives until the next unit's copy-out, and a unit resharded after forward
+  is gathered again in backward, the one below it prefetched. The unit's full gradients,
+  made in the parameter dtype, are copied into a reduce-scatter input (the reduce dtype)
+  that lives until the next unit's reduction; the root (the parameters outside the blocks)
+  is gathered from the first forward to the end of backward and keeps full gradients
+  until then. Each micro-batch reduces its gradients into the sharded ones.
+
+Pure arithmetic over the profile; :mod:`autotune.plan._memory_model` is the single-process
+case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autotune.config import TrainConfig
+from autotune.measure._profile_data import Phase, Profile
+from autotune.plan._memory_model import CHECKPOINT, Mask, MemoryModel
+from autotune.result import Breakdown
+
+__all__ = ["Units", "sharded_memory", "sharded_peak"]
+
+_PARAM_DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Units:
+    """Bytes of each FSDP unit (the blocks, then the root) at one world size."""
+
+    shard: tuple[int, ...]
+    """Sharded parameters per rank, padded."""
+    gathered: tuple[int, ...]
+    """All-gathered parameters (the flat buffer), in the parameter dtype."""
+    grad_shard: tuple[int, ...]
+    """Sharded gradients per rank (trainable parameters only)."""
+    grad_full: tuple[int, ...]
+    """The unit's full gradients, in the parameter dtype."""
+    grad_single: tuple[int, ...]
+    """The unit's gradients in the single-process profile."""
+    reduce: tuple[int, ...]
+    """The reduce-scatter input: full, padded gradients in the reduce dtype."""
+
+    @staticmethod
+    def of(profile: Profile, world: int, precision: str) -> Units:
+        k = len(profile.blocks)
+        sizes = [[0] * (k + 1) for _ in range(6)]
+        for unit, rows, row, item, trainable in profile.layout:
+            u = unit if unit >= 0 else k
+            padded = math.ceil(rows / world)
+            scale = _PARAM_DTYPE_BYTES.get(precision, item) / item
+            sizes[0][u] += padded * row
+            sizes[1][u] += math.ceil(padded * world * row * scale)
+            if trainable:
+                sizes[2][u] += padded * row
+                sizes[3][u] += math.ceil(rows * row * scale)
+                sizes[4][u] += rows * row
+                sizes[5][u] += padded * world * row
+        return Units(*(tuple(s) for s in sizes))
+
+
+def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dict[str, int]]:
+    """(device peak bytes, live peak bytes, what holds them) of one rank of ``config``."""
+    prof = model.profile
+    p, b, n = config.precision, config.micro_batch_size, config.grad_accum_steps
+    mask = model.mask_of(config.checkpoint)
+    opt = prof.optimizers[config.optimizer]
+    phases = [ph for ph in prof.precisions[p].phases if ph.key.micro == 1]
+    batch = prof.input_bytes_per_sample * b * n
+    others = prof.precisions[p].base_bytes - prof.param_bytes
+    if config.parallel == "ddp":
+        state = opt.state_bytes
+        start = prof.precisions[p].base_bytes + state + batch + prof.grad_bytes
+        later = [ph for ph in prof.precisions[p].phases if ph.key.micro == 2]
+        live, peak = _ddp(later, mask, b, n, model)
+        step = opt.step_peak_bytes
+        parts = {"parameters": prof.param_bytes, "gradients": prof.grad_bytes, "optimizer": state}
+    else:
+        units = Units.of(prof, config.world_size, p)
+        ratio = sum(units.grad_shard) / prof.grad_bytes if prof.grad_bytes else 0.0
+        state = math.ceil(opt.state_bytes * ratio)
+        params = sum(units.shard)
+        grads = sum(units.grad_shard)
+        if config.offload_optimizer and not prof.host_is_device:
+            state = params = grads = 0  # FSDP's CPUOffloadPolicy: all three on the host
+        start = others + params + state + batch
+        fsdp = _Fsdp(units, config, model, mask, b, grads)
+        live, peak = fsdp.replay(phases, n, prof.precisions[p].phases)
+        step = 0 if config.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
+        parts = {"parameters": params, "gradients": grads, "optimizer": state}
+    peak = max(peak, live + step)
+    live_peak = math.ceil(start + peak)
+    shares = (model.variant_shares(mask)[0], 0.0)
+    return model.device_bytes(live_peak, p, b, shares), live_peak, parts
+
+
+def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakdown]:
+    """Predicted peak device bytes of one rank of ``config`` and what holds them."""
+    device_peak, live_peak, parts = sharded_peak(model, config)
+    prof = model.profile
+    batch = math.ceil(prof.input_bytes_per_sample * config.effective_batch_size)
+    other = prof.precisions[config.precision].base_bytes - prof.param_bytes + batch
+    held = parts["parameters"] + parts["gradients"] + parts["optimizer"]
+    acts = max(live_peak - held - other, 0)
+    return device_peak, Breakdown(
+        parameters=parts["parameters"],
+        gradients=parts["gradients"],
+        optimizer=parts["optimizer"],
+        activations=acts,
+        other=device_peak - held - acts,
+    )
+
+
+def _rise_delta(ph: Phase, mask: Mask, b: int, model: MemoryModel) -> tuple[float, float]:
+    """A phase's peak above its entry and its net change, kept or checkpointed as masked."""
+    if ph.block is not None:
+        v = int(mask[ph.block])
+        return ph.peak[v](b), ph.delta[v](b)
+    share = model.variant_shares(mask)[0]
+    rise, delta = ph.peak[0](b), ph.delta[0](b)
+    if share:
+        rise += share * (ph.peak[CHECKPOINT](b) - ph.peak[0](b))
+        delta += share * (ph.delta[CHECKPOINT](b) - ph.delta[0](b))
+    return rise, delta
+
+
+def _ddp(
+    phases: list[Phase], mask: Mask, b: int, accum: int, model: MemoryModel
+) -> tuple[float, float]:
+    """(live at the end, peak) above the start. The gradients are in the buckets from the
+    start, so every micro-batch accumulates into them as the single process's second does."""
+    live = peak = 0.0
+    for _ in range(accum):
+        for ph in phases:
+            rise, delta = _rise_delta(ph, mask, b, model)
+            peak = max(peak, live + rise)
+            live += delta
+    return live, peak
+
+
+class _Fsdp:
+    """The FSDP2 replay: single-process activations plus the units' buffers."""
+
+    def __init__(
+        self,
+        units: Units,
+        config: TrainConfig,
+        model: MemoryModel,
+        mask: Mask,
+        b: int,
+        grads: int,
+    ) -> None:
+        self.u, self.model, self.mask, self.b = units, model, mask, b
+        self.k = len(units.shard) - 1
+        blocks = model.profile.blocks
+        self.kept = [blocks[i] in config.keep_gathered for i in range(self.k)]
+        self.grads = grads
+        # bf16 autocast keeps a bf16 copy of each kept block's weights from its forward to
+        # its backward, in the single-process profile; FSDP's bf16 parameters are that copy.
+        self.casts = [
+            units.grad_full[i] if config.precision != "fp32" and mask[i] != CHECKPOINT else 0
+            for i in range(self.k)
+        ]
+
+    def replay(
+        self, phases: list[Phase], accum: int, every: tuple[Phase, ...]
+    ) -> tuple[float, float]:
+        """(live at the end, peak) above the step's start."""
+        u, k = self.u, self.k
+        # A block's backward in the single process's second micro-batch: its transients
+        # without the gradients being kept, the part of the rise that grows with the size.
+        later = {ph.block: ph for ph in every if ph.key.micro == 2 and ph.key.label == "bwd"}
+        acts = peak = 0.0
+        for m in range(accum):
+            sharded = self.grads if m else 0.0
+            done = 0  # blocks whose backward is over, from the top
+            for j, ph in enumerate(phases):
+                if m and ph.key.label == "start":
+                    continue
+                rise, delta = _rise_delta(ph, self.mask, self.b, self.model)
+                if ph.block is not None:
+                    cast = self.casts[ph.block]
+                    if ph.key.label == "fwd":
+                        rise, delta = rise - cast, delta - cast
+                    elif ph.key.label == "bwd":
+                        delta += cast
+                nxt = phases[j + 1].grads if j + 1 < len(phases) else ph.grads
+                made = max(nxt - ph.grads, 0)
+                finished = range(k - done, k)
+                single = sum(u.grad_single[i] for i in finished)
+                scale = u.grad_full[k] / u.grad_single[k] if u.grad_single[k] else 1.0
+                root = max(ph.grads - single, 0) * scale
+                held = sharded + (0 if m else sum(u.grad_shard[i] for i in finished)) + root
+                if ph.key.label == "end":  # the root has reduced too: all sharded
+                    held = self.grads
+                base = acts + held
+                label, i = ph.key.label, ph.block
+                if label == "bwd" and i is not None:
+                    scale_i = u.grad_full[i] / u.grad_single[i] if u.grad_single[i] else 1.0
+                    full = made * scale_i  # this unit's gradients, in the parameter dtype
+                    if i in later:
+                        rise = max(rise, _rise_delta(later[i], self.mask, self.b, self.model)[0])
+                    hold = self._hold_bwd(i)
+                    compute = base + hold + rise - made + full
+                    # Its reduction: resharded, the previous input freed, its own taken.
+                    end = base + delta - made + full + hold - self._gathered_in_bwd(i)
+                    end += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i]
+                    peak = max(peak, compute, end)
+                    if i == 0:  # the root reduces last
+                        peak = max(peak, end - u.reduce[i] + u.reduce[k] + u.grad_shard[k])
+                    done += 1
+                    acts += delta - made
+                    continue
+                peak = max(peak, base + self._hold(label, i) + rise)
+                acts += delta - made
+        return acts + self.grads, peak
+
+    def _kept(self, below: int) -> int:
+        return sum(self.u.gathered[i] for i in range(below) if self.kept[i])
+
+    def _hold(self, label: str, i: int | None) -> float:
+        """Gathered bytes a phase other than a block's backward holds at its peak."""
+        g, k = self.u.gathered, self.k
+        if label == "pre":  # the root gathered (flat and copied out), the first unit's flat
+            return 2 * g[k] + (g[0] if k else 0)
+        if label == "fwd" and i is not None:
+            return g[k] + 2 * g[i] + self._kept(i)
+        if label == "after" and i is not None:
+            nxt = g[i + 1] if i + 1 < k else 0
+            return g[k] + g[i] + self._kept(i + 1) + nxt - (g[i] if self.kept[i] else 0)
+        if label == "head_bwd":
+            return g[k] + (g[k - 1] if k and not self.kept[k - 1] else 0) + self._kept(k)
+        return 0.0  # start, end: nothing gathered
+
+    def _gathered_in_bwd(self, i: int) -> int:
+        return self.u.gathered[i]
+
+    def _prev_reduce(self, i: int) -> int:
+        return self.u.reduce[i + 1] if i + 1 < self.k else 0
+
+    def _hold_bwd(self, i: int) -> float:
+        """Gathered and reduce buffers while unit ``i``'s backward runs."""
+        g = self.u.gathered
+        prefetch = g[i - 1] if i >= 1 and not self.kept[i - 1] else 0
+        return g[self.k] + g[i] + prefetch + self._prev_reduce(i) + self._kept(i)

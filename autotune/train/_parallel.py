@@ -1,0 +1,149 @@
+"""Data parallelism as a config says: DDP, or FSDP2's ``fully_shard`` with each block a unit.
+
+The process group is the user's (``torchrun`` and ``init_process_group``); this module only
+checks it matches the config. Under FSDP2 every block is a unit, resharded after forward
+unless the config keeps it gathered, and the root holds the parameters outside the blocks.
+bf16 is FSDP's ``MixedPrecisionPolicy`` (bf16 parameters, fp32 gradient reduction) under
+bf16 autocast, and an offloaded optimizer is FSDP's ``CPUOffloadPolicy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune._blocks import find_blocks
+from autotune.config import TrainConfig
+from autotune.errors import DistributedError
+
+__all__ = ["Parallel", "check_group", "gathered_tensors", "group_size", "rank"]
+
+
+def group_size() -> int:
+    """Ranks in the default process group; 1 when none is initialised."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default process group; 0 when none is initialised."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Parallel:
+    """A model wrapped for data parallelism: ``module`` is what a step calls.
+
+    Args:
+        model: The model, on ``device``, its blocks already checkpointed as configured.
+        config: The configuration (``parallel`` and ``world_size``).
+        units: The blocks, FSDP's units; default: :func:`~autotune._blocks.find_blocks`.
+        device: Where the model trains.
+
+    Raises:
+        DistributedError: no process group, or one of another size than the config's.
+    """
+
+    def __init__(
+        self, model: nn.Module, config: TrainConfig, units: Sequence[str], device: torch.device
+    ) -> None:
+        self.kind = config.parallel
+        self.module: nn.Module = model
+        self._ddp: Any = None
+        if self.kind == "none":
+            return
+        check_group(config)
+        self.units = tuple(units) or find_blocks(model)
+        if self.kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            self._ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+            self.module = self._ddp
+        else:
+            _fully_shard(model, config, self.units, device)
+
+    def last_micro_batch(self, last: bool) -> None:
+        """DDP reduces gradients in the step's last backward only."""
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = last
+
+    def switch(self, config: TrainConfig) -> None:
+        """Take a fallback's FSDP resharding choice (the wrapping itself cannot change).
+
+        Raises:
+            DistributedError: the fallback changes the data parallelism or world size.
+        """
+        if config.parallel != self.kind:
+            raise DistributedError(
+                f"cannot switch from parallel {self.kind} to {config.parallel} mid-training."
+            )
+        if self.kind == "fsdp":
+            model = self.module
+            for name in self.units:
+                unit: Any = model.get_submodule(name)
+                unit.set_reshard_after_forward(name not in config.keep_gathered)
+
+
+def check_group(config: TrainConfig) -> None:
+    """Raise :class:`DistributedError` unless the process group is the config's."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            f"this config trains with {config.parallel} over {config.world_size} ranks but no "
+            "process group is initialised; launch with torchrun and call "
+            "torch.distributed.init_process_group() first."
+        )
+    if dist.get_world_size() != config.world_size:
+        raise DistributedError(
+            f"this config was tuned for {config.world_size} ranks but the process group has "
+            f"{dist.get_world_size()}; tune again at this world size or launch "
+            f"{config.world_size} processes."
+        )
+
+
+def _fully_shard(
+    model: nn.Module, config: TrainConfig, units: Sequence[str], device: torch.device
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mesh = init_device_mesh(device.type, (config.world_size,))
+    mp = MixedPrecisionPolicy()
+    if config.precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    policy = offload if config.offload_optimizer else OffloadPolicy()
+    for name in units:
+        fully_shard(
+            model.get_submodule(name),
+            mesh=mesh,
+            reshard_after_forward=name not in config.keep_gathered,
+            mp_policy=mp,
+            offload_policy=policy,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+
+
+def gathered_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2 gathers parameters into, whose storage it frees and allocates
+    again by resizing (outside any op a dispatch mode sees); empty for other models."""
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state else None
+        for param in getattr(group, "fsdp_params", ()):
+            out.extend(getattr(param, "all_gather_outputs", ()))
+            out.extend(getattr(param, "_unsharded_inner_tensors", ()))
+    return out

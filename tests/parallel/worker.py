@@ -1,0 +1,111 @@
+"""One rank of a data-parallel test: ``python worker.py JOB`` under the environment that
+``ranks.start`` sets. Prints ``RESULT <json>``.
+
+For each case of the job: the per-rank peak that :func:`autotune.estimate` predicts from
+a single-process profile, the peak the rank measures training the config as prepared
+(with the budget-guard tracker, as verification measures it), its losses, and the losses
+of one process training the same global batches without data parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autotune
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.train._parallel import gathered_tensors
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = nn.Sequential(
+        *(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+    )
+    return nn.Sequential(nn.Linear(32, 64), blocks, nn.Linear(64, 10))
+
+
+def mlp_loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, batch[1])
+
+
+def model_and_data(name: str, n: int) -> tuple[nn.Module, Any, Any]:
+    """The model, its loss (None: its own) and ``n`` samples."""
+    if name == "mlp":
+        g = torch.Generator().manual_seed(1)
+        return (
+            mlp(),
+            mlp_loss,
+            (torch.randn(n, 32, generator=g), torch.randint(10, (n,), generator=g)),
+        )
+    model = tiny_gpt(n_layer=3, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+    return model, None, gpt_batch(model.config, n, seed=1)
+
+
+def rows(batch: Any, start: int, stop: int) -> Any:
+    return tuple(t[start:stop] for t in batch)
+
+
+def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    local = spec["micro"] * spec["accum"]
+    config = autotune.TrainConfig(
+        micro_batch_size=spec["micro"],
+        grad_accum_steps=spec["accum"],
+        precision=spec.get("precision", "fp32"),
+        checkpoint=tuple(spec.get("checkpoint", ())),
+        parallel=spec["parallel"],
+        world_size=world,
+        keep_gathered=tuple(spec.get("keep", ())),
+    )
+    model, loss_fn, data = model_and_data(spec["model"], local * world * 3)
+    predicted, _ = autotune.estimate(model, rows(data, 0, 4), config, device="cpu", loss_fn=loss_fn)
+    reference = copy.deepcopy(model)
+    runner = autotune.prepare(model, config, lr=1e-3, loss_fn=loss_fn, device="cpu")
+    losses, peak = [], 0
+    for step in range(3):
+        mine = rows(data, (step * world + rank) * local, (step * world + rank + 1) * local)
+        with measure_peak(
+            torch.device("cpu"),
+            existing=state_tensors(runner.model, runner.optimizer),
+            resized=gathered_tensors(runner.model),
+        ) as reading:
+            loss = runner.step(mine)
+        peak = reading.peak_bytes  # the last: steady state (DDP rebuilds buckets at step 2)
+        dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+    single = config.replace(
+        parallel="none",
+        world_size=1,
+        keep_gathered=(),
+        grad_accum_steps=config.grad_accum_steps * world,
+    )
+    ref = autotune.prepare(reference, single, lr=1e-3, loss_fn=loss_fn, device="cpu")
+    expected = [
+        float(ref.step(rows(data, step * world * local, (step + 1) * world * local)))
+        for step in range(3)
+    ]
+    return {"predicted": predicted, "measured": peak, "losses": losses, "reference": expected}
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        out = [case(spec, rank, world) for spec in job["cases"]]
+    finally:
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
