@@ -67,11 +67,17 @@ class Problem:
     def planner(self, cost: CostModel, precisions: Sequence[str]) -> Planner:
         """The planner of this run's space on ``cost``; offload only where it was profiled."""
         offload_optimizer, offload_activations = self.space.offloads(self.target.device.type)
+        optimizers = self.space.optimizers
+        if cost.layout.parallel != "none":  # what data parallelism trains (see TrainConfig)
+            offload_optimizer = offload_activations = False
+            optimizers = tuple(o for o in optimizers if o != "adamw8bit") or ("adamw",)
+            if cost.layout.parallel == "fsdp":
+                precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
         return Planner(
             cost=cost,
             sizes=self.sizes,
             precisions=tuple(precisions),
-            optimizers=self.space.optimizers,
+            optimizers=optimizers,
             global_batch_size=self.global_batch_size,
             limit=self.limit,
             checkpointing=self.space.checkpointing,

@@ -44,6 +44,9 @@ class BudgetTooSmallError(BudgetError):
         self.minimum_bytes = minimum_bytes
         self.budget_bytes = budget_bytes
 
+    def __reduce__(self) -> tuple[object, ...]:  # pickled to the other ranks of a group
+        return (_rebuild, (type(self), str(self), vars(self)))
+
 
 class BatchError(AutotuneError, TypeError):
     """The sample batch has an unsupported type or inconsistent batch sizes."""
@@ -81,6 +84,16 @@ class VerificationError(AutotuneError):
         super().__init__(message)
         self.attempts = attempts
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), str(self), vars(self)))
+
 
 class AutotuneWarning(UserWarning):
     """Something the user should know, e.g. a fallback config taking over after an OOM."""
+
+
+def _rebuild(cls: type[AutotuneError], message: str, attrs: dict[str, object]) -> AutotuneError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    vars(error).update(attrs)
+    return error

@@ -142,6 +142,9 @@ class TuneResult:
     """Wall time of the tuning run."""
     spent: Spent = Spent()
     """Where ``tuning_s`` went."""
+    unverified: tuple[str, ...] = ()
+    """What of this result was predicted and not run for real (a plan for a world size
+    tuned in one process); empty when everything was verified."""
     version: int = SCHEMA_VERSION
     """Schema version of the YAML file."""
 

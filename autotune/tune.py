@@ -20,16 +20,26 @@ import torch
 from torch import nn
 
 from autotune._backend import backend_for
+from autotune._data_parallel import (
+    layouts,
+    per_rank_batch,
+    planned_result,
+    planner_of,
+    rank_zero,
+    search_layouts,
+    world_of,
+)
 from autotune._identity import fingerprint
 from autotune._problem import Problem, make_problem
 from autotune._shared import (
     measure_with,
     open_store,
-    shared_candidates,
     shared_profile,
     shared_settle,
 )
 from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+from autotune.measure._collectives import measure_collectives
 from autotune.measure._devices import measure_transfer
 from autotune.measure._memory_profile import memory_profile, working_copy
 from autotune.measure._profile_data import Profile
@@ -38,11 +48,11 @@ from autotune.measure._time_profile import fast_precisions, time_profile
 from autotune.plan._candidates import largest_fitting
 from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
-from autotune.plan._search import search
 from autotune.plan._too_small import too_small
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._loss import LossFn
+from autotune.train._parallel import broadcast, group_size
 from autotune.verify._ladder import fallback_ladder
 from autotune.verify._studies import StudyStore
 from autotune.verify._verifier import Verifier
@@ -69,6 +79,7 @@ def autotune(
     seed: int = 0,
     storage: str | None = None,
     study_name: str | None = None,
+    world_size: int | None = None,
 ) -> TuneResult:
     """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
 
@@ -93,6 +104,12 @@ def autotune(
             path (a journal file, for several processes), or another path (SQLite). The
             study keeps the profile and every verification, which are not redone.
         study_name: Name of the study in the storage; default: from the model and budget.
+        world_size: Ranks to train on with data parallelism (DDP or FSDP2, searched). Inside
+            a process group (``torchrun``) every rank calls this and the group is tuned on
+            (default: its size); every rank returns the same result. In one process, a
+            world size other than 1 is planned without running it, and the result's
+            ``unverified`` says what that leaves out. The global batch is
+            ``micro x accumulation x world_size``.
 
     Returns:
         The verified winner, its predicted and measured numbers, and fallbacks.
@@ -102,46 +119,42 @@ def autotune(
         VerificationError: each with a message that says what to do.
     """
     started = time.perf_counter()
+    world, here = world_of(world_size)
     problem = make_problem(
         model,
         sample_batch,
         budget_gb,
         loss_fn=loss_fn,
-        global_batch_size=global_batch_size,
+        global_batch_size=per_rank_batch(global_batch_size, world),
         device=device,
         space=space or SearchSpace(),
     )
+    if storage is not None and world > 1:
+        raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
     store = None if storage is None else open_store(model, problem, storage, study_name)
     work = working_copy(model, problem.target.device)
     try:
         clock = [time.perf_counter()]  # the ends of profiling, search and verification
-        measure_profile = functools.partial(_profile, work, problem)
-        profile = measure_profile() if store is None else shared_profile(store, measure_profile)
+        measure_profile = functools.partial(_profile, work, problem, world)
+        if store is None:
+            profile = rank_zero(measure_profile)
+        else:
+            profile = shared_profile(store, measure_profile)
+        if group_size() > 1:
+            profile = dataclasses.replace(profile, comm=measure_collectives(problem.target.device))
         clock.append(time.perf_counter())
         problem = problem.with_context(profile.context_bytes)
-        cost = CostModel(profile)
-        planner = problem.planner(cost, tuple(profile.precisions))
-        log.info(
-            "searching: %d micro-batch sizes x %s x %s",
-            len(problem.sizes),
-            "/".join(planner.precisions),
-            "/".join(planner.optimizers),
-        )
-        run_search = functools.partial(
-            search,
-            planner,
-            n_trials=n_trials,
-            timeout_s=timeout_s,
-            seed=seed,
-            storage=store.storage if store else None,
-            study_name=store.name if store else None,
-        )
-        if store is None:
-            candidates = run_search()
-        else:
-            candidates = shared_candidates(store, run_search, cost, n_trials, timeout_s, seed)
+        planners = [
+            problem.planner(CostModel(profile, layout), tuple(profile.precisions))
+            for layout in layouts(world, profile.blocks)
+        ]
+        candidates = rank_zero(lambda: search_layouts(planners, store, n_trials, timeout_s, seed))
         clock.append(time.perf_counter())
-        chosen, records, fallbacks = _verify(work, problem, planner, candidates, store)
+        if not here:
+            clock.append(time.perf_counter())
+            info = _model_info(model, profile.blocks)
+            return planned_result(info, problem, profile, candidates, started, clock)
+        chosen, records, fallbacks = _verify(work, problem, planners, candidates, store)
         clock.append(time.perf_counter())
     finally:
         del work
@@ -149,8 +162,8 @@ def autotune(
         backend_for(problem.target.device).empty_cache()
 
     assert chosen.measured is not None
-    prediction = cost.predict(chosen.config)
-    return TuneResult(
+    prediction = planner_of(planners, chosen.config).cost.predict(chosen.config)
+    result = TuneResult(
         config=chosen.config,
         predicted=prediction.measurement,
         measured=chosen.measured,
@@ -163,12 +176,13 @@ def autotune(
         tuning_s=time.perf_counter() - started,
         spent=Spent(*(b - a for a, b in itertools.pairwise(clock))),
     )
+    return broadcast(result) if group_size() > 1 else result  # the same on every rank
 
 
 def _verify(
     work: nn.Module,
     problem: Problem,
-    planner: Planner,
+    planners: list[Planner],
     candidates: list[Candidate],
     store: StudyStore | None,
 ) -> tuple[TrialRecord, list[TrialRecord], list[TrainConfig]]:
@@ -181,18 +195,21 @@ def _verify(
         loss_fn=problem.loss_fn,
         context_bytes=problem.target.context_bytes,
         foreign_bytes=problem.foreign,
+        blocks=problem.blocks,
     )
     measure = measure_with(verifier, store)
     records = shared_settle(store, verifier, choose_winner(measure, candidates, top=_VERIFY_TOP))
     chosen = fastest(records)
+    planner = planner_of(planners, chosen.config)
     return chosen, records, fallback_ladder(measure, planner, chosen, records)
 
 
-def _profile(work: nn.Module, problem: Problem) -> Profile:
+def _profile(work: nn.Module, problem: Problem, world: int = 1) -> Profile:
     """Measure memory first (cheap, decides what fits), then time only what can fit.
 
     With offload searched, host<->device bandwidth, the offloaded variant and the host step
-    of each optimizer are measured too.
+    of each optimizer are measured too. What fits is decided over the data parallelism of
+    ``world`` ranks.
 
     Raises:
         BudgetTooSmallError: nothing in the space fits the budget.
@@ -221,10 +238,17 @@ def _profile(work: nn.Module, problem: Problem) -> Profile:
     # loaded lazily, which discover() could not see yet.
     context = max(target.context_bytes, backend_for(target.device).context_bytes())
     draft = dataclasses.replace(draft, context_bytes=context)
-    planner = problem.planner(CostModel(draft), tuple(draft.precisions))
+    planners = [
+        problem.planner(CostModel(draft, layout), tuple(draft.precisions))
+        for layout in layouts(world, draft.blocks)
+    ]
+    planner = planners[0]
     optimizers = problem.space.optimizers
     caps = {
-        p: max((b for o in optimizers if (b := largest_fitting(planner, p, o))), default=None)
+        p: max(
+            (b for q in planners for o in optimizers if (b := largest_fitting(q, p, o))),
+            default=None,
+        )
         for p in draft.precisions
     }
     feasible = {p: b for p, b in caps.items() if b is not None}

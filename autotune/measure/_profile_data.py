@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from autotune.measure._devices import Transfer
 
 __all__ = [
+    "Collectives",
     "Line",
     "OptimizerProfile",
     "Phase",
@@ -75,6 +76,18 @@ class Line:
         if slope <= 0:
             return Line(max(v for _, v in points), 0.0)
         return Line(mean_v - slope * mean_b, slope)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Seconds of each collective on the process group against its bytes, measured."""
+
+    world_size: int
+    all_gather: Line
+    """Against the bytes gathered (the output)."""
+    reduce_scatter: Line
+    """Against the bytes reduced (the input)."""
+    all_reduce: Line
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,8 @@ class Profile:
     input_bytes_per_sample: float = 0.0
     """Device bytes of one sample of the input batch where it already lives on the device
     (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
+    comm: Collectives | None = None
+    """The process group's collectives (``None``: measured in one process)."""
     layout: tuple[tuple[int, int, int, int, int], ...] = ()
     """Every parameter as ``(unit, rows, bytes per row, element size, trainable)``: its
     block's index (-1: outside the blocks) and what sharding it on its first dimension
@@ -255,5 +270,13 @@ def profile_from_json(text: str) -> Profile:
         host_param_bytes=d["host_param_bytes"],
         host_is_device=d["host_is_device"],
         input_bytes_per_sample=d["input_bytes_per_sample"],
+        comm=_collectives(d.get("comm")),
         layout=tuple(tuple(row) for row in d.get("layout", ())),
     )
+
+
+def _collectives(d: dict[str, Any] | None) -> Collectives | None:
+    if d is None:
+        return None
+    lines = {k: Line(**v) for k, v in d.items() if k != "world_size"}
+    return Collectives(world_size=d["world_size"], **lines)

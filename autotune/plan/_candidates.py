@@ -144,14 +144,16 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
             planner.precisions, planner.offload_optimizer, placements
         )
         if planner.host_fits(
-            c := TrainConfig(
-                micro_batch_size=smallest,
-                grad_accum_steps=effective // smallest,
-                precision=p,
-                checkpoint=ckpt,
-                offload_activations=off,
-                optimizer=config.optimizer,
-                offload_optimizer=h,
+            c := cost.layout.apply(
+                TrainConfig(
+                    micro_batch_size=smallest,
+                    grad_accum_steps=effective // smallest,
+                    precision=p,
+                    checkpoint=ckpt,
+                    offload_activations=off,
+                    optimizer=config.optimizer,
+                    offload_optimizer=h,
+                )
             )
         )
     ]

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig
+from autotune.measure._profile_data import Profile
+from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
 from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
-from autotune.plan._sharded import sharded_memory
+from autotune.plan._sharded import Layout, sharded_memory, sharded_peak
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 
@@ -31,7 +33,40 @@ class Prediction:
 
 
 class CostModel(MemoryModel, TimeModel):
-    """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`."""
+    """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`.
+
+    With a data-parallel ``layout``, :meth:`peak` and :meth:`plan` are per rank under it.
+    """
+
+    def __init__(self, profile: Profile, layout: Layout | None = None) -> None:
+        super().__init__(profile)
+        self.layout = layout or Layout()
+
+    def peak(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        mask: Mask,
+        *,
+        offload_optimizer: bool = False,
+    ) -> int:
+        """Predicted peak device bytes (of one rank under the layout)."""
+        if self.layout.parallel == "none":
+            return super().peak(
+                precision, optimizer, b, accum, mask, offload_optimizer=offload_optimizer
+            )
+        blocks = self.profile.blocks
+        config = TrainConfig(
+            micro_batch_size=b,
+            grad_accum_steps=accum,
+            precision=precision,
+            checkpoint=tuple(n for n, m in zip(blocks, mask, strict=True) if m == CHECKPOINT),
+            optimizer=optimizer,
+            offload_optimizer=offload_optimizer,
+        )
+        return sharded_peak(self, self.layout.apply(config))[0]
 
     @property
     def can_offload(self) -> bool:
@@ -131,7 +166,8 @@ class CostModel(MemoryModel, TimeModel):
         return super().memory(config)
 
     def predict(self, config: TrainConfig) -> Prediction:
-        """Predicted peak, step time, throughput and memory breakdown of ``config``."""
+        """Predicted peak, step time, throughput and memory breakdown of ``config`` (per
+        rank with data parallelism; throughput over all ranks)."""
         peak, breakdown = self.memory(config)
         step = self.step_s(
             config.precision,
@@ -141,7 +177,10 @@ class CostModel(MemoryModel, TimeModel):
             self.mask_of(config.checkpoint, config.offload_activations),
             offload_optimizer=config.offload_optimizer,
         )
-        # Per rank: compute as measured on one device; the collectives are not in it yet.
+        if config.parallel == "fsdp":  # the optimizer steps a shard
+            step -= self.profile.optimizers[config.optimizer].step_s * (1 - 1 / config.world_size)
+        comm = comm_seconds(self.profile, config)
+        step = parallel_step_s(step, comm or 0.0, self.profile.device_type)
         return Prediction(Measurement(peak, step, config.global_batch_size / step), breakdown)
 
 

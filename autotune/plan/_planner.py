@@ -98,7 +98,7 @@ class Planner:
     ) -> TrainConfig:
         """The configuration of these knobs with block choices ``mask``."""
         blocks = self.cost.profile.blocks
-        return TrainConfig(
+        config = TrainConfig(
             micro_batch_size=b,
             grad_accum_steps=self.accum(b),
             precision=precision,
@@ -107,6 +107,7 @@ class Planner:
             optimizer=optimizer,
             offload_optimizer=offload,
         )
+        return self.cost.layout.apply(config)
 
     def host_fits(self, config: TrainConfig) -> bool:
         """Whether the host memory offload would pin stays within the host's limit."""

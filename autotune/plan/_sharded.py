@@ -29,9 +29,33 @@ from autotune.measure._profile_data import Phase, Profile
 from autotune.plan._memory_model import CHECKPOINT, Mask, MemoryModel
 from autotune.result import Breakdown
 
-__all__ = ["Units", "sharded_memory", "sharded_peak"]
+__all__ = ["Layout", "Units", "sharded_memory", "sharded_peak"]
 
 _PARAM_DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The data parallelism a cost model plans for: the knobs of :class:`TrainConfig`
+    that the search does not turn per setting."""
+
+    parallel: str = "none"
+    world_size: int = 1
+    keep_gathered: tuple[str, ...] = ()
+
+    def apply(self, config: TrainConfig) -> TrainConfig:
+        """``config`` trained this way."""
+        if self.parallel == "none":
+            return config
+        return config.replace(
+            parallel=self.parallel,
+            world_size=self.world_size,
+            keep_gathered=self.keep_gathered,
+        )
+
+    def describe(self) -> str:
+        kept = f", {len(self.keep_gathered)} units kept gathered" if self.keep_gathered else ""
+        return f"{self.parallel} x {self.world_size}{kept}"
 
 
 @dataclass(frozen=True)
@@ -165,65 +189,82 @@ class _Fsdp:
         blocks = model.profile.blocks
         self.kept = [blocks[i] in config.keep_gathered for i in range(self.k)]
         self.grads = grads
-        # bf16 autocast keeps a bf16 copy of each kept block's weights from its forward to
-        # its backward, in the single-process profile; FSDP's bf16 parameters are that copy.
+        # bf16 autocast keeps a bf16 copy of each block's weights from its forward in the
+        # single-process profile: a kept block's until its backward, a checkpointed one's
+        # until the forward ends (and again while it recomputes). FSDP's bf16 parameters
+        # are that copy.
         self.casts = [
-            units.grad_full[i] if config.precision != "fp32" and mask[i] != CHECKPOINT else 0
-            for i in range(self.k)
+            units.grad_full[i] if config.precision != "fp32" else 0 for i in range(self.k)
         ]
+        self.released = sum(c for c, m in zip(self.casts, mask, strict=True) if m == CHECKPOINT)
 
     def replay(
         self, phases: list[Phase], accum: int, every: tuple[Phase, ...]
     ) -> tuple[float, float]:
-        """(live at the end, peak) above the step's start."""
-        u, k = self.u, self.k
+        """(live at the end, peak) above the step's start. Micro-batches after the first
+        repeat the second (the gradients sharded already); a net growth compounds."""
         # A block's backward in the single process's second micro-batch: its transients
         # without the gradients being kept, the part of the rise that grows with the size.
         later = {ph.block: ph for ph in every if ph.key.micro == 2 and ph.key.label == "bwd"}
-        acts = peak = 0.0
-        for m in range(accum):
-            sharded = self.grads if m else 0.0
-            done = 0  # blocks whose backward is over, from the top
-            for j, ph in enumerate(phases):
-                if m and ph.key.label == "start":
-                    continue
-                rise, delta = _rise_delta(ph, self.mask, self.b, self.model)
-                if ph.block is not None:
-                    cast = self.casts[ph.block]
-                    if ph.key.label == "fwd":
-                        rise, delta = rise - cast, delta - cast
-                    elif ph.key.label == "bwd":
-                        delta += cast
-                nxt = phases[j + 1].grads if j + 1 < len(phases) else ph.grads
-                made = max(nxt - ph.grads, 0)
-                finished = range(k - done, k)
-                single = sum(u.grad_single[i] for i in finished)
-                scale = u.grad_full[k] / u.grad_single[k] if u.grad_single[k] else 1.0
-                root = max(ph.grads - single, 0) * scale
-                held = sharded + (0 if m else sum(u.grad_shard[i] for i in finished)) + root
-                if ph.key.label == "end":  # the root has reduced too: all sharded
-                    held = self.grads
-                base = acts + held
-                label, i = ph.key.label, ph.block
-                if label == "bwd" and i is not None:
-                    scale_i = u.grad_full[i] / u.grad_single[i] if u.grad_single[i] else 1.0
-                    full = made * scale_i  # this unit's gradients, in the parameter dtype
-                    if i in later:
-                        rise = max(rise, _rise_delta(later[i], self.mask, self.b, self.model)[0])
-                    hold = self._hold_bwd(i)
-                    compute = base + hold + rise - made + full
-                    # Its reduction: resharded, the previous input freed, its own taken.
-                    end = base + delta - made + full + hold - self._gathered_in_bwd(i)
-                    end += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i]
-                    peak = max(peak, compute, end)
-                    if i == 0:  # the root reduces last
-                        peak = max(peak, end - u.reduce[i] + u.reduce[k] + u.grad_shard[k])
-                    done += 1
-                    acts += delta - made
-                    continue
-                peak = max(peak, base + self._hold(label, i) + rise)
-                acts += delta - made
+        peak, acts = self._micro(phases, later, 0, 0.0)
+        if accum >= 2:
+            top, end = self._micro(phases, later, 1, acts)
+            net = end - acts
+            peak = max(peak, top + (accum - 2) * max(net, 0.0))
+            acts = end + (accum - 2) * net
         return acts + self.grads, peak
+
+    def _micro(
+        self, phases: list[Phase], later: dict[int | None, Phase], m: int, acts: float
+    ) -> tuple[float, float]:
+        """(peak, activations after) of micro-batch ``m`` (0: the first) from ``acts``."""
+        u, k = self.u, self.k
+        peak = 0.0
+        sharded = self.grads if m else 0.0
+        done = 0  # blocks whose backward is over, from the top
+        for j, ph in enumerate(phases):
+            if m and ph.key.label == "start":
+                continue
+            rise, delta = _rise_delta(ph, self.mask, self.b, self.model)
+            if ph.block is not None:
+                cast = self.casts[ph.block]
+                if ph.key.label == "fwd":
+                    rise, delta = rise - cast, delta - cast
+                elif self.mask[ph.block] == CHECKPOINT:  # backward: recomputed, no copy
+                    rise -= cast
+                else:  # backward: the single process frees its copy
+                    delta += cast
+            elif ph.key.label == "after" and ph.key.block == k - 1:
+                delta += self.released  # where the single process's autocast drops its copies
+            nxt = phases[j + 1].grads if j + 1 < len(phases) else ph.grads
+            made = max(nxt - ph.grads, 0)
+            finished = range(k - done, k)
+            single = sum(u.grad_single[i] for i in finished)
+            scale = u.grad_full[k] / u.grad_single[k] if u.grad_single[k] else 1.0
+            root = max(ph.grads - single, 0) * scale
+            held = sharded + (0 if m else sum(u.grad_shard[i] for i in finished)) + root
+            if ph.key.label == "end":  # the root has reduced too: all sharded
+                held = self.grads
+            base = acts + held
+            label, i = ph.key.label, ph.block
+            if label == "bwd" and i is not None:
+                scale_i = u.grad_full[i] / u.grad_single[i] if u.grad_single[i] else 1.0
+                full = made * scale_i  # this unit's gradients, in the parameter dtype
+                if i in later:
+                    rise = max(rise, _rise_delta(later[i], self.mask, self.b, self.model)[0])
+                hold = self._hold_bwd(i)
+                compute = base + hold + rise - made + full
+                # Its reduction: resharded, the previous input freed, its own taken.
+                end = base + delta - made + full + hold - u.gathered[i]
+                end += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i]
+                peak = max(peak, compute, end)
+                if i == 0:  # the root reduces last
+                    peak = max(peak, end - u.reduce[i] + u.reduce[k] + u.grad_shard[k])
+                done += 1
+            else:
+                peak = max(peak, base + self._hold(label, i) + rise)
+            acts += delta - made
+        return peak, acts
 
     def _kept(self, below: int) -> int:
         return sum(self.u.gathered[i] for i in range(below) if self.kept[i])
@@ -241,9 +282,6 @@ class _Fsdp:
         if label == "head_bwd":
             return g[k] + (g[k - 1] if k and not self.kept[k - 1] else 0) + self._kept(k)
         return 0.0  # start, end: nothing gathered
-
-    def _gathered_in_bwd(self, i: int) -> int:
-        return self.u.gathered[i]
 
     def _prev_reduce(self, i: int) -> int:
         return self.u.reduce[i + 1] if i + 1 < self.k else 0

@@ -187,7 +187,7 @@ class Applied:
         """Free every gradient (on the host too, with an offloaded optimizer)."""
         if self.host is not None:
             self.host.zero_grad()
-        elif self.parallel.kind == "ddp":
+        elif self.parallel.keeps_gradients:
             # DDP's gradients are views of its buckets, which live anyway: zeroed, not freed.
             for p in self.params:
                 if p.grad is not None:

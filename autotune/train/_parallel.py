@@ -9,7 +9,8 @@ bf16 autocast, and an offloaded optimizer is FSDP's ``CPUOffloadPolicy``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +20,16 @@ from autotune._blocks import find_blocks
 from autotune.config import TrainConfig
 from autotune.errors import DistributedError
 
-__all__ = ["Parallel", "check_group", "gathered_tensors", "group_size", "rank"]
+__all__ = [
+    "Parallel",
+    "agree_max",
+    "broadcast",
+    "check_group",
+    "collective",
+    "gathered_tensors",
+    "group_size",
+    "rank",
+]
 
 
 def group_size() -> int:
@@ -34,6 +44,56 @@ def rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def agree_max(values: Sequence[float], device: torch.device) -> list[float]:
+    """The largest of each value over the ranks (the values themselves without a group),
+    so that every rank decides alike.
+
+    Raises:
+        DistributedError: another rank failed or stopped answering.
+    """
+    if group_size() == 1:
+        return list(values)
+    import torch.distributed as dist
+
+    home = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(list(values), dtype=torch.float64, device=home)
+    with collective("agreeing on a measurement"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu()]
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank (itself without a group).
+
+    Raises:
+        DistributedError: another rank failed or stopped answering.
+    """
+    if group_size() == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    with collective("receiving rank 0's results"):
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@contextlib.contextmanager
+def collective(doing: str) -> Iterator[None]:
+    """Turn a collective's failure (a rank that died, a broken connection, a timeout) into
+    a :class:`DistributedError` that says so, instead of torch's deep stack."""
+    try:
+        yield
+    except (DistributedError, torch.OutOfMemoryError):
+        raise
+    except RuntimeError as exc:  # DistBackendError, gloo's and NCCL's errors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise DistributedError(
+            f"rank {rank()} of {group_size()}: {doing} failed, so another rank has stopped, "
+            f"crashed or cannot be reached ({first}). Check the other ranks' logs."
+        ) from None
 
 
 class Parallel:
@@ -68,10 +128,19 @@ class Parallel:
         else:
             _fully_shard(model, config, self.units, device)
 
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether gradients are zeroed in place rather than freed: DDP's, once it has
+        built its buckets again in its second step (before, the views would keep the old
+        buckets alive beside the new ones)."""
+        return self._ddp is not None and bool(getattr(self._ddp, "_has_rebuilt_buckets", True))
+
     def last_micro_batch(self, last: bool) -> None:
-        """DDP reduces gradients in the step's last backward only."""
+        """DDP reduces gradients in the step's last backward only, once its buckets are
+        built for good: before, every backward reduces, so that the gradients become views
+        of the buckets at once instead of being made beside them (same sum)."""
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = last
+            self._ddp.require_backward_grad_sync = last or not self.keeps_gradients
 
     def switch(self, config: TrainConfig) -> None:
         """Take a fallback's FSDP resharding choice (the wrapping itself cannot change).

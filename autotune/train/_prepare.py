@@ -4,6 +4,7 @@ trains as tuned, or into a handle for a loop of one's own."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ def prepare(
     loss_fn: LossFn | None = None,
     device: torch.device | str | None = None,
     strict: bool = False,
+    blocks: Sequence[str] | None = None,
 ) -> Runner:
     """Make ``model`` train exactly as ``config`` says, one :meth:`Runner.step` at a time.
 
@@ -46,6 +48,8 @@ def prepare(
             available here, else CUDA if available, else CPU.
         strict: With a result tuned on another model structure, device or torch version:
             raise ConfigError instead of warning.
+        blocks: The blocks, FSDP's units with ``parallel: fsdp``; default: the blocks a
+            result was tuned with, else :func:`autotune.find_blocks`.
 
     Given a :class:`TuneResult`, the runner falls back down ``result.fallbacks`` when a
     step runs out of memory (see :meth:`Runner.step`), and on a device with a caching
@@ -56,7 +60,7 @@ def prepare(
     model.train()
     _disable_kv_cache(model)
     fallbacks = result.fallbacks if result is not None else ()
-    units = result.model.blocks if result is not None else ()
+    units = _units(blocks, result)
     runner = Runner(
         model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks, units=units
     )
@@ -71,6 +75,7 @@ def apply(
     lr: float = 3e-4,
     device: torch.device | str | None = None,
     strict: bool = False,
+    blocks: Sequence[str] | None = None,
 ) -> Applied:
     """Apply ``config`` to ``model`` in place, for a training loop of your own (or a
     trainer's), and return the handle that holds the rest of it.
@@ -88,7 +93,7 @@ def apply(
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
     cache = getattr(getattr(model, "config", None), "use_cache", None)
     fallbacks = result.fallbacks if result is not None else ()
-    units = result.model.blocks if result is not None else ()
+    units = _units(blocks, result)
     handle = Applied(model, config, lr=lr, device=target, fallbacks=fallbacks, units=units)
     if cache:
         _disable_kv_cache(model)
@@ -125,10 +130,17 @@ def _setup(
             raise ConfigError(message)
         warnings.warn(message, AutotuneWarning, stacklevel=3)
     foreign = _foreign_bytes(model, target) if result is not None else 0
-    model.to(target)
+    if config.parallel != "fsdp":  # fully_shard puts each rank's shards on the device
+        model.to(target)
     for p in model.parameters():
         p.grad = None
     return config, result, target, foreign
+
+
+def _units(blocks: Sequence[str] | None, result: TuneResult | None) -> tuple[str, ...]:
+    if blocks is not None:
+        return tuple(blocks)
+    return result.model.blocks if result is not None else ()
 
 
 def _hold(handle: Applied, result: TuneResult | None, foreign: int) -> None:

@@ -40,6 +40,7 @@ def fallback_ladder(
             and r.config != config
             and r.config.effective_batch_size == config.effective_batch_size
             and r.config.optimizer == config.optimizer
+            and (r.config.parallel, r.config.world_size) == (config.parallel, config.world_size)
         ]
 
     for cand in fallback_candidates(planner, config, winner.measured.peak_bytes):

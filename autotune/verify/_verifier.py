@@ -7,6 +7,8 @@ becomes the reason the configuration was rejected.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import logging
 import statistics
@@ -24,6 +26,7 @@ from autotune.measure._tracker import state_tensors
 from autotune.result import Measurement, TrialRecord
 from autotune.train import _batch as batching
 from autotune.train._loss import LossFn
+from autotune.train._parallel import agree_max, collective, gathered_tensors
 from autotune.train._prepare import prepare
 from autotune.train._runner import Runner
 
@@ -49,6 +52,11 @@ class Verifier:
         context_bytes: CUDA context size (0 on CPU).
         foreign_bytes: CUDA bytes held by other tensors when tuning began.
         steps: Timed optimizer steps per configuration (median reported).
+        blocks: The blocks (FSDP's units).
+
+    A data-parallel configuration runs on a copy of ``model`` wrapped as it says, on every
+    rank of the process group at once; every rank gets the slowest rank's time and the
+    largest peak, so that all decide alike.
     """
 
     def __init__(
@@ -62,8 +70,10 @@ class Verifier:
         context_bytes: int = 0,
         foreign_bytes: int = 0,
         steps: int = 3,
+        blocks: tuple[str, ...] = (),
     ) -> None:
         self.model = model
+        self.blocks = blocks
         self.sample = sample
         self.device = device
         self.budget_bytes = budget_bytes
@@ -77,20 +87,43 @@ class Verifier:
         """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
         batch = batching.resize(self.sample, config.effective_batch_size)
         runner: Runner | None = None
+        error: str | None = None
+        peak, step_s = 0, 0.0
         self._release()  # no cached blocks from earlier runs in this config's reserved peak
         try:
-            runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
-            peak, step_s = self._measure(runner, batch)
+            with self._together(config):
+                runner = self._prepare(config)
+                peak, step_s = self._measure(runner, batch)
         except torch.OutOfMemoryError as exc:
-            return None, f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
+            error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
         finally:
             if runner is not None:
                 runner.close()  # gradients on both sides, offload hooks and pinned memory
             del runner
             self._release()
+        if config.parallel != "none":  # every rank decides on the same numbers
+            peak_f, step_s, failed = agree_max([peak, step_s, error is not None], self.device)
+            peak = int(peak_f)
+            error = error or ("out of memory on another rank" if failed else None)
+        if error is not None:
+            return None, error
         if peak > self.budget_bytes:
             return None, f"measured peak {peak} bytes exceeds the budget of {self.budget_bytes}"
-        return Measurement(peak, step_s, config.effective_batch_size / step_s), None
+        return Measurement(peak, step_s, config.global_batch_size / step_s), None
+
+    @staticmethod
+    def _together(config: TrainConfig) -> contextlib.AbstractContextManager[None]:
+        """A data-parallel run's collectives failing means another rank is gone: say so."""
+        if config.parallel == "none":
+            return contextlib.nullcontext()
+        return collective(f"verifying {config.describe()} with the other ranks")
+
+    def _prepare(self, config: TrainConfig) -> Runner:
+        # Data parallelism wraps the model for good: a copy of it, each time.
+        model = self.model if config.parallel == "none" else copy.deepcopy(self.model)
+        return prepare(
+            model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
+        )
 
     def _measure(self, runner: Runner, batch: Any) -> tuple[int, float]:
         budget = self.budget_bytes
@@ -111,11 +144,18 @@ class Verifier:
         held = batching.tensors_on(batch, self.device)
         with measure_peak(self.device, existing=[*self._state(runner), *held], budget_bytes=budget):
             runner.step(batch)
-        with measure_peak(
-            self.device, existing=[*self._state(runner), *held], budget_bytes=budget
-        ) as reading:
-            runner.step(batch)
-        return reading.peak_bytes, statistics.median(self._timed_steps(runner, batch))
+        peak = 0
+        # DDP builds its buckets again in its second step, steady from its third: both count.
+        for _ in range(2 if runner.config.parallel == "ddp" else 1):
+            with measure_peak(
+                self.device,
+                existing=[*self._state(runner), *held],
+                budget_bytes=budget,
+                resized=gathered_tensors(runner.model),
+            ) as reading:
+                runner.step(batch)
+            peak = max(peak, reading.peak_bytes)
+        return peak, statistics.median(self._timed_steps(runner, batch))
 
     def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
@@ -133,10 +173,12 @@ class Verifier:
         """Seconds per step of ``config`` again, without measuring its peak (it fitted)."""
         batch = batching.resize(self.sample, config.effective_batch_size)
         self._release()
-        runner = prepare(self.model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device)
+        runner = self._prepare(config)
         try:
-            runner.step(batch)  # warm-up
-            return statistics.median(self._timed_steps(runner, batch))
+            with self._together(config):
+                runner.step(batch)  # warm-up
+                seconds = statistics.median(self._timed_steps(runner, batch))
+            return agree_max([seconds], self.device)[0] if config.parallel != "none" else seconds
         finally:
             runner.close()
             del runner

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import sys
 from typing import Any
 
@@ -78,7 +80,8 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             resized=gathered_tensors(runner.model),
         ) as reading:
             loss = runner.step(mine)
-        peak = reading.peak_bytes  # the last: steady state (DDP rebuilds buckets at step 2)
+        if step:  # the first step makes the optimizer state, as in one process
+            peak = max(peak, reading.peak_bytes)
         dist.all_reduce(loss)
         losses.append(float(loss) / world)
     single = config.replace(
@@ -95,13 +98,40 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return {"predicted": predicted, "measured": peak, "losses": losses, "reference": expected}
 
 
+def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """``autotune.autotune`` on every rank, then a step of the result as prepared."""
+    if rank == job.get("die_rank"):  # killed for real in the middle of verification
+        from autotune.verify import _verifier
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _verifier.Verifier.run = die  # type: ignore[method-assign]
+    model, loss_fn, data = model_and_data(job["model"], 8)
+    result = autotune.autotune(
+        model,
+        data,
+        job["budget_gb"],
+        loss_fn=loss_fn,
+        global_batch_size=job["global_batch"],
+        device="cpu",
+    )
+    runner = autotune.prepare(model, result, loss_fn=loss_fn, device="cpu")
+    local = result.config.effective_batch_size
+    loss = runner.step(rows(data, 0, local) if local <= 8 else data)
+    return {"result": result.to_dict(), "loss": float(loss)}
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        out = [case(spec, rank, world) for spec in job["cases"]]
+        if "cases" in job:
+            out: Any = [case(spec, rank, world) for spec in job["cases"]]
+        else:
+            out = tune(job, rank, world)
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)

@@ -36,11 +36,12 @@ WORKER = textwrap.dedent(
     from autotune.verify import _claims, _verifier
     _claims.BEAT_S = 0.2
     _claims.GRACE_S = float(os.environ.get("GRACE_S", "600"))
-    import autotune._shared as shared, autotune.tune as tuning
+    import autotune._data_parallel as layouts, autotune._shared as shared
+    import autotune.tune as tuning
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
     where = {{"record": (_verifier.Verifier, "record"), "settle": (shared, "settle"),
-             "profile": (tuning, "_profile"), "search": (tuning, "search")}}[stage]
+             "profile": (tuning, "_profile"), "search": (layouts, "search")}}[stage]
     original, seen = getattr(*where), []
 
     def hanging(*args, **kwargs):  # the test kills or interrupts us in here

@@ -1,0 +1,52 @@
+"""``autotune.autotune`` inside a process group: real processes on gloo, every rank tuning
+together; and one rank killed with SIGKILL in the middle of verification."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+from ranks import run, start
+
+BUDGET_GB = 0.004  # DDP cannot hold micro-batch 4 of the 3-block GPT here; sharding can
+
+
+def test_every_rank_returns_the_same_verified_result_within_the_budget() -> None:
+    results = run(2, {"model": "gpt", "budget_gb": BUDGET_GB, "global_batch": 16})
+    first = results[0]["result"]
+    assert all(r["result"] == first for r in results)  # the same result, byte for byte
+    config = first["config"]
+    assert config["parallel"] in ("ddp", "fsdp")
+    assert config["world_size"] == 2
+    # The global batch is kept exact: micro x accumulation x ranks.
+    assert config["micro_batch_size"] * config["grad_accum_steps"] * 2 == 16
+    assert first["measured"]["peak_bytes"] <= first["budget_bytes"]
+    fitted = [t for t in first["trials"] if t["measured"] is not None]
+    assert len(fitted) >= 2
+    for t in fitted:  # every verified configuration's per-rank peak, predicted to 3%
+        predicted, measured = t["predicted"]["peak_bytes"], t["measured"]["peak_bytes"]
+        assert abs(predicted - measured) <= 0.03 * measured, t["config"]
+    rejected = [t for t in first["trials"] if t["measured"] is None]
+    assert all("out of memory" in t["error"] for t in rejected)
+    # The result trains as prepared, the same loss on every rank.
+    assert len({r["loss"] for r in results}) == 1
+
+
+def test_a_rank_killed_mid_tuning_makes_the_others_fail_clearly() -> None:
+    procs = start(3, {"model": "gpt", "budget_gb": BUDGET_GB, "global_batch": 24, "die_rank": 2})
+    outcomes = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # a hang is the failure this test is about
+            for p in procs:
+                p.kill()
+            pytest.fail("a rank hung after another was killed")
+        outcomes.append((proc.returncode, err))
+    assert outcomes[2][0] == -signal.SIGKILL
+    for code, err in outcomes[:2]:
+        assert code == 1
+        last = err.strip().splitlines()[-1]
+        assert "autotune.errors.DistributedError" in last
+        assert "another rank has stopped, crashed or cannot be reached" in last
