@@ -243,10 +243,14 @@ def _profile(work: nn.Module, problem: Problem, world: int = 1) -> Profile:
         for layout in layouts(world, draft.blocks)
     ]
     planner = planners[0]
-    optimizers = problem.space.optimizers
     caps = {
         p: max(
-            (b for q in planners for o in optimizers if (b := largest_fitting(q, p, o))),
+            (
+                b
+                for q in planners
+                for o in q.optimizers
+                if p in q.precisions and (b := largest_fitting(q, p, o))
+            ),
             default=None,
         )
         for p in draft.precisions

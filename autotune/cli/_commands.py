@@ -32,7 +32,10 @@ def tune(args: argparse.Namespace) -> int:
             raise ConfigError("--study needs an autotune() that takes study_name.")
         extra["study_name"] = args.study
     space = _space(args)
-    with progress(quiet=args.quiet):
+    if args.world_size is not None:
+        extra["world_size"] = args.world_size
+    first = join_torchrun(args.device)
+    with progress(quiet=args.quiet or not first):
         result = autotune(
             model,
             batch,
@@ -47,6 +50,8 @@ def tune(args: argparse.Namespace) -> int:
             space=space,
             **extra,
         )
+    if not first:  # every rank has the same result; rank 0 writes and prints it
+        return 0
     path = result.save(args.output)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -54,6 +59,24 @@ def tune(args: argparse.Namespace) -> int:
         print(_describe(result))
         print(f"\nwritten to {path}")
     return 0
+
+
+def join_torchrun(device: str | None) -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1 in the environment):
+    NCCL on CUDA, gloo on the CPU. Whether this process is the first rank."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank() == 0
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:
@@ -112,6 +135,14 @@ def estimate_command(args: argparse.Namespace) -> int:
         knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
     if args.offload_optimizer:
         knobs["offload_optimizer"] = True
+    if args.parallel is not None:
+        knobs["parallel"] = args.parallel
+    if args.world_size is not None:
+        knobs["world_size"] = args.world_size
+        if args.parallel is None and config.parallel == "none" and args.world_size > 1:
+            knobs["parallel"] = "fsdp"
+    if args.keep_gathered is not None:
+        knobs["keep_gathered"] = _checkpoint(args.keep_gathered, model, blocks)
     config = config.replace(**{k: v for k, v in knobs.items() if v is not None})
     peak, parts = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
     target = discover(args.device)
@@ -125,7 +156,14 @@ def estimate_command(args: argparse.Namespace) -> int:
         print(f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}", end="")
         print(", optimizer on the host" if config.offload_optimizer else "")
     print(f"device       {target.name} ({target.device})")
-    print(f"peak         {format_bytes(peak)} predicted")
+    if config.world_size > 1:
+        print(
+            f"peak         {format_bytes(peak)} predicted per rank of {config.world_size} "
+            f"({config.parallel}; planned in one process, the collectives' buffers of the "
+            "backend are not in it)"
+        )
+    else:
+        print(f"peak         {format_bytes(peak)} predicted")
     for name in PARTS:
         value = getattr(parts, name)
         print(f"  {name:<11}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
@@ -200,9 +238,10 @@ def report(args: argparse.Namespace) -> int:
 
 def _describe(result: TuneResult) -> str:
     c, p, m, b = result.config, result.predicted, result.measured, result.breakdown
+    per_rank = f" per rank, global {c.global_batch_size}" if c.world_size > 1 else ""
     lines = [
         f"config      {c.describe()}",
-        f"            effective batch {c.effective_batch_size}; checkpoint: "
+        f"            effective batch {c.effective_batch_size}{per_rank}; checkpoint: "
         + (", ".join(c.checkpoint) or "none"),
         f"budget      {format_bytes(result.budget_bytes)} on {result.target.name} "
         f"({result.target.device})",
@@ -211,6 +250,10 @@ def _describe(result: TuneResult) -> str:
         f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
         "memory      " + ", ".join(f"{name} {format_bytes(getattr(b, name))}" for name in PARTS),
     ]
+    if result.unverified:
+        lines[4] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
+        lines[5] = f"throughput  predicted {p.samples_per_s:.1f} samples/s, NOT VERIFIED"
+        lines += [f"unverified  {note}" for note in result.unverified]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")
     s = result.spent

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from autotune.cli import _commands as commands
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._words import cli_words
-from autotune.config import PRECISIONS
+from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
 
 __all__ = ["main"]
@@ -139,6 +139,12 @@ def _add_tune(sub: Any) -> None:
         default="auto",
         help="search optimizer and activation offload (auto: on CUDA only)",
     )
+    tune.add_argument(
+        "--world-size",
+        type=positive_int,
+        help="ranks to train on with DDP/FSDP2: under torchrun, the group's size (default); "
+        "in one process, plan that many without running them",
+    )
     tune.add_argument("--storage", help="keep the study: sqlite:///tune.db, a *.journal file...")
     tune.add_argument("--study", help="name of the study in --storage")
     tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
@@ -197,6 +203,13 @@ def _add_estimate(sub: Any) -> None:
     )
     est.add_argument(
         "--offload-optimizer", action="store_true", help="optimizer state and step on the host"
+    )
+    est.add_argument("--parallel", choices=PARALLEL, help="data parallelism (default none)")
+    est.add_argument(
+        "--world-size", type=positive_int, help="ranks to predict one rank's peak for (fsdp)"
+    )
+    est.add_argument(
+        "--keep-gathered", help="FSDP units not resharded after forward: all, none or a list"
     )
     est.add_argument("--json", action="store_true", help="print as JSON")
     est.set_defaults(run=commands.estimate_command)

@@ -3,11 +3,16 @@ together; and one rank killed with SIGKILL in the middle of verification."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from ranks import run, start
+from ranks import free_port, run, start
+
+import autotune
 
 BUDGET_GB = 0.004  # DDP cannot hold micro-batch 4 of the 3-block GPT here; sharding can
 
@@ -50,3 +55,21 @@ def test_a_rank_killed_mid_tuning_makes_the_others_fail_clearly() -> None:
         last = err.strip().splitlines()[-1]
         assert "autotune.errors.DistributedError" in last
         assert "another rank has stopped, crashed or cannot be reached" in last
+
+
+def test_the_cli_tunes_under_torchrun_and_rank_zero_writes_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.yaml"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "autotune.cli", "tune",
+        "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+        "--budget-gb", "0.03", "--global-batch", "16", "--device", "cpu", "-q", "-o", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("written to") == 1  # rank 0 prints and writes
+    result = autotune.load(out)
+    assert result.config.world_size == 2
+    assert result.config.global_batch_size == 16
+    assert result.measured.peak_bytes <= result.budget_bytes

@@ -1,0 +1,97 @@
+"""Data parallelism in one process: the knobs' validation, a clear error without a process
+group, and a world size planned (predicted, marked unverified) without having it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotune
+from autotune._data_parallel import per_rank_batch, world_of
+from autotune.errors import BudgetTooSmallError, ConfigError, DistributedError
+from autotune.models import GPT
+
+
+@pytest.mark.parametrize(
+    ("knobs", "words"),
+    [
+        ({"parallel": "zero3"}, "parallel must be one of none, ddp, fsdp"),
+        ({"parallel": "fsdp", "world_size": 0}, "world_size must be an integer"),
+        ({"world_size": 4}, "set parallel to ddp or fsdp"),
+        ({"keep_gathered": ("blocks.0",)}, "needs parallel: fsdp"),
+        ({"parallel": "fsdp", "world_size": 2, "precision": "fp16"}, r"fp16 \(use bf16\)"),
+        ({"parallel": "ddp", "world_size": 2, "offload_activations": ("b",)}, "activation"),
+        ({"parallel": "ddp", "world_size": 2, "optimizer": "adamw8bit"}, "adamw8bit"),
+    ],
+)
+def test_bad_parallel_knobs_are_config_errors(knobs: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        autotune.TrainConfig(**knobs)  # type: ignore[arg-type]
+
+
+def test_the_global_batch_counts_every_rank() -> None:
+    config = autotune.TrainConfig(
+        micro_batch_size=4, grad_accum_steps=2, parallel="fsdp", world_size=3
+    )
+    assert config.global_batch_size == 24
+    assert "fsdpx3" in config.describe()
+
+
+def test_preparing_without_a_process_group_says_what_to_do(tiny_gpt_model: GPT) -> None:
+    config = autotune.TrainConfig(parallel="fsdp", world_size=2)
+    before = {k: v.clone() for k, v in tiny_gpt_model.state_dict().items()}
+    with pytest.raises(DistributedError, match="torchrun"):
+        autotune.prepare(tiny_gpt_model, config, device="cpu")
+    after = tiny_gpt_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model is left alone
+
+
+def test_world_size_and_global_batch_are_checked_before_anything_runs() -> None:
+    assert world_of(None) == (1, True)
+    assert world_of(1) == (1, True)
+    assert world_of(8) == (8, False)  # planned: no group of 8 here
+    with pytest.raises(ConfigError, match="positive integer"):
+        world_of(0)
+    assert per_rank_batch(64, 4) == 16
+    assert per_rank_batch(None, 4) is None
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        per_rank_batch(64, 3)
+
+
+def test_a_world_size_not_here_is_planned_and_marked_unverified(
+    tiny_gpt_model: GPT, tiny_gpt_batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    single = autotune.estimate(tiny_gpt_model, tiny_gpt_batch, device="cpu")[0]
+    budget_gb = single * 0.7 / 2**30  # one process cannot train even micro-batch 1 in this
+    with pytest.raises(BudgetTooSmallError):
+        autotune.autotune(tiny_gpt_model, tiny_gpt_batch, budget_gb, device="cpu")
+    result = autotune.autotune(
+        tiny_gpt_model,
+        tiny_gpt_batch,
+        budget_gb,
+        global_batch_size=16,
+        world_size=4,
+        device="cpu",
+    )
+    config = result.config
+    assert (config.parallel, config.world_size) == ("fsdp", 4)  # sharding is what fits
+    assert config.global_batch_size == 16
+    assert result.predicted.peak_bytes <= result.budget_bytes
+    assert result.trials == () and result.fallbacks == ()  # nothing was run
+    assert any("not run with fsdp on 4 ranks" in note for note in result.unverified)
+    assert any("collectives" in note for note in result.unverified)
+    # The plan's per-rank peak is the estimate of that config.
+    assert autotune.estimate(tiny_gpt_model, tiny_gpt_batch, config, device="cpu")[0] == (
+        result.predicted.peak_bytes
+    )
+
+
+def test_a_planned_result_keeps_its_notes_through_yaml(
+    tiny_gpt_model: GPT, tiny_gpt_batch: tuple[torch.Tensor, torch.Tensor], tmp_path
+) -> None:
+    result = autotune.autotune(
+        tiny_gpt_model, tiny_gpt_batch, 0.01, global_batch_size=8, world_size=2, device="cpu"
+    )
+    loaded = autotune.load(result.save(tmp_path / "plan.yaml"))
+    assert loaded.unverified == result.unverified != ()
+    assert loaded.config == result.config
