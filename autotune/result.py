@@ -90,6 +90,8 @@ class ModelInfo:
     """Hash of the module structure: names, classes, parameter shapes and dtypes."""
     n_parameters: int
     blocks: tuple[str, ...]
+    block_classes: tuple[str, ...] = ()
+    """The class names of the blocks (what a trainer's FSDP wrap policy names)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -269,4 +269,5 @@ def _profile(work: nn.Module, problem: Problem, world: int = 1) -> Profile:
 
 def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return ModelInfo(type(model).__qualname__, fingerprint(model), n, tuple(blocks))
+    classes = dict.fromkeys(type(model.get_submodule(b)).__name__ for b in blocks)
+    return ModelInfo(type(model).__qualname__, fingerprint(model), n, tuple(blocks), tuple(classes))

@@ -27,6 +27,7 @@ from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._words import cli_words
 from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
+from autotune.integrations._export import TARGETS
 
 __all__ = ["main"]
 
@@ -173,7 +174,7 @@ def _add_checks(sub: Any) -> None:
 
     exp = sub.add_parser("export", help="a tuned config as another trainer's settings")
     exp.add_argument("path", help="a tuned YAML file")
-    exp.add_argument("--to", required=True, choices=("hf", "lightning", "deepspeed", "accelerate"))
+    exp.add_argument("--to", required=True, choices=TARGETS)
     exp.add_argument("-o", "--output", help="file to write (default: stdout)")
     exp.set_defaults(run=commands.export_command)
 

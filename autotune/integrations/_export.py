@@ -20,6 +20,12 @@ import yaml
 from autotune._format import format_bytes
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
+from autotune.integrations._export_parallel import (
+    accelerate_parallel,
+    deepspeed_parallel,
+    launch_warnings,
+    torchrun_command,
+)
 from autotune.result import TuneResult
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "to_deepspeed",
     "to_hf",
     "to_lightning",
+    "to_torchrun",
 ]
 
 
@@ -40,7 +47,7 @@ class Export:
     """Settings for one trainer, and what they leave out."""
 
     target: str
-    """``hf``, ``lightning``, ``deepspeed`` or ``accelerate``."""
+    """``hf``, ``lightning``, ``deepspeed``, ``accelerate`` or ``torchrun``."""
     settings: dict[str, Any]
     """The native settings as plain data: exactly what the file holds."""
     warnings: tuple[str, ...] = ()
@@ -52,6 +59,8 @@ class Export:
     def text(self) -> str:
         """The file: YAML with comments, or JSON (DeepSpeed) with a ``comment`` key."""
         lines = [*self.notes, *(f"WARNING: {w}" for w in self.warnings)]
+        if self.target == "torchrun":  # a shell command
+            return "".join(f"# {line}\n" for line in lines) + self.settings["command"] + "\n"
         if self.target == "deepspeed":  # JSON has no comments; DeepSpeed ignores this key
             return json.dumps({"comment": lines, **self.settings}, indent=2) + "\n"
         header = "".join(f"# {line}\n" for line in lines)
@@ -119,7 +128,7 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
             "offload_optimizer: TrainingArguments cannot keep the optimizer on the host; "
             "export --to deepspeed and pass that file as deepspeed=path."
         )
-    return settings, warnings
+    return settings, [*warnings, *launch_warnings(result, "hf")]
 
 
 def _hf_notes(c: TrainConfig) -> tuple[str, ...]:
@@ -140,6 +149,10 @@ def to_lightning(result: TuneResult) -> Export:
         "precision": LIGHTNING_PRECISION[c.precision],
         "accumulate_grad_batches": c.grad_accum_steps,
     }
+    if c.parallel != "none":
+        trainer["devices"] = c.world_size
+        if c.parallel == "ddp":
+            trainer["strategy"] = "ddp"
     warnings = [
         f"micro_batch_size {c.micro_batch_size} is not a Trainer setting: give your "
         f"DataLoader batch_size={c.micro_batch_size}.",
@@ -150,6 +163,7 @@ def to_lightning(result: TuneResult) -> Export:
             "these Trainer settings",
             "Trainer(strategy='deepspeed_stage_2_offload') can, with DeepSpeed",
         ),
+        *launch_warnings(result, "lightning"),
     ]
     usage = "use: Trainer(**yaml.safe_load(...)['trainer']), or LightningCLI --config path"
     return Export(
@@ -189,7 +203,9 @@ def to_deepspeed(result: TuneResult) -> Export:
             "profile": False,
         }
     warnings = [_optimizer_in_code(c, "pass it to deepspeed.initialize(optimizer=...)")]
-    if c.offload_optimizer:
+    if c.parallel != "none":
+        warnings += deepspeed_parallel(result, settings)
+    if c.offload_optimizer and c.parallel == "none":
         warnings.append(
             "offload_optimizer: with a client optimizer DeepSpeed wants its CPU Adam: pass "
             "deepspeed.ops.adam.DeepSpeedCPUAdam for adamw."
@@ -247,7 +263,12 @@ def to_accelerate(result: TuneResult) -> Export:
             f"use Accelerator(gradient_accumulation_steps={c.grad_accum_steps}) and "
             "accelerator.accumulate(model)."
         )
-    warnings += _checkpoint_in_code(result, "accelerate has no activation checkpointing setting")
+    if c.parallel != "none":
+        warnings += accelerate_parallel(result, settings)
+    elif c.checkpoint:
+        warnings += _checkpoint_in_code(
+            result, "accelerate has no activation checkpointing setting"
+        )
     if c.offload_activations:
         warnings.append(_lost_offload_activations(c, "accelerate"))
     usage = "use: accelerate launch --config_file path train.py"
@@ -256,11 +277,23 @@ def to_accelerate(result: TuneResult) -> Export:
     )
 
 
+def to_torchrun(result: TuneResult) -> Export:
+    """The ``torchrun`` command line of a data-parallel result."""
+    if result.config.parallel == "none":
+        raise ConfigError(
+            "this result trains on one process; torchrun is for a result tuned with "
+            "world_size (under torchrun, or planned with --world-size)."
+        )
+    settings, notes = torchrun_command(result)
+    return Export("torchrun", settings, (), (*_origin(result, "torchrun command"), *notes))
+
+
 _EXPORTERS: dict[str, Callable[[TuneResult], Export]] = {
     "hf": to_hf,
     "lightning": to_lightning,
     "deepspeed": to_deepspeed,
     "accelerate": to_accelerate,
+    "torchrun": to_torchrun,
 }
 TARGETS: tuple[str, ...] = tuple(_EXPORTERS)
 """The trainers :func:`export` writes settings for."""
@@ -297,10 +330,16 @@ _TORCH_OPTIMIZER = {
 def _origin(result: TuneResult, what: str) -> tuple[str, ...]:
     c = result.config
     return (
-        f"{what} from autotune: {c.describe()} (effective batch {c.effective_batch_size})",
+        f"{what} from autotune: {c.describe()} (effective batch {c.effective_batch_size}"
+        + (f" per rank, global {c.global_batch_size})" if c.world_size > 1 else ")"),
         f"tuned for {result.model.class_name} on {result.target.name} ({result.target.device}) "
-        f"within {format_bytes(result.budget_bytes)}; measured peak "
-        f"{format_bytes(result.measured.peak_bytes)}",
+        f"within {format_bytes(result.budget_bytes)}{' per rank' if c.world_size > 1 else ''}; "
+        + (
+            f"predicted peak {format_bytes(result.predicted.peak_bytes)}, NOT VERIFIED: "
+            + "; ".join(result.unverified)
+            if result.unverified
+            else f"measured peak {format_bytes(result.measured.peak_bytes)}"
+        ),
     )
 
 

@@ -22,6 +22,7 @@ from autotune.integrations._export import (
 from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TuneResult
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+ONE_PROCESS = tuple(t for t in TARGETS if t != "torchrun")  # torchrun: data parallelism only
 
 
 def result_for(config: TrainConfig, *, device: str = "cpu") -> TuneResult:
@@ -215,7 +216,7 @@ def test_deepspeed_parses_the_config_with_its_own_class(optimizer: str, offload:
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", ONE_PROCESS)
 def test_every_optimizer_exports_to_every_target(target: str, optimizer: str) -> None:
     out = export(result_for(TrainConfig(optimizer=optimizer)), target)
     said = json.dumps(out.settings) + "\n".join(out.warnings)
@@ -253,7 +254,7 @@ def test_accelerate_offload_goes_through_its_deepspeed_plugin(tmp_path: Path) ->
     assert not any("gradient_accumulation" in w for w in out.warnings)  # carried by the plugin
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", ONE_PROCESS)
 def test_no_knob_is_dropped_silently(target: str) -> None:
     """Every non-default knob is in the settings or in a warning, and warnings are in the file."""
     config = TrainConfig(

@@ -1,0 +1,98 @@
+"""Exports of data-parallel results: the torchrun command, accelerate's FSDP2 and DDP, and
+DeepSpeed's ZeRO-3, each parsed by the tool's own classes where installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_export import BLOCKS, result_for
+
+from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+from autotune.integrations._export import export, to_accelerate, to_deepspeed, to_torchrun
+
+FSDP = TrainConfig(
+    micro_batch_size=4,
+    grad_accum_steps=2,
+    precision="bf16",
+    parallel="fsdp",
+    world_size=8,
+    checkpoint=BLOCKS[:2],
+    keep_gathered=BLOCKS[3:],
+)
+
+
+def test_torchrun_launches_the_tuned_world_size() -> None:
+    out = to_torchrun(result_for(FSDP))
+    assert out.text.splitlines()[-1] == "torchrun --nproc-per-node 8 train.py"
+    assert "global batch 64" in out.text  # 4 x 2 x 8
+    assert "autotune.prepare(model, autotune.load('tuned.yaml'))" in out.text
+    with pytest.raises(ConfigError, match="one process"):
+        to_torchrun(result_for(TrainConfig()))
+
+
+def test_accelerate_fsdp2_is_a_real_cluster_config(tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    result = result_for(FSDP, device="cuda:0")
+    result = type(result)(**{**vars(result), "model": _with_classes(result)})
+    out = to_accelerate(result)
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(out.text)
+    cluster = ClusterConfig.from_yaml_file(str(path))  # rejects unknown keys
+    assert cluster.distributed_type.value == "FSDP"
+    assert cluster.num_processes == 8 and cluster.mixed_precision == "bf16"
+    fsdp = cluster.fsdp_config
+    assert fsdp["fsdp_version"] == 2
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "Block"
+    assert fsdp["fsdp_reshard_after_forward"] is False  # a unit kept gathered: all are here
+    warned = "\n".join(out.warnings)
+    assert "keep_gathered (blocks.3)" in warned  # ...which is more than tuned: said
+    assert "checkpoints 2 of 4 (blocks.0, blocks.1)" in warned
+    for warning in out.warnings:
+        assert warning in out.text
+
+
+def test_accelerate_ddp_on_the_cpu(tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = TrainConfig(micro_batch_size=8, parallel="ddp", world_size=2)
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(to_accelerate(result_for(config)).text)
+    cluster = ClusterConfig.from_yaml_file(str(path))
+    assert cluster.distributed_type.value == "MULTI_CPU"
+    assert cluster.num_processes == 2
+
+
+def test_deepspeed_zero3_parses_with_deepspeeds_own_model() -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    out = to_deepspeed(result_for(FSDP.replace(precision="fp32", offload_optimizer=True)))
+    data = json.loads(out.text)
+    zero = DeepSpeedZeroConfig(**data["zero_optimization"])  # rejects unknown keys
+    assert zero.stage == 3
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_param.device == "cpu"
+    assert data["train_batch_size"] == 64
+    assert data["train_micro_batch_size_per_gpu"] == 4
+    assert any("ZeRO-3 is not FSDP2" in line for line in data["comment"])
+
+
+@pytest.mark.parametrize("target", ["hf", "lightning", "deepspeed", "accelerate", "torchrun"])
+def test_the_ranks_are_never_dropped_silently(target: str) -> None:
+    out = export(result_for(FSDP), target)
+    said = json.dumps(out.settings) + "\n".join(out.warnings) + out.text
+    assert "8" in said and ("fsdp" in said.lower() or "FSDP" in said or "stage" in said)
+
+
+def test_a_planned_result_says_it_is_not_verified() -> None:
+    result = result_for(FSDP)
+    planned = type(result)(**{**vars(result), "unverified": ("planned in one process",)})
+    for target in ("accelerate", "torchrun"):
+        assert "NOT VERIFIED: planned in one process" in export(planned, target).text
+
+
+def _with_classes(result):  # type: ignore[no-untyped-def]
+    info = result.model
+    return type(info)(**{**vars(info), "block_classes": ("Block",)})
