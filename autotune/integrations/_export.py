@@ -60,7 +60,7 @@ class Export:
         """The file: YAML with comments, or JSON (DeepSpeed) with a ``comment`` key."""
         lines = [*self.notes, *(f"WARNING: {w}" for w in self.warnings)]
         if self.target == "torchrun":  # a shell command
-            return "".join(f"# {line}\n" for line in lines) + self.settings["command"] + "\n"
+            return "".join(f"# {line}\n" for line in lines) + str(self.settings["command"]) + "\n"
         if self.target == "deepspeed":  # JSON has no comments; DeepSpeed ignores this key
             return json.dumps({"comment": lines, **self.settings}, indent=2) + "\n"
         header = "".join(f"# {line}\n" for line in lines)
