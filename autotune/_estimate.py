@@ -21,7 +21,7 @@ from autotune._blocks import find_blocks, resolve_blocks
 from autotune.config import TrainConfig
 from autotune.errors import BlockError, ProfileError
 from autotune.measure._devices import discover, measure_transfer
-from autotune.measure._memory_profile import memory_profile, working_copy
+from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
 from autotune.measure._profiler import Profiler
 from autotune.plan._cost import CostModel
 from autotune.result import Breakdown
@@ -81,6 +81,8 @@ def estimate(
             context_bytes=target.context_bytes,
             transfer=offload_facts,
         )
+        if config.parallel == "fsdp":
+            profile = sharded_precisions(profiler, profile, config.optimizer)
     finally:
         del work
         gc.collect()

@@ -41,7 +41,7 @@ from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.measure._collectives import measure_collectives
 from autotune.measure._devices import measure_transfer
-from autotune.measure._memory_profile import memory_profile, working_copy
+from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
 from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._time_profile import fast_precisions, time_profile
@@ -234,6 +234,8 @@ def _profile(work: nn.Module, problem: Problem, world: int = 1) -> Profile:
         context_bytes=target.context_bytes,
         transfer=measure_transfer(target) if problem.offload else None,
     )
+    if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
+        draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     # Training steps have run: the context now holds cuBLAS workspaces and the kernels
     # loaded lazily, which discover() could not see yet.
     context = max(target.context_bytes, backend_for(target.device).context_bytes())

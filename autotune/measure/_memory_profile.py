@@ -19,7 +19,7 @@ from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, P
 from autotune.measure._profiler import Profiler, block_parameter_bytes, parameter_layout
 from autotune.train import _batch as batching
 
-__all__ = ["memory_profile", "working_copy"]
+__all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 
 
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -100,3 +100,31 @@ def memory_profile(
         layout=parameter_layout(profiler.model, blocks),
     )
     return profile, notes
+
+
+def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> Profile:
+    """``profile`` with the bf16 timeline of the parameters themselves in bf16, as FSDP2's
+    ``MixedPrecisionPolicy`` computes: the activations differ from autocast's over fp32
+    parameters wherever an op's dtype follows a parameter's (an embedding's output, a
+    residual stream). Nothing is added where bf16 was not profiled."""
+    if "bf16" not in profile.precisions:
+        return profile
+    bf16 = copy.deepcopy(profiler.model).to(torch.bfloat16)
+    inner = Profiler(
+        bf16,
+        profiler.sample,
+        profiler.blocks,
+        device=profiler.device,
+        loss_fn=profiler.loss_fn,
+        foreign_bytes=profiler.foreign_bytes,
+    )
+    try:
+        for b1, b2 in ((2, 4), (1, 2)):
+            try:
+                timeline = inner.memory("bf16", optimizer, b1, b2)
+                return dataclasses.replace(profile, sharded={"bf16": timeline})
+            except torch.OutOfMemoryError:
+                continue
+        return profile
+    finally:
+        del inner, bf16

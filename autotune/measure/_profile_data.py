@@ -206,6 +206,9 @@ class Profile:
     (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
     comm: Collectives | None = None
     """The process group's collectives (``None``: measured in one process)."""
+    sharded: dict[str, PrecisionProfile] = dataclasses.field(default_factory=dict)
+    """Timelines with the parameters in the precision's dtype (FSDP2's mixed precision),
+    by precision (empty: not profiled)."""
     layout: tuple[tuple[int, int, int, int, int], ...] = ()
     """Every parameter as ``(unit, rows, bytes per row, element size, trainable)``: its
     block's index (-1: outside the blocks) and what sharding it on its first dimension
@@ -271,6 +274,7 @@ def profile_from_json(text: str) -> Profile:
         host_is_device=d["host_is_device"],
         input_bytes_per_sample=d["input_bytes_per_sample"],
         comm=_collectives(d.get("comm")),
+        sharded={k: precision(v) for k, v in d.get("sharded", {}).items()},
         layout=tuple(tuple(row) for row in d.get("layout", ())),
     )
 

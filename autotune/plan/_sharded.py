@@ -8,12 +8,15 @@ size; what DDP and FSDP2 change is added phase by phase:
 - **FSDP2** keeps the parameters, gradients and optimizer state sharded (each parameter
   padded to a multiple of the ranks on its first dimension). Each unit (block) is
   all-gathered into a flat buffer and copied out to its parameters before its forward;
-  the flat buffer lives until the next unit's copy-out, and a unit resharded after forward
+  the flat buffer lives until the next unit's copy-out is over (the root's forward frees
+  the last), and a unit resharded after forward
   is gathered again in backward, the one below it prefetched. The unit's full gradients,
   made in the parameter dtype, are copied into a reduce-scatter input (the reduce dtype)
   that lives until the next unit's reduction; the root (the parameters outside the blocks)
   is gathered from the first forward to the end of backward and keeps full gradients
-  until then. Each micro-batch reduces its gradients into the sharded ones.
+  until then. Each micro-batch reduces its gradients into the sharded ones. bf16 takes
+  the timeline measured with bf16 parameters (an embedding's bf16 output changes what
+  follows), else autocast's less its bf16 copies of the weights.
 
 Pure arithmetic over the profile; :mod:`autotune.plan._memory_model` is the single-process
 case.
@@ -76,7 +79,9 @@ class Units:
     """The reduce-scatter input: full, padded gradients in the reduce dtype."""
 
     @staticmethod
-    def of(profile: Profile, world: int, precision: str) -> Units:
+    def of(profile: Profile, world: int, precision: str, *, cast: bool = False) -> Units:
+        """``cast``: the single-process timeline had its parameters (and so its gradients)
+        in the precision's dtype too."""
         k = len(profile.blocks)
         sizes = [[0] * (k + 1) for _ in range(6)]
         for unit, rows, row, item, trainable in profile.layout:
@@ -88,7 +93,7 @@ class Units:
             if trainable:
                 sizes[2][u] += padded * row
                 sizes[3][u] += math.ceil(rows * row * scale)
-                sizes[4][u] += rows * row
+                sizes[4][u] += math.ceil(rows * row * scale) if cast else rows * row
                 sizes[5][u] += padded * world * row
         return Units(*(tuple(s) for s in sizes))
 
@@ -99,7 +104,6 @@ def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dic
     p, b, n = config.precision, config.micro_batch_size, config.grad_accum_steps
     mask = model.mask_of(config.checkpoint)
     opt = prof.optimizers[config.optimizer]
-    phases = [ph for ph in prof.precisions[p].phases if ph.key.micro == 1]
     batch = prof.input_bytes_per_sample * b * n
     others = prof.precisions[p].base_bytes - prof.param_bytes
     if config.parallel == "ddp":
@@ -110,7 +114,8 @@ def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dic
         step = opt.step_peak_bytes
         parts = {"parameters": prof.param_bytes, "gradients": prof.grad_bytes, "optimizer": state}
     else:
-        units = Units.of(prof, config.world_size, p)
+        timeline = prof.sharded.get(p)  # measured with the parameters in bf16, as FSDP has
+        units = Units.of(prof, config.world_size, p, cast=timeline is not None)
         ratio = sum(units.grad_shard) / prof.grad_bytes if prof.grad_bytes else 0.0
         state = math.ceil(opt.state_bytes * ratio)
         params = sum(units.shard)
@@ -118,8 +123,9 @@ def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dic
         if config.offload_optimizer and not prof.host_is_device:
             state = params = grads = 0  # FSDP's CPUOffloadPolicy: all three on the host
         start = others + params + state + batch
-        fsdp = _Fsdp(units, config, model, mask, b, grads)
-        live, peak = fsdp.replay(phases, n, prof.precisions[p].phases)
+        every = (timeline or prof.precisions[p]).phases
+        fsdp = _Fsdp(units, config, model, mask, b, grads, casts=timeline is None)
+        live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], n, every)
         step = 0 if config.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
     peak = max(peak, live + step)
@@ -183,6 +189,8 @@ class _Fsdp:
         mask: Mask,
         b: int,
         grads: int,
+        *,
+        casts: bool = True,
     ) -> None:
         self.u, self.model, self.mask, self.b = units, model, mask, b
         self.k = len(units.shard) - 1
@@ -193,9 +201,9 @@ class _Fsdp:
         # single-process profile: a kept block's until its backward, a checkpointed one's
         # until the forward ends (and again while it recomputes). FSDP's bf16 parameters
         # are that copy.
-        self.casts = [
-            units.grad_full[i] if config.precision != "fp32" else 0 for i in range(self.k)
-        ]
+        # ``casts``: the timeline is autocast's over fp32 parameters.
+        autocast = casts and config.precision != "fp32"
+        self.casts = [units.grad_full[i] if autocast else 0 for i in range(self.k)]
         self.released = sum(c for c, m in zip(self.casts, mask, strict=True) if m == CHECKPOINT)
 
     def replay(
@@ -246,7 +254,7 @@ class _Fsdp:
             if ph.key.label == "end":  # the root has reduced too: all sharded
                 held = self.grads
             base = acts + held
-            label, i = ph.key.label, ph.block
+            label, i = ph.key.label, ph.key.block
             if label == "bwd" and i is not None:
                 scale_i = u.grad_full[i] / u.grad_single[i] if u.grad_single[i] else 1.0
                 full = made * scale_i  # this unit's gradients, in the parameter dtype
@@ -272,15 +280,19 @@ class _Fsdp:
     def _hold(self, label: str, i: int | None) -> float:
         """Gathered bytes a phase other than a block's backward holds at its peak."""
         g, k = self.u.gathered, self.k
-        if label == "pre":  # the root gathered (flat and copied out), the first unit's flat
-            return 2 * g[k] + (g[0] if k else 0)
+        # A unit's copy-out runs while the unit before it still holds its flat buffer
+        # (FSDP2 frees it when the copy-out returns): two flat buffers and the copy.
+        if label == "pre":  # the root gathered (flat and copied out), then the first unit
+            return 2 * g[k] + (2 * g[0] if k else 0)
         if label == "fwd" and i is not None:
             return g[k] + 2 * g[i] + self._kept(i)
         if label == "after" and i is not None:
             nxt = g[i + 1] if i + 1 < k else 0
-            return g[k] + g[i] + self._kept(i + 1) + nxt - (g[i] if self.kept[i] else 0)
-        if label == "head_bwd":
-            return g[k] + (g[k - 1] if k and not self.kept[k - 1] else 0) + self._kept(k)
+            return g[k] + g[i] + self._kept(i + 1) + 2 * nxt
+        if label == "head_bwd":  # the root's forward freed the last flat buffer; the last
+            # unit is gathered again as the head's gradient reaches it
+            again = g[k - 1] if k and not self.kept[k - 1] else 0
+            return g[k] + self._kept(k) + again
         return 0.0  # start, end: nothing gathered
 
     def _prev_reduce(self, i: int) -> int:

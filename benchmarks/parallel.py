@@ -1,0 +1,133 @@
+"""Data parallelism on the CPU with gloo (issue 14): per-rank peak prediction, the largest
+model a per-rank budget holds at 1, 2 and 4 ranks, and tuning time at 2 ranks.
+
+    python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json   # ~6 min
+
+Ranks are real processes started by ``torch.distributed.run`` (torchrun), one thread each.
+Targets: per-rank peak error <= 3% (max); the largest model grows close to 1/N in the
+sharded states; tuning time at 2 ranks is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import autotune
+from autotune.models import gpt_batch, tiny_gpt
+
+RANK = Path(__file__).with_name("parallel_rank.py")
+SHAPES = {
+    "gpt-3x64": {"n_layer": 3, "n_embd": 64, "n_head": 2, "block_size": 32, "vocab_size": 128},
+    "gpt-4x128": {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "vocab_size": 512},
+}
+CONFIGS: list[dict[str, Any]] = [
+    {"parallel": "fsdp", "micro_batch_size": 4, "grad_accum_steps": 2},
+    {"parallel": "fsdp", "micro_batch_size": 16, "grad_accum_steps": 1, "precision": "bf16"},
+    {"parallel": "fsdp", "micro_batch_size": 8, "grad_accum_steps": 2,
+     "checkpoint": ["blocks.0", "blocks.1"], "keep_gathered": ["blocks.2"]},
+    {"parallel": "fsdp", "micro_batch_size": 8, "grad_accum_steps": 1, "precision": "bf16",
+     "checkpoint": ["blocks.1"]},
+    {"parallel": "ddp", "micro_batch_size": 8, "grad_accum_steps": 2},
+    {"parallel": "ddp", "micro_batch_size": 16, "grad_accum_steps": 1, "precision": "bf16",
+     "checkpoint": ["blocks.0"]},
+]  # fmt: skip
+WIDE = {"n_embd": 256, "n_head": 4, "block_size": 128, "vocab_size": 4096}
+"""The family of the largest-model search: depth grows, width stays."""
+
+
+def launch(world: int, job: dict[str, Any]) -> Any:
+    """Run ``parallel_rank.py`` on ``world`` ranks; rank 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+        f"--master-port={port}", str(RANK), json.dumps(job),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    if done.returncode:
+        raise RuntimeError(f"{world} ranks failed:\n{done.stderr[-3000:]}")
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+def prediction(worlds: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for world in worlds:
+        for name, shape in SHAPES.items():
+            for r in launch(world, {"model": shape, "measure": CONFIGS}):
+                error = (r["predicted"] - r["measured"]) / r["measured"]
+                rows.append({"world": world, "model": name, **r, "error": error})
+                print(f"{world} ranks {name:<10} {r['config']:<60} {100 * error:+.2f}%")
+    return rows
+
+
+def largest(budget_mib: int, worlds: list[int]) -> list[dict[str, Any]]:
+    """The deepest model of the family whose predicted per-rank peak (micro-batch 1, fp32,
+    AdamW, every block checkpointed) fits the budget, per world size."""
+    rows = []
+    for world in worlds:
+        lo, hi, best = 1, 256, None
+        while lo <= hi:
+            depth = (lo + hi) // 2
+            model = tiny_gpt(n_layer=depth, **WIDE)
+            blocks = tuple(f"blocks.{i}" for i in range(depth))
+            config = autotune.TrainConfig(
+                checkpoint=blocks,
+                parallel="fsdp" if world > 1 else "none",
+                world_size=world,
+            )
+            peak, parts = autotune.estimate(model, gpt_batch(model.config, 2), config, device="cpu")
+            if peak <= budget_mib * 2**20:
+                n = sum(p.numel() for p in model.parameters())
+                states = parts.parameters + parts.gradients + parts.optimizer
+                best = {"world": world, "depth": depth, "parameters": n, "peak": peak,
+                        "states": states}  # fmt: skip
+                lo = depth + 1
+            else:
+                hi = depth - 1
+        assert best is not None, f"nothing fits {budget_mib} MiB at {world} ranks"
+        rows.append(best)
+        print(f"{world} ranks: depth {best['depth']}, {best['parameters'] / 1e6:.1f} M parameters")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results-parallel-cpu.json"))
+    parser.add_argument("--budget-mib", type=int, default=96)
+    args = parser.parse_args()
+    started = time.time()
+    out: dict[str, Any] = {
+        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json",
+    }
+    out["prediction"] = prediction([2, 4])
+    out["largest"] = largest(args.budget_mib, [1, 2, 4])
+    two = next(r for r in out["largest"] if r["world"] == 2)
+    check = {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 1,
+             "checkpoint": [f"blocks.{i}" for i in range(two["depth"])]}  # fmt: skip
+    run = launch(2, {"model": {"n_layer": two["depth"], **WIDE}, "measure": [check]})[0]
+    out["largest_verified"] = {**run, "budget": args.budget_mib * 2**20}
+    print(f"2-rank largest, run: measured {run['measured']} of {args.budget_mib} MiB")
+    out["tuning"] = [
+        launch(2, {"tune": {"model": SHAPES["gpt-4x128"], "budget_gb": gb, "global_batch": 16}})
+        for gb in (0.03, 0.012)
+    ]
+    for t in out["tuning"]:
+        print(f"tuning at 2 ranks: {t['tuning_s']:.1f} s -> {t['config']}")
+    out["seconds"] = time.time() - started
+    args.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""One rank of ``benchmarks/parallel.py``: ``python parallel_rank.py JOB`` under the
+environment a launcher sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+Prints ``RESULT <json>`` on rank 0.
+
+``{"measure": [config, ...], "model": {...}}``: for each config, the per-rank peak
+``autotune.estimate`` predicts from one process's profile and the largest peak any rank
+measures over steps 2 and 3 (the first makes the optimizer state), under the same tracker
+verification uses. ``{"tune": {...}}``: ``autotune.autotune`` on every rank, timed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import autotune
+from autotune.measure._peak import measure_peak
+from autotune.measure._tracker import state_tensors
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.train._parallel import agree_max, gathered_tensors
+
+
+def measure(shape: dict[str, int], spec: dict[str, Any], world: int) -> dict[str, Any]:
+    model = tiny_gpt(**shape)
+    knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+    config = autotune.TrainConfig(**knobs, world_size=world)
+    local = config.effective_batch_size
+    data = gpt_batch(model.config, local * world * 3, seed=1)
+    sample = tuple(t[:4] for t in data)
+    predicted, _ = autotune.estimate(model, sample, config, device="cpu")
+    runner = autotune.prepare(model, config, lr=1e-4, device="cpu")
+    peak = 0
+    for step in range(3):
+        start = (step * world + dist.get_rank()) * local
+        batch = tuple(t[start : start + local] for t in data)
+        with measure_peak(
+            torch.device("cpu"),
+            existing=state_tensors(runner.model, runner.optimizer),
+            resized=gathered_tensors(runner.model),
+        ) as reading:
+            runner.step(batch)
+        if step:
+            peak = max(peak, reading.peak_bytes)
+    runner.close()
+    measured = int(agree_max([peak], torch.device("cpu"))[0])
+    return {"config": config.describe(), "predicted": predicted, "measured": measured}
+
+
+def tune(job: dict[str, Any]) -> dict[str, Any]:
+    model = tiny_gpt(**job["model"])
+    sample = gpt_batch(model.config, 8, seed=1)
+    started = time.perf_counter()
+    result = autotune.autotune(
+        model, sample, job["budget_gb"], global_batch_size=job["global_batch"], device="cpu"
+    )
+    wall = agree_max([time.perf_counter() - started], torch.device("cpu"))[0]
+    fitted = [t for t in result.trials if t.measured is not None]
+    return {
+        "config": result.config.describe(),
+        "tuning_s": wall,
+        "spent": vars(result.spent),
+        "trials": len(result.trials),
+        "errors": [
+            (t.predicted.peak_bytes - t.measured.peak_bytes) / t.measured.peak_bytes
+            for t in fitted
+            if t.measured is not None
+        ],
+        "peak": result.measured.peak_bytes,
+        "budget": result.budget_bytes,
+    }
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        if "measure" in job:
+            out: Any = [measure(job["model"], spec, world) for spec in job["measure"]]
+        else:
+            out = tune(job["tune"])
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
