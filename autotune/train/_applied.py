@@ -231,6 +231,7 @@ class Applied:
                     raise
                 reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
             # Outside the except block, so that the traceback no longer pins the step's tensors.
+            self.parallel.reset()
             self.zero_grad()
             restore()
             previous = self.config

@@ -142,6 +142,13 @@ class Parallel:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = last or not self.keeps_gradients
 
+    def reset(self) -> None:
+        """After an error in the middle of a step (an out-of-memory error before a
+        fallback), put FSDP2's per-step state back, as its ``reset_iter_state`` asks."""
+        reset = getattr(self.module, "reset_iter_state", None) if self.kind == "fsdp" else None
+        if reset is not None:
+            reset()
+
     def switch(self, config: TrainConfig) -> None:
         """Take a fallback's FSDP resharding choice (the wrapping itself cannot change).
 

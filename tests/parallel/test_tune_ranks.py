@@ -73,3 +73,13 @@ def test_the_cli_tunes_under_torchrun_and_rank_zero_writes_the_file(tmp_path: Pa
     assert result.config.world_size == 2
     assert result.config.global_batch_size == 16
     assert result.measured.peak_bytes <= result.budget_bytes
+
+
+def test_an_out_of_memory_step_falls_back_on_every_rank() -> None:
+    results = run(2, {"fallback": True})
+    for r in results:
+        assert r["config"].startswith("micro_batch=2 accum=4")  # the fallback took over
+        assert len(r["warned"]) == 1 and "runs again with fallback" in r["warned"][0]
+        assert r["peak_after"] <= r["budget"]
+        # Same math: the step that fell back gives the loss of the fallback from the start.
+        assert r["loss"] == pytest.approx(r["expected"], rel=1e-5)

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -122,6 +123,61 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return {"result": result.to_dict(), "loss": float(loss)}
 
 
+def fallback(rank: int, world: int) -> dict[str, Any]:
+    """A step that runs out of memory (the budget guard) falls back on every rank."""
+    from autotune.result import Measurement, ModelInfo, TargetInfo, TuneResult
+
+    blocks = ("blocks.0", "blocks.1", "blocks.2")
+    fast = autotune.TrainConfig(micro_batch_size=8, parallel="fsdp", world_size=world)
+    frugal = fast.replace(micro_batch_size=2, grad_accum_steps=4, checkpoint=blocks)
+    model, _, data = model_and_data("gpt", 8 * world)
+    sample = rows(data, 0, 4)
+    peaks = [autotune.estimate(model, sample, c, device="cpu")[0] for c in (fast, frugal)]
+    budget = (peaks[0] + peaks[1]) // 2
+    m = Measurement(peaks[0], 1.0, 1.0)
+    result = TuneResult(
+        config=fast,
+        predicted=m,
+        measured=m,
+        budget_bytes=budget,
+        target=TargetInfo("cpu", "CPU", 2**34, torch.__version__),
+        model=ModelInfo(type(model).__qualname__, "", 0, blocks),
+        breakdown=autotune.estimate(model, sample, fast, device="cpu")[1],
+        fallbacks=(frugal,),
+    )
+    reference = copy.deepcopy(model)
+    mine = rows(data, rank * 8, rank * 8 + 8)
+    runner = autotune.prepare(model, result, lr=1e-3, device="cpu")
+    runner.step(mine)  # optimizer state made outside the guard, as verification does
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with measure_peak(
+            torch.device("cpu"),
+            existing=state_tensors(runner.model, runner.optimizer),
+            resized=gathered_tensors(runner.model),
+            budget_bytes=budget,
+        ):
+            loss = runner.step(mine)
+    with measure_peak(
+        torch.device("cpu"),
+        existing=state_tensors(runner.model, runner.optimizer),
+        resized=gathered_tensors(runner.model),
+        budget_bytes=budget,
+    ) as after:
+        runner.step(mine)  # the fallback from now on, within the budget
+    ref = autotune.prepare(reference, frugal, lr=1e-3, device="cpu")
+    ref.step(mine)
+    expected = ref.step(mine)
+    return {
+        "config": runner.config.describe(),
+        "warned": [str(w.message) for w in caught],
+        "peak_after": after.peak_bytes,
+        "budget": budget,
+        "loss": float(loss),
+        "expected": float(expected),
+    }
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -130,6 +186,8 @@ def main() -> None:
     try:
         if "cases" in job:
             out: Any = [case(spec, rank, world) for spec in job["cases"]]
+        elif job.get("fallback"):
+            out = fallback(rank, world)
         else:
             out = tune(job, rank, world)
     finally:
