@@ -22,9 +22,9 @@ from autotune._shared import shared_candidates
 from autotune.config import MAX_BATCH, TrainConfig
 from autotune.errors import AutotuneError, BudgetTooSmallError, ConfigError
 from autotune.measure._profile_data import Profile
+from autotune.plan._layout import Layout
 from autotune.plan._planner import Candidate, Planner
 from autotune.plan._search import search
-from autotune.plan._sharded import Layout
 from autotune.result import ModelInfo, Spent, TuneResult
 from autotune.train._parallel import broadcast, group_size, rank
 from autotune.verify._studies import StudyStore

@@ -14,6 +14,7 @@ from autotune._format import format_bytes
 from autotune._plain import to_plain
 from autotune.cli._inputs import inputs
 from autotune.cli._progress import progress
+from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, TrialRecord, TuneResult, load
@@ -34,8 +35,8 @@ def tune(args: argparse.Namespace) -> int:
     space = _space(args)
     if args.world_size is not None:
         extra["world_size"] = args.world_size
-    first = join_torchrun(args.device)
-    with progress(quiet=args.quiet or not first):
+    first, joined = join_torchrun(args.device)
+    with progress(quiet=args.quiet or not first), leave_group(joined):
         result = autotune(
             model,
             batch,
@@ -59,24 +60,6 @@ def tune(args: argparse.Namespace) -> int:
         print(_describe(result))
         print(f"\nwritten to {path}")
     return 0
-
-
-def join_torchrun(device: str | None) -> bool:
-    """Join the process group torchrun describes (``WORLD_SIZE`` > 1 in the environment):
-    NCCL on CUDA, gloo on the CPU. Whether this process is the first rank."""
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return True
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank() == 0
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:

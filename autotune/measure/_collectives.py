@@ -38,9 +38,12 @@ def measure_collectives(device: torch.device) -> Collectives:
         for size in _SIZES:
             shard = torch.ones(size // 4, device=device)
             full = torch.empty(shard.numel() * world, device=device)
+            # The names of torch 2.13 (older: all_gather_into_tensor, reduce_scatter_tensor).
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             runs: list[Callable[[], object]] = [
-                functools.partial(dist.all_gather_into_tensor, full, shard),
-                functools.partial(dist.reduce_scatter_tensor, shard, full),
+                functools.partial(gather, full, shard),
+                functools.partial(scatter, shard, full),
                 functools.partial(dist.all_reduce, full),
             ]
             for k, run in enumerate(runs):

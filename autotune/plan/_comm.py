@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from autotune.config import TrainConfig
 from autotune.measure._profile_data import Profile
-from autotune.plan._sharded import Units
+from autotune.plan._layout import Units
 
 __all__ = ["comm_seconds", "parallel_step_s"]
 

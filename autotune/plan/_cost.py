@@ -16,8 +16,9 @@ from autotune.config import TrainConfig
 from autotune.measure._profile_data import Profile
 from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
+from autotune.plan._layout import Layout
 from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
-from autotune.plan._sharded import Layout, sharded_memory, sharded_peak
+from autotune.plan._sharded import sharded_memory, sharded_peak
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 
