@@ -1,8 +1,9 @@
 """A tuned result as the native settings of other trainers.
 
 ``export(result, "hf")`` gives Hugging Face ``TrainingArguments`` keyword arguments,
-``"lightning"`` Lightning ``Trainer`` arguments, ``"deepspeed"`` a DeepSpeed config and
-``"accelerate"`` an ``accelerate launch`` config file. A knob the target cannot express (a
+``"lightning"`` Lightning ``Trainer`` arguments, ``"deepspeed"`` a DeepSpeed config,
+``"accelerate"`` an ``accelerate launch`` config file and ``"torchrun"`` the launch of a
+data-parallel result (:mod:`autotune.integrations._export_parallel`). A knob the target cannot express (a
 per-block checkpoint mask in Hugging Face, a micro-batch size in a Lightning ``Trainer``)
 is never dropped silently: it is in :attr:`Export.warnings`, with what to do instead, and
 written as a comment in the file.
@@ -10,21 +11,28 @@ written as a comment in the file.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from autotune._format import format_bytes
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
+from autotune.integrations._export_file import (
+    HF_OPTIM,
+    LIGHTNING_PRECISION,
+    Export,
+    checkpoint_in_code,
+    lost_offload_activations,
+    offload,
+    on_cpu,
+    optimizer_in_code,
+    origin,
+    partial_mask,
+)
 from autotune.integrations._export_parallel import (
     accelerate_parallel,
     deepspeed_parallel,
     launch_warnings,
-    torchrun_command,
+    to_torchrun,
 )
 from autotune.result import TuneResult
 
@@ -42,31 +50,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Export:
-    """Settings for one trainer, and what they leave out."""
-
-    target: str
-    """``hf``, ``lightning``, ``deepspeed``, ``accelerate`` or ``torchrun``."""
-    settings: dict[str, Any]
-    """The native settings as plain data: exactly what the file holds."""
-    warnings: tuple[str, ...] = ()
-    """Knobs the settings cannot express, each saying what to do instead."""
-    notes: tuple[str, ...] = ()
-    """Comments for the file: where it comes from and how to use it."""
-
-    @property
-    def text(self) -> str:
-        """The file: YAML with comments, or JSON (DeepSpeed) with a ``comment`` key."""
-        lines = [*self.notes, *(f"WARNING: {w}" for w in self.warnings)]
-        if self.target == "torchrun":  # a shell command
-            return "".join(f"# {line}\n" for line in lines) + str(self.settings["command"]) + "\n"
-        if self.target == "deepspeed":  # JSON has no comments; DeepSpeed ignores this key
-            return json.dumps({"comment": lines, **self.settings}, indent=2) + "\n"
-        header = "".join(f"# {line}\n" for line in lines)
-        return header + yaml.safe_dump(self.settings, sort_keys=False)
-
-
 def to_hf(result: TuneResult) -> Export:
     """Keyword arguments of ``transformers.TrainingArguments``.
 
@@ -80,7 +63,7 @@ def to_hf(result: TuneResult) -> Export:
         "HfArgumentParser(TrainingArguments).parse_yaml_file(path), "
         "or TrainingArguments(output_dir=..., **yaml.safe_load(text))"
     )
-    notes = (*_origin(result, "TrainingArguments"), usage, *_hf_notes(result.config))
+    notes = (*origin(result, "TrainingArguments"), usage, *_hf_notes(result.config))
     c = result.config
     named = [
         f"{knob} ({', '.join(blocks)})"
@@ -107,13 +90,13 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
         "gradient_accumulation_steps": c.grad_accum_steps,
         "bf16": c.precision == "bf16",
         "fp16": c.precision == "fp16",
-        "optim": _HF_OPTIM[c.optimizer],
+        "optim": HF_OPTIM[c.optimizer],
     }
     if c.optimizer in ("adamw", "adamw8bit"):
         settings["weight_decay"] = 0.01  # torch's and bitsandbytes' AdamW default, as tuned
     if c.optimizer == "sgd":
         settings["optim_args"] = "momentum=0.9"  # autotune's SGD keeps a momentum buffer
-    if _on_cpu(result):
+    if on_cpu(result):
         settings["use_cpu"] = True
     warnings = []
     if c.optimizer == "adafactor":
@@ -144,7 +127,7 @@ def to_lightning(result: TuneResult) -> Export:
     """``lightning.Trainer`` arguments, under ``trainer:`` as a LightningCLI config."""
     c = result.config
     trainer: dict[str, Any] = {
-        "accelerator": "cpu" if _on_cpu(result) else "gpu",
+        "accelerator": "cpu" if on_cpu(result) else "gpu",
         "devices": 1,
         "precision": LIGHTNING_PRECISION[c.precision],
         "accumulate_grad_batches": c.grad_accum_steps,
@@ -156,9 +139,9 @@ def to_lightning(result: TuneResult) -> Export:
     warnings = [
         f"micro_batch_size {c.micro_batch_size} is not a Trainer setting: give your "
         f"DataLoader batch_size={c.micro_batch_size}.",
-        _optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
-        *_checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
-        *_offload(
+        optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
+        *checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
+        *offload(
             c,
             "these Trainer settings",
             "Trainer(strategy='deepspeed_stage_2_offload') can, with DeepSpeed",
@@ -170,7 +153,7 @@ def to_lightning(result: TuneResult) -> Export:
         "lightning",
         {"trainer": trainer},
         tuple(warnings),
-        (*_origin(result, "Lightning Trainer arguments"), usage),
+        (*origin(result, "Lightning Trainer arguments"), usage),
     )
 
 
@@ -202,7 +185,7 @@ def to_deepspeed(result: TuneResult) -> Export:
             "synchronize_checkpoint_boundary": False,
             "profile": False,
         }
-    warnings = [_optimizer_in_code(c, "pass it to deepspeed.initialize(optimizer=...)")]
+    warnings = [optimizer_in_code(c, "pass it to deepspeed.initialize(optimizer=...)")]
     if c.parallel != "none":
         warnings += deepspeed_parallel(result, settings)
     if c.offload_optimizer and c.parallel == "none":
@@ -210,7 +193,7 @@ def to_deepspeed(result: TuneResult) -> Export:
             "offload_optimizer: with a client optimizer DeepSpeed wants its CPU Adam: pass "
             "deepspeed.ops.adam.DeepSpeedCPUAdam for adamw."
         )
-    warnings += _partial_mask(result, "DeepSpeed activation checkpointing")
+    warnings += partial_mask(result, "DeepSpeed activation checkpointing")
     if c.offload_activations:
         warnings.append(
             f"offload_activations ({', '.join(c.offload_activations)}): DeepSpeed's "
@@ -218,7 +201,7 @@ def to_deepspeed(result: TuneResult) -> Export:
             "recomputes them; autotune kept these blocks' activations on the host without "
             "recomputing."
         )
-    notes = [*_origin(result, "DeepSpeed config")]
+    notes = [*origin(result, "DeepSpeed config")]
     if wrapped:
         notes.append(
             "activation checkpointing applies to the layers your model runs through "
@@ -238,7 +221,7 @@ def to_accelerate(result: TuneResult) -> Export:
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED" if c.offload_optimizer else "NO",
         "mixed_precision": {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[c.precision],
-        "use_cpu": _on_cpu(result),
+        "use_cpu": on_cpu(result),
         "num_machines": 1,
         "num_processes": 1,
         "machine_rank": 0,
@@ -247,7 +230,7 @@ def to_accelerate(result: TuneResult) -> Export:
     warnings = [
         f"micro_batch_size {c.micro_batch_size} is not an accelerate setting: give your "
         f"DataLoader batch_size={c.micro_batch_size}.",
-        _optimizer_in_code(c, "pass it to accelerator.prepare()"),
+        optimizer_in_code(c, "pass it to accelerator.prepare()"),
     ]
     if c.offload_optimizer:
         settings["deepspeed_config"] = {
@@ -266,26 +249,13 @@ def to_accelerate(result: TuneResult) -> Export:
     if c.parallel != "none":
         warnings += accelerate_parallel(result, settings)
     elif c.checkpoint:
-        warnings += _checkpoint_in_code(
-            result, "accelerate has no activation checkpointing setting"
-        )
+        warnings += checkpoint_in_code(result, "accelerate has no activation checkpointing setting")
     if c.offload_activations:
-        warnings.append(_lost_offload_activations(c, "accelerate"))
+        warnings.append(lost_offload_activations(c, "accelerate"))
     usage = "use: accelerate launch --config_file path train.py"
     return Export(
-        "accelerate", settings, tuple(warnings), (*_origin(result, "accelerate config"), usage)
+        "accelerate", settings, tuple(warnings), (*origin(result, "accelerate config"), usage)
     )
-
-
-def to_torchrun(result: TuneResult) -> Export:
-    """The ``torchrun`` command line of a data-parallel result."""
-    if result.config.parallel == "none":
-        raise ConfigError(
-            "this result trains on one process; torchrun is for a result tuned with "
-            "world_size (under torchrun, or planned with --world-size)."
-        )
-    settings, notes = torchrun_command(result)
-    return Export("torchrun", settings, (), (*_origin(result, "torchrun command"), *notes))
 
 
 _EXPORTERS: dict[str, Callable[[TuneResult], Export]] = {
@@ -308,84 +278,3 @@ def export(result: TuneResult, target: str) -> Export:
     if target not in _EXPORTERS:
         raise ConfigError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}.")
     return _EXPORTERS[target](result)
-
-
-# --- the knobs each target leaves to the user's code -----------------------------------
-
-_HF_OPTIM = {
-    "adamw": "adamw_torch",
-    "sgd": "sgd",
-    "adafactor": "adafactor",
-    "adamw8bit": "adamw_bnb_8bit",
-}
-LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
-_TORCH_OPTIMIZER = {
-    "adamw": "torch.optim.AdamW",
-    "sgd": "torch.optim.SGD(momentum=0.9)",
-    "adafactor": "torch.optim.Adafactor",
-    "adamw8bit": "bitsandbytes.optim.AdamW8bit",
-}
-
-
-def _origin(result: TuneResult, what: str) -> tuple[str, ...]:
-    c = result.config
-    return (
-        f"{what} from autotune: {c.describe()} (effective batch {c.effective_batch_size}"
-        + (f" per rank, global {c.global_batch_size})" if c.world_size > 1 else ")"),
-        f"tuned for {result.model.class_name} on {result.target.name} ({result.target.device}) "
-        f"within {format_bytes(result.budget_bytes)}{' per rank' if c.world_size > 1 else ''}; "
-        + (
-            f"predicted peak {format_bytes(result.predicted.peak_bytes)}, NOT VERIFIED: "
-            + "; ".join(result.unverified)
-            if result.unverified
-            else f"measured peak {format_bytes(result.measured.peak_bytes)}"
-        ),
-    )
-
-
-def _on_cpu(result: TuneResult) -> bool:
-    return result.target.device.split(":")[0] == "cpu"
-
-
-def _partial_mask(result: TuneResult, setting: str) -> list[str]:
-    """A warning when only some blocks are checkpointed but ``setting`` means all of them."""
-    ckpt, blocks = result.config.checkpoint, result.model.blocks
-    if not ckpt or set(ckpt) >= set(blocks):
-        return []
-    return [
-        f"checkpoint: autotune checkpoints {len(ckpt)} of {len(blocks)} blocks "
-        f"({', '.join(ckpt)}) but {setting} covers every layer: this uses less memory than "
-        "tuned and is slower."
-    ]
-
-
-def _checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
-    ckpt = result.config.checkpoint
-    if not ckpt:
-        return []
-    return [
-        f"checkpoint: {why}: autotune.apply(model, result) checkpoints exactly "
-        f"{', '.join(ckpt)} (or wrap them in torch.utils.checkpoint.checkpoint(block, x, "
-        "use_reentrant=False) yourself)."
-    ]
-
-
-def _optimizer_in_code(c: TrainConfig, how: str) -> str:
-    build = _TORCH_OPTIMIZER[c.optimizer]
-    return f"optimizer {c.optimizer} is not in this file: build {build} and {how}."
-
-
-def _offload(c: TrainConfig, where: str, instead: str) -> list[str]:
-    out = []
-    if c.offload_optimizer:
-        out.append(f"offload_optimizer: {where} cannot keep the optimizer on the host; {instead}.")
-    if c.offload_activations:
-        out.append(_lost_offload_activations(c, where))
-    return out
-
-
-def _lost_offload_activations(c: TrainConfig, where: str) -> str:
-    return (
-        f"offload_activations ({', '.join(c.offload_activations)}): {where} cannot offload "
-        "activations to the host; autotune.apply(model, result) offloads exactly these blocks."
-    )

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotune.errors import ConfigError
+from autotune.integrations._export_file import Export, origin
 from autotune.result import TuneResult
 
-__all__ = ["accelerate_parallel", "deepspeed_parallel", "launch_warnings", "torchrun_command"]
+__all__ = ["accelerate_parallel", "deepspeed_parallel", "launch_warnings", "to_torchrun"]
 
 
-def torchrun_command(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
+def _torchrun_command(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
     """The ``torchrun`` launch of ``result`` (its settings and what the script must do)."""
     c = result.config
     command = f"torchrun --nproc-per-node {c.world_size} train.py"
@@ -123,3 +125,14 @@ def launch_warnings(result: TuneResult, tool: str) -> list[str]:
         }[tool]
         out.append(f"fsdp: this file does not shard; {how}.")
     return out
+
+
+def to_torchrun(result: TuneResult) -> Export:
+    """The ``torchrun`` command line of a data-parallel result."""
+    if result.config.parallel == "none":
+        raise ConfigError(
+            "this result trains on one process; torchrun is for a result tuned with "
+            "world_size (under torchrun, or planned with --world-size)."
+        )
+    settings, notes = _torchrun_command(result)
+    return Export("torchrun", settings, (), (*origin(result, "torchrun command"), *notes))
