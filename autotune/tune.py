@@ -52,7 +52,7 @@ from autotune.plan._too_small import too_small
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._loss import LossFn
-from autotune.train._parallel import broadcast, group_size
+from autotune.train._parallel import broadcast, group_size, rank
 from autotune.verify._ladder import fallback_ladder
 from autotune.verify._studies import StudyStore
 from autotune.verify._verifier import Verifier
@@ -132,7 +132,10 @@ def autotune(
     if storage is not None and world > 1:
         raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
     store = None if storage is None else open_store(model, problem, storage, study_name)
-    work = working_copy(model, problem.target.device)
+    # In a process group only rank 0 profiles on the device; verification wraps a copy per
+    # config, which puts on the device what the config says (a shard under FSDP).
+    host = torch.device("cpu")
+    work = working_copy(model, problem.target.device if rank() == 0 else host)
     try:
         clock = [time.perf_counter()]  # the ends of profiling, search and verification
         measure_profile = functools.partial(_profile, work, problem, world)
@@ -141,6 +144,8 @@ def autotune(
         else:
             profile = shared_profile(store, measure_profile)
         if group_size() > 1:
+            work.to(host)
+            backend_for(problem.target.device).empty_cache()
             profile = dataclasses.replace(profile, comm=measure_collectives(problem.target.device))
         clock.append(time.perf_counter())
         problem = problem.with_context(profile.context_bytes)

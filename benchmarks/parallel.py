@@ -108,29 +108,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results-parallel-cpu.json"))
     parser.add_argument("--budget-mib", type=int, default=96)
+    parser.add_argument(
+        "--only", choices=("prediction", "largest", "tuning"), help="one part, kept beside the rest"
+    )
     args = parser.parse_args()
     started = time.time()
-    out: dict[str, Any] = {
-        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json",
-    }
-    out["prediction"] = prediction([2, 4])
-    out["largest"] = largest(args.budget_mib, [1, 2, 4])
-    two = next(r for r in out["largest"] if r["world"] == 2)
-    check = {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 1,
-             "checkpoint": [f"blocks.{i}" for i in range(two["depth"])]}  # fmt: skip
-    run = launch(2, {"model": {"n_layer": two["depth"], **WIDE}, "measure": [check]})[0]
-    out["largest_verified"] = {**run, "budget": args.budget_mib * 2**20}
-    print(f"2-rank largest, run: measured {run['measured']} of {args.budget_mib} MiB")
-    out["tuning"] = [
+    out: dict[str, Any] = json.loads(args.out.read_text()) if args.only else {}
+    out.update(
+        machine=f"{platform.processor() or platform.machine()}, {platform.system()}",
+        date=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json",
+    )
+    if args.only in (None, "prediction"):
+        out["prediction"] = prediction([2, 4])
+        args.out.write_text(json.dumps(out, indent=2))  # each part as it is done
+    if args.only in (None, "largest"):
+        out["largest"] = largest(args.budget_mib, [1, 2, 4])
+        two = next(r for r in out["largest"] if r["world"] == 2)
+        check = {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 1,
+                 "checkpoint": [f"blocks.{i}" for i in range(two["depth"])]}  # fmt: skip
+        run = launch(2, {"model": {"n_layer": two["depth"], **WIDE}, "measure": [check]})[0]
+        out["largest_verified"] = {**run, "budget": args.budget_mib * 2**20}
+        print(f"2-rank largest, run: measured {run['measured']} of {args.budget_mib} MiB")
+        args.out.write_text(json.dumps(out, indent=2))
+    if args.only in (None, "tuning"):
+        out["tuning"] = tuning()
+    out["seconds"] = time.time() - started
+    args.out.write_text(json.dumps(out, indent=2))
+
+
+def tuning() -> list[Any]:
+    """``autotune`` on 2 ranks at two budgets: where DDP fits, and where only sharding does."""
+    runs = [
         launch(2, {"tune": {"model": SHAPES["gpt-4x128"], "budget_gb": gb, "global_batch": 16}})
         for gb in (0.03, 0.012)
     ]
-    for t in out["tuning"]:
+    for t in runs:
         print(f"tuning at 2 ranks: {t['tuning_s']:.1f} s -> {t['config']}")
-    out["seconds"] = time.time() - started
-    args.out.write_text(json.dumps(out, indent=2))
+    return runs
 
 
 if __name__ == "__main__":

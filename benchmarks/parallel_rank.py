@@ -92,6 +92,7 @@ def main() -> None:
             out: Any = [measure(job["model"], spec, world) for spec in job["measure"]]
         else:
             out = tune(job["tune"])
+        dist.barrier()  # every rank done with its collectives before the group goes
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -38,4 +38,6 @@ def leave_group(joined: bool) -> Iterator[None]:
         if joined:
             import torch.distributed as dist
 
+            with contextlib.suppress(RuntimeError):  # a rank that failed: nothing to wait for
+                dist.barrier()  # every rank done with its collectives before the group goes
             dist.destroy_process_group()

@@ -3,10 +3,10 @@
 ``export(result, "hf")`` gives Hugging Face ``TrainingArguments`` keyword arguments,
 ``"lightning"`` Lightning ``Trainer`` arguments, ``"deepspeed"`` a DeepSpeed config,
 ``"accelerate"`` an ``accelerate launch`` config file and ``"torchrun"`` the launch of a
-data-parallel result (:mod:`autotune.integrations._export_parallel`). A knob the target cannot express (a
-per-block checkpoint mask in Hugging Face, a micro-batch size in a Lightning ``Trainer``)
-is never dropped silently: it is in :attr:`Export.warnings`, with what to do instead, and
-written as a comment in the file.
+data-parallel result (:mod:`autotune.integrations._export_parallel`). A knob the target
+cannot express (a per-block checkpoint mask in Hugging Face, a micro-batch size in a
+Lightning ``Trainer``) is never dropped silently: it is in :attr:`Export.warnings`, with
+what to do instead, and written as a comment in the file.
 """
 
 from __future__ import annotations

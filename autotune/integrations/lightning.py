@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.parsing import (
 from autotune.errors import ConfigError
 from autotune.integrations._lightning_ladder import Ladder, precision_plugin
 from autotune.integrations._lightning_tuning import as_a_model, first_batch, optimizer_name
+from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train._applied import Applied
@@ -138,8 +139,10 @@ class Autotune(pl.Callback):
         _reload_dataloaders(trainer)
         trainer.accumulate_grad_batches = c.grad_accum_steps
         trainer.strategy.precision_plugin = precision_plugin(c, device)
-        # Several processes would have to fall back together: one device only.
-        self.handle = apply(pl_module, result if trainer.world_size == 1 else c, device=device)
+        # Several processes would have to fall back together: one device only. Lightning's
+        # strategy does DDP itself.
+        local = result if trainer.world_size == 1 and c.parallel == "none" else None
+        self.handle = apply(pl_module, local or per_process(result, "Lightning"), device=device)
         _free_grads_first(trainer)
         if self.handle.fallbacks:
             self.ladder = Ladder(trainer, self.handle)

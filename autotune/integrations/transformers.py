@@ -26,6 +26,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._export import hf_settings
+from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._prepare import apply
@@ -78,7 +79,7 @@ class AutotuneCallback(TrainerCallback):
             raise ConfigError("AutotuneCallback got no model from the Trainer.")
         _check_args(args, self.result)
         device = next(model.parameters()).device
-        self.handle = apply(model, self.result.config, device=device)
+        self.handle = apply(model, per_process(self.result, "the Trainer"), device=device)
         c = self.result.config
         log.info(
             "autotune: %s; checkpointed %d and offloaded %d of %d blocks",

@@ -198,7 +198,10 @@ class _Fsdp:
                 if i in later:
                     rise = max(rise, _rise_delta(later[i], self.mask, self.b, self.model)[0])
                 hold = self._hold_bwd(i)
-                compute = base + hold + rise - made + full
+                # The first block's phase ends with the root's own backward (the
+                # embeddings' gradients), after the block's reduction has freed its buffers.
+                outside = max(made - u.grad_single[i], 0) if i == 0 else 0
+                compute = base + hold + rise - made + full - outside
                 # Its reduction: resharded, the previous input freed, its own taken.
                 end = base + delta - made + full + hold - u.gathered[i]
                 end += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i]

@@ -103,7 +103,7 @@ class Applied:
         if self.host is not None:
             self.host.close()
             self.host = None
-        if not offload:
+        if not offload or self.config.parallel == "fsdp":  # FSDP offloads by its own policy
             return build_optimizer(name, self.params, lr)
         self.host = OptimizerOffloader(
             self.params, self.device, lambda masters: build_optimizer(name, masters, lr)

@@ -96,3 +96,14 @@ def test_a_planned_result_says_it_is_not_verified() -> None:
 def _with_classes(result):  # type: ignore[no-untyped-def]
     info = result.model
     return type(info)(**{**vars(info), "block_classes": ("Block",)})
+
+
+def test_a_trainer_with_its_own_data_parallelism_takes_the_per_rank_part() -> None:
+    from autotune.integrations._one_process import per_process
+
+    ddp = TrainConfig(micro_batch_size=4, grad_accum_steps=2, parallel="ddp", world_size=4)
+    local = per_process(result_for(ddp), "Lightning")
+    assert (local.parallel, local.world_size) == ("none", 1)
+    assert (local.micro_batch_size, local.grad_accum_steps) == (4, 2)
+    with pytest.raises(ConfigError, match="FSDP2 over 8 ranks, which Lightning cannot"):
+        per_process(result_for(FSDP), "Lightning")

@@ -18,6 +18,8 @@ CASES = [
     },
     {"model": "mlp", "parallel": "fsdp", "micro": 32, "accum": 2, "precision": "bf16"},
     {"model": "mlp", "parallel": "ddp", "micro": 32, "accum": 2},
+    {"model": "mlp-frozen", "parallel": "fsdp", "micro": 16, "accum": 2},
+    {"model": "mlp", "parallel": "fsdp", "micro": 16, "accum": 1, "offload": True},
     {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 2},
     {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 1, "checkpoint": ["blocks.1"]},
 ]

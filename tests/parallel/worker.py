@@ -42,13 +42,14 @@ def mlp_loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
 
 def model_and_data(name: str, n: int) -> tuple[nn.Module, Any, Any]:
     """The model, its loss (None: its own) and ``n`` samples."""
-    if name == "mlp":
+    if name.startswith("mlp"):
         g = torch.Generator().manual_seed(1)
-        return (
-            mlp(),
-            mlp_loss,
-            (torch.randn(n, 32, generator=g), torch.randint(10, (n,), generator=g)),
-        )
+        model = mlp()
+        if name == "mlp-frozen":  # frozen parameters: no gradients, no optimizer state
+            model[0].requires_grad_(False)
+            model[1][0].requires_grad_(False)
+        data = (torch.randn(n, 32, generator=g), torch.randint(10, (n,), generator=g))
+        return model, mlp_loss, data
     model = tiny_gpt(n_layer=3, n_embd=64, n_head=2, block_size=32, vocab_size=128)
     return model, None, gpt_batch(model.config, n, seed=1)
 
@@ -67,6 +68,7 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         parallel=spec["parallel"],
         world_size=world,
         keep_gathered=tuple(spec.get("keep", ())),
+        offload_optimizer=spec.get("offload", False),
     )
     model, loss_fn, data = model_and_data(spec["model"], local * world * 3)
     predicted, _ = autotune.estimate(model, rows(data, 0, 4), config, device="cpu", loss_fn=loss_fn)
@@ -190,6 +192,7 @@ def main() -> None:
             out = fallback(rank, world)
         else:
             out = tune(job, rank, world)
+        dist.barrier()  # every rank done with its collectives before the group goes
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
