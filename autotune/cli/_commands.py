@@ -233,9 +233,9 @@ def _describe(result: TuneResult) -> str:
         f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
         "memory      " + ", ".join(f"{name} {format_bytes(getattr(b, name))}" for name in PARTS),
     ]
-    if result.unverified:
-        lines[4] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
-        lines[5] = f"throughput  predicted {p.samples_per_s:.1f} samples/s, NOT VERIFIED"
+    if result.unverified:  # planned, not run: no measurement to show
+        lines[3] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
+        lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s, NOT VERIFIED"
         lines += [f"unverified  {note}" for note in result.unverified]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")

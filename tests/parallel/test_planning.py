@@ -8,6 +8,7 @@ import torch
 
 import autotune
 from autotune._data_parallel import per_rank_batch, world_of
+from autotune.cli._commands import _describe
 from autotune.errors import BudgetTooSmallError, ConfigError, DistributedError
 from autotune.models import GPT
 
@@ -80,6 +81,9 @@ def test_a_world_size_not_here_is_planned_and_marked_unverified(
     assert result.trials == () and result.fallbacks == ()  # nothing was run
     assert any("not run with fsdp on 4 ranks" in note for note in result.unverified)
     assert any("collectives" in note for note in result.unverified)
+    shown = _describe(result)  # what `autotune show` prints
+    assert "per rank, NOT VERIFIED" in shown and "measured" not in shown.split("memory")[0]
+    assert "memory      parameters" in shown
     # The plan's per-rank peak is the estimate of that config.
     assert autotune.estimate(tiny_gpt_model, tiny_gpt_batch, config, device="cpu")[0] == (
         result.predicted.peak_bytes
