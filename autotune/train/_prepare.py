@@ -17,6 +17,7 @@ from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._loss import LossFn
+from autotune.train._parallel import check_group
 from autotune.train._runner import Runner
 
 __all__ = ["apply", "prepare"]
@@ -123,6 +124,8 @@ def _setup(
         )
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{caller}() takes a torch.nn.Module, got {type(model).__name__}.")
+    if config.parallel != "none":  # before anything changes the model
+        check_group(config)
     target = _default_device(device, result)
     if result is not None and (found := differences(result, model, target)):
         message = "this config may not fit here: " + "; ".join(found) + ". Tune again here."

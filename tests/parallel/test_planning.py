@@ -41,10 +41,12 @@ def test_the_global_batch_counts_every_rank() -> None:
 def test_preparing_without_a_process_group_says_what_to_do(tiny_gpt_model: GPT) -> None:
     config = autotune.TrainConfig(parallel="fsdp", world_size=2)
     before = {k: v.clone() for k, v in tiny_gpt_model.state_dict().items()}
+    forward = tiny_gpt_model.blocks[0].forward
     with pytest.raises(DistributedError, match="torchrun"):
-        autotune.prepare(tiny_gpt_model, config, device="cpu")
+        autotune.prepare(tiny_gpt_model, config.replace(checkpoint=("blocks.0",)), device="cpu")
     after = tiny_gpt_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the model is left alone
+    assert tiny_gpt_model.blocks[0].forward == forward  # no checkpoint wrapper either
 
 
 def test_world_size_and_global_batch_are_checked_before_anything_runs() -> None:
