@@ -159,14 +159,23 @@ class Verifier:
 
     def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
-        at most 20 steps or 3 s (one step when a step alone is that long)."""
-        times = [self._timed(lambda: runner.step(batch))]
+        at most 20 steps or 3 s (one step when a step alone is that long). With data
+        parallelism each step's time is the slowest rank's, so that every rank takes as
+        many steps (a rank stepping alone would wait for the others forever)."""
+
+        def timed() -> float:
+            seconds = self._timed(lambda: runner.step(batch))
+            if runner.config.parallel == "none":
+                return seconds
+            return agree_max([seconds], self.device)[0]
+
+        times = [timed()]
         while (
             sum(times) < _TIMED_S
             and len(times) < _MAX_TIMED_STEPS
             and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
         ):
-            times.append(self._timed(lambda: runner.step(batch)))
+            times.append(timed())
         return times
 
     def retime(self, config: TrainConfig) -> float:
@@ -177,8 +186,7 @@ class Verifier:
         try:
             with self._together(config):
                 runner.step(batch)  # warm-up
-                seconds = statistics.median(self._timed_steps(runner, batch))
-            return agree_max([seconds], self.device)[0] if config.parallel != "none" else seconds
+                return statistics.median(self._timed_steps(runner, batch))
         finally:
             runner.close()
             del runner
