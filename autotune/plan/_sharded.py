@@ -9,8 +9,10 @@ size; what DDP and FSDP2 change is added phase by phase:
   padded to a multiple of the ranks on its first dimension). Each unit (block) is
   all-gathered into a flat buffer and copied out to its parameters before its forward;
   the flat buffer lives until the next unit's copy-out is over (the root's forward frees
-  the last), and a unit resharded after forward
-  is gathered again in backward, the one below it prefetched. The unit's full gradients,
+  the last), and a unit resharded after forward is gathered again in backward (the last
+  one as the head's gradient reaches it), the one below it prefetched. The first block's
+  backward phase ends with the root's own backward, after the block's reduction. The
+  unit's full gradients,
   made in the parameter dtype, are copied into a reduce-scatter input (the reduce dtype)
   that lives until the next unit's reduction; the root (the parameters outside the blocks)
   is gathered from the first forward to the end of backward and keeps full gradients
