@@ -18,7 +18,7 @@ from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
 from autotune.plan._layout import Layout
 from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
-from autotune.plan._sharded import sharded_memory, sharded_peak
+from autotune.plan._sharded import per_rank_peak, sharded_memory
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 
@@ -58,16 +58,8 @@ class CostModel(MemoryModel, TimeModel):
             return super().peak(
                 precision, optimizer, b, accum, mask, offload_optimizer=offload_optimizer
             )
-        blocks = self.profile.blocks
-        config = TrainConfig(
-            micro_batch_size=b,
-            grad_accum_steps=accum,
-            precision=precision,
-            checkpoint=tuple(n for n, m in zip(blocks, mask, strict=True) if m == CHECKPOINT),
-            optimizer=optimizer,
-            offload_optimizer=offload_optimizer,
-        )
-        return sharded_peak(self, self.layout.apply(config))[0]
+        knobs = (precision, optimizer, b, accum, mask)
+        return per_rank_peak(self, self.layout, *knobs, offload_optimizer=offload_optimizer)[0]
 
     @property
     def can_offload(self) -> bool:

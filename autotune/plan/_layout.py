@@ -28,6 +28,11 @@ class Layout:
     world_size: int = 1
     keep_gathered: tuple[str, ...] = ()
 
+    @staticmethod
+    def of(config: TrainConfig) -> Layout:
+        """The layout ``config`` trains under."""
+        return Layout(config.parallel, config.world_size, config.keep_gathered)
+
     def apply(self, config: TrainConfig) -> TrainConfig:
         """``config`` trained this way."""
         if self.parallel == "none":

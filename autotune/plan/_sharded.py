@@ -30,22 +30,39 @@ import math
 
 from autotune.config import TrainConfig
 from autotune.measure._profile_data import Phase
-from autotune.plan._layout import Units
+from autotune.plan._layout import Layout, Units
 from autotune.plan._memory_model import CHECKPOINT, Mask, MemoryModel
 from autotune.result import Breakdown
 
-__all__ = ["sharded_memory", "sharded_peak"]
+__all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
 
 
 def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dict[str, int]]:
     """(device peak bytes, live peak bytes, what holds them) of one rank of ``config``."""
+    c = config
+    mask = model.mask_of(c.checkpoint)
+    knobs = (c.precision, c.optimizer, c.micro_batch_size, c.grad_accum_steps, mask)
+    return per_rank_peak(model, Layout.of(c), *knobs, offload_optimizer=c.offload_optimizer)
+
+
+def per_rank_peak(
+    model: MemoryModel,
+    layout: Layout,
+    p: str,
+    optimizer: str,
+    b: int,
+    n: int,
+    mask: Mask,
+    *,
+    offload_optimizer: bool = False,
+) -> tuple[int, int, dict[str, int]]:
+    """:func:`sharded_peak` of precision ``p``, micro-batch ``b``, ``n`` micro-batches and
+    block ``mask`` under ``layout``: what the planner asks, many times, with no config."""
     prof = model.profile
-    p, b, n = config.precision, config.micro_batch_size, config.grad_accum_steps
-    mask = model.mask_of(config.checkpoint)
-    opt = prof.optimizers[config.optimizer]
+    opt = prof.optimizers[optimizer]
     batch = prof.input_bytes_per_sample * b * n
     others = prof.precisions[p].base_bytes - prof.param_bytes
-    if config.parallel == "ddp":
+    if layout.parallel == "ddp":
         state = opt.state_bytes
         start = prof.precisions[p].base_bytes + state + batch + prof.grad_bytes
         later = [ph for ph in prof.precisions[p].phases if ph.key.micro == 2]
@@ -54,18 +71,19 @@ def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dic
         parts = {"parameters": prof.param_bytes, "gradients": prof.grad_bytes, "optimizer": state}
     else:
         timeline = prof.sharded.get(p)  # measured with the parameters in bf16, as FSDP has
-        units = Units.of(prof, config.world_size, p, cast=timeline is not None)
+        units = Units.of(prof, layout.world_size, p, cast=timeline is not None)
         ratio = sum(units.grad_shard) / prof.grad_bytes if prof.grad_bytes else 0.0
         state = math.ceil(opt.state_bytes * ratio)
         params = sum(units.shard)
         grads = sum(units.grad_shard)
-        if config.offload_optimizer and not prof.host_is_device:
+        if offload_optimizer and not prof.host_is_device:
             state = params = grads = 0  # FSDP's CPUOffloadPolicy: all three on the host
         start = others + params + state + batch
         every = (timeline or prof.precisions[p]).phases
-        fsdp = _Fsdp(units, config, model, mask, b, grads, casts=timeline is None)
+        casts = timeline is None and p != "fp32"  # the timeline is autocast's over fp32
+        fsdp = _Fsdp(units, layout, model, mask, b, grads, casts=casts)
         live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], n, every)
-        step = 0 if config.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
+        step = 0 if offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
     peak = max(peak, live + step)
     live_peak = math.ceil(start + peak)
@@ -123,7 +141,7 @@ class _Fsdp:
     def __init__(
         self,
         units: Units,
-        config: TrainConfig,
+        layout: Layout,
         model: MemoryModel,
         mask: Mask,
         b: int,
@@ -134,15 +152,13 @@ class _Fsdp:
         self.u, self.model, self.mask, self.b = units, model, mask, b
         self.k = len(units.shard) - 1
         blocks = model.profile.blocks
-        self.kept = [blocks[i] in config.keep_gathered for i in range(self.k)]
+        self.kept = [blocks[i] in layout.keep_gathered for i in range(self.k)]
         self.grads = grads
         # bf16 autocast keeps a bf16 copy of each block's weights from its forward in the
         # single-process profile: a kept block's until its backward, a checkpointed one's
         # until the forward ends (and again while it recomputes). FSDP's bf16 parameters
-        # are that copy.
-        # ``casts``: the timeline is autocast's over fp32 parameters.
-        autocast = casts and config.precision != "fp32"
-        self.casts = [units.grad_full[i] if autocast else 0 for i in range(self.k)]
+        # are that copy. ``casts``: the timeline is such an autocast's.
+        self.casts = [units.grad_full[i] if casts else 0 for i in range(self.k)]
         self.released = sum(c for c, m in zip(self.casts, mask, strict=True) if m == CHECKPOINT)
 
     def replay(
