@@ -109,15 +109,7 @@ def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> 
     residual stream). Nothing is added where bf16 was not profiled."""
     if "bf16" not in profile.precisions:
         return profile
-    bf16 = copy.deepcopy(profiler.model).to(torch.bfloat16)
-    inner = Profiler(
-        bf16,
-        profiler.sample,
-        profiler.blocks,
-        device=profiler.device,
-        loss_fn=profiler.loss_fn,
-        foreign_bytes=profiler.foreign_bytes,
-    )
+    inner = profiler.over(copy.deepcopy(profiler.model).to(torch.bfloat16))
     try:
         for b1, b2 in ((2, 4), (1, 2)):
             try:
@@ -127,4 +119,4 @@ def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> 
                 continue
         return profile
     finally:
-        del inner, bf16
+        del inner

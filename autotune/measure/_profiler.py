@@ -95,6 +95,17 @@ class Profiler:
         self.ops = backend_for(device)
         self.repeats = 3
 
+    def over(self, model: nn.Module) -> Profiler:
+        """A profiler of the same sample, blocks, device and loss over ``model``, a copy."""
+        return Profiler(
+            model,
+            self.sample,
+            self.blocks,
+            device=self.device,
+            loss_fn=self.loss_fn,
+            foreign_bytes=self.foreign_bytes,
+        )
+
     def runner(self, config: TrainConfig) -> Runner:
         return prepare(self.model, config, lr=_PROFILE_LR, loss_fn=self.loss_fn, device=self.device)
 
