@@ -107,11 +107,7 @@ def planner_of(planners: Sequence[Planner], config: TrainConfig) -> Planner:
 
 def merged(found: Sequence[list[Candidate]]) -> list[Candidate]:
     """Every layout's candidates, fastest predicted first."""
-    out = [c for cs in found for c in cs]
-    out.sort(
-        key=lambda c: (-c.prediction.measurement.samples_per_s, c.prediction.measurement.peak_bytes)
-    )
-    return out
+    return sorted((c for cs in found for c in cs), key=Candidate.order)
 
 
 def rank_zero(fn: Callable[[], T]) -> T:

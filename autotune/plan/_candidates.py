@@ -97,9 +97,7 @@ def enumerate_candidates(
         for b, p, o, h in (space_points(planner) if points is None else points)
         if (c := planner.candidate(p, o, b, h)) is not None
     ]
-    found.sort(
-        key=lambda c: (-c.prediction.measurement.samples_per_s, c.prediction.measurement.peak_bytes)
-    )
+    found.sort(key=Candidate.order)
     return found
 
 

@@ -24,6 +24,11 @@ class Candidate:
     config: TrainConfig
     prediction: Prediction
 
+    def order(self) -> tuple[float, int]:
+        """Sort key: the fastest predicted first, then the least memory."""
+        m = self.prediction.measurement
+        return -m.samples_per_s, m.peak_bytes
+
 
 @dataclass(frozen=True, kw_only=True)
 class Planner:
