@@ -124,6 +124,15 @@ class TrainConfig:
         """Samples per optimizer step: ``micro_batch_size * grad_accum_steps``."""
         return self.micro_batch_size * self.grad_accum_steps
 
+    def can_switch_to(self, other: TrainConfig) -> bool:
+        """Whether training can go on with ``other`` mid-run (a fallback): the same
+        optimizer (its state is kept) and the same data parallelism over as many ranks."""
+        return (self.optimizer, self.parallel, self.world_size) == (
+            other.optimizer,
+            other.parallel,
+            other.world_size,
+        )
+
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some knobs changed (validated again)."""
         return dataclasses.replace(self, **changes)

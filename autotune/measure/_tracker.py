@@ -71,7 +71,7 @@ class LiveBytesTracker(TorchDispatchMode):
         """Count tensors whose storage is freed and allocated again by resizing it outside
         any op (FSDP2's gathered parameters): their size is read again at every op."""
         for t in tensors:
-            storage = t.untyped_storage()
+            storage = _storage(t)
             self._add(storage, check_budget=False)
             if id(storage) in self._sizes:
                 self._watched.append(storage)

@@ -69,7 +69,7 @@ class Applied:
         self.device = device = resolve_device(device)
         self.ops = backend_for(device)
         self.lr = lr
-        self.fallbacks = [f for f in fallbacks if _same_kind(f, config)]
+        self.fallbacks = [f for f in fallbacks if config.can_switch_to(f)]
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
         self.host: OptimizerOffloader | None = None
@@ -336,12 +336,3 @@ class Applied:
 
     def __exit__(self, *exc: object) -> None:
         self.undo()
-
-
-def _same_kind(fallback: TrainConfig, config: TrainConfig) -> bool:
-    """Whether a handle can switch to ``fallback``: same optimizer and data parallelism."""
-    return (fallback.optimizer, fallback.parallel, fallback.world_size) == (
-        config.optimizer,
-        config.parallel,
-        config.world_size,
-    )

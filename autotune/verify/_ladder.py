@@ -39,8 +39,7 @@ def fallback_ladder(
             if r.measured is not None
             and r.config != config
             and r.config.effective_batch_size == config.effective_batch_size
-            and r.config.optimizer == config.optimizer
-            and (r.config.parallel, r.config.world_size) == (config.parallel, config.world_size)
+            and config.can_switch_to(r.config)
         ]
 
     for cand in fallback_candidates(planner, config, winner.measured.peak_bytes):
