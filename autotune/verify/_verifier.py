@@ -101,8 +101,9 @@ class Verifier:
                 runner.close()  # gradients on both sides, offload hooks and pinned memory
             del runner
             self._release()
-        if config.parallel != "none":  # every rank decides on the same numbers
-            peak_f, step_s, failed = agree_max([peak, step_s, error is not None], self.device)
+        if config.parallel != "none":  # every rank decides on the same numbers (each timed
+            # step took the slowest rank's time already)
+            peak_f, failed = agree_max([peak, error is not None], self.device)
             peak = int(peak_f)
             error = error or ("out of memory on another rank" if failed else None)
         if error is not None:
