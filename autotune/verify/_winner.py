@@ -44,7 +44,7 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
 
     Candidates are taken fastest predicted first, except that predictions within 3% of
     each other count as a tie won by the smaller predicted peak; and a candidate too like
-    one that fitted (same precision, optimizer and checkpointing, a micro-batch within a
+    one that fitted (same layout, precision, optimizer and checkpointing, a micro-batch within a
     factor of 1.5) is skipped, so that verification tests different ideas. A candidate
     like one that was rejected is run: it is that idea's more frugal sibling.
 
@@ -105,11 +105,14 @@ def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
 
 
 def _alike(a: TrainConfig, b: TrainConfig) -> bool:
-    """Too like each other to verify both: the same precision, optimizer and
-    checkpointing, micro-batches within a factor of 1.5."""
-    idea = (a.precision, a.optimizer, bool(a.checkpoint))
+    """Too like each other to verify both: the same layout (data parallelism, units kept
+    gathered), precision, optimizer and checkpointing, micro-batches within a factor of 1.5."""
+
+    def idea(c: TrainConfig) -> tuple[object, ...]:
+        return (c.parallel, bool(c.keep_gathered), c.precision, c.optimizer, bool(c.checkpoint))
+
     small, large = sorted((a.micro_batch_size, b.micro_batch_size))
-    return idea == (b.precision, b.optimizer, bool(b.checkpoint)) and large < 1.5 * small
+    return idea(a) == idea(b) and large < 1.5 * small
 
 
 def fastest(records: list[TrialRecord]) -> TrialRecord:

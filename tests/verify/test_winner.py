@@ -60,6 +60,27 @@ def test_the_frugal_sibling_of_a_rejected_candidate_is_verified() -> None:
     assert fastest(records).config.micro_batch_size == 24
 
 
+def test_another_data_parallel_layout_is_another_idea() -> None:
+    """DDP and FSDP2 (resharding or keeping units gathered) at the same micro-batch differ in
+    memory and collectives: each is verified; a second DDP candidate like the first is not."""
+    ran: list[tuple[str, bool, int]] = []
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        ran.append((config.parallel, bool(config.keep_gathered), config.micro_batch_size))
+        return TrialRecord(config, predicted, predicted, None)
+
+    def ranked(b: int, speed: float, **layout: object) -> Candidate:
+        config = TrainConfig(micro_batch_size=b, world_size=2, **layout)  # type: ignore[arg-type]
+        prediction = Measurement(100, b / speed, speed)
+        return Candidate(config, Prediction(prediction, Breakdown(0, 0, 0, 0, 100)))
+
+    candidates = [ranked(8, 300.0, parallel="ddp"), ranked(6, 290.0, parallel="ddp"),
+                  ranked(8, 280.0, parallel="fsdp"),
+                  ranked(8, 270.0, parallel="fsdp", keep_gathered=("h.0",))]  # fmt: skip
+    choose_winner(measure, candidates, top=3)
+    assert ran == [("ddp", False, 8), ("fsdp", False, 8), ("fsdp", True, 8)]
+
+
 def fits(config: TrainConfig, predicted: Measurement) -> TrialRecord:
     """Every config fits and runs at its predicted speed."""
     return TrialRecord(config, predicted, predicted, None)
