@@ -20,8 +20,10 @@ from autotune._backend import backend_for
 from autotune._blocks import find_blocks, resolve_blocks
 from autotune.config import TrainConfig
 from autotune.errors import BlockError, ProfileError
+from autotune.measure._depth import deepen, shallow_copies, whole_fits
 from autotune.measure._devices import discover, measure_transfer
 from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
+from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.plan._cost import CostModel
 from autotune.result import Breakdown
@@ -68,25 +70,40 @@ def estimate(
     foreign = ops.reserved()
     offloads = bool(config.offload_activations or config.offload_optimizer)
     offload_facts = measure_transfer(target) if offloads else None
-    work = working_copy(model, target.device)
-    try:
-        profiler = Profiler(
-            work, sample_batch, names, device=target.device, loss_fn=loss_fn, foreign_bytes=foreign
-        )
-        profile, _ = memory_profile(
-            profiler,
-            (config.precision,),
-            (config.optimizer,),
-            device_name=target.name,
-            context_bytes=target.context_bytes,
-            transfer=offload_facts,
-        )
-        if config.parallel == "fsdp":
-            profile = sharded_precisions(profiler, profile, config.optimizer)
-    finally:
-        del work
-        gc.collect()
-        ops.empty_cache()
+
+    def measured(work: nn.Module, blocks: tuple[str, ...]) -> Profile:
+        try:
+            profiler = Profiler(
+                work, sample_batch, blocks, device=target.device, loss_fn=loss_fn,
+                foreign_bytes=foreign,
+            )  # fmt: skip
+            profile, _ = memory_profile(
+                profiler,
+                (config.precision,),
+                (config.optimizer,),
+                device_name=target.name,
+                context_bytes=target.context_bytes,
+                transfer=offload_facts,
+            )
+            if config.parallel == "fsdp":
+                profile = sharded_precisions(profiler, profile, config.optimizer)
+            return profile
+        finally:
+            del work
+            gc.collect()
+            ops.empty_cache()
+
+    # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
+    whole = config.world_size == 1 or whole_fits(model, target.free_bytes)
+    copies = None if whole else shallow_copies(model, names)
+    if copies is None:
+        profile = measured(working_copy(model, target.device), names)
+    else:
+        (three, names3), (four, names4) = copies
+        del copies  # each copy lives only while it is measured
+        shallow = measured(three.to(target.device), names3)
+        del three
+        profile = deepen(shallow, measured(four.to(target.device), names4), model, names)
     # After the profile's training steps the context holds what loads lazily too.
     context = max(target.context_bytes, ops.context_bytes())
     return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)

@@ -31,6 +31,7 @@ from autotune._data_parallel import (
 )
 from autotune._identity import fingerprint
 from autotune._problem import Problem, make_problem
+from autotune._profiling import profile_model
 from autotune._shared import (
     measure_with,
     open_store,
@@ -40,15 +41,10 @@ from autotune._shared import (
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.measure._collectives import measure_collectives
-from autotune.measure._devices import measure_transfer
-from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
-from autotune.measure._profile_data import Profile
-from autotune.measure._profiler import Profiler
-from autotune.measure._time_profile import fast_precisions, time_profile
-from autotune.plan._candidates import largest_fitting
+from autotune.measure._depth import whole_fits
+from autotune.measure._memory_profile import working_copy
 from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
-from autotune.plan._too_small import too_small
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._loss import LossFn
@@ -134,11 +130,13 @@ def autotune(
     store = None if storage is None else open_store(model, problem, storage, study_name)
     # In a process group only rank 0 profiles on the device; verification wraps a copy per
     # config, which puts on the device what the config says (a shard under FSDP).
+    # A model too large for one device whole is profiled on shallow copies (FSDP2's case).
     host = torch.device("cpu")
-    work = working_copy(model, problem.target.device if rank() == 0 else host)
+    whole = world == 1 or whole_fits(model, problem.target.free_bytes)
+    work = working_copy(model, problem.target.device if rank() == 0 and whole else host)
     try:
         clock = [time.perf_counter()]  # the ends of profiling, search and verification
-        measure_profile = functools.partial(_profile, work, problem, world)
+        measure_profile = functools.partial(profile_model, work, problem, world, whole=whole)
         if store is None:
             profile = rank_zero(measure_profile)
         else:
@@ -207,71 +205,6 @@ def _verify(
     chosen = fastest(records)
     planner = planner_of(planners, chosen.config)
     return chosen, records, fallback_ladder(measure, planner, chosen, records)
-
-
-def _profile(work: nn.Module, problem: Problem, world: int = 1) -> Profile:
-    """Measure memory first (cheap, decides what fits), then time only what can fit.
-
-    With offload searched, host<->device bandwidth, the offloaded variant and the host step
-    of each optimizer are measured too. What fits is decided over the data parallelism of
-    ``world`` ranks.
-
-    Raises:
-        BudgetTooSmallError: nothing in the space fits the budget.
-    """
-    t0 = time.perf_counter()
-    target = problem.target
-    profiler = Profiler(
-        work,
-        problem.sample,
-        problem.blocks,
-        device=target.device,
-        loss_fn=problem.loss_fn,
-        foreign_bytes=problem.foreign,
-    )
-    precisions, slow = fast_precisions(profiler, problem.precisions, device_name=target.name)
-    log.info("profiling memory on %s (%d blocks)", target.name, len(problem.blocks))
-    draft, notes = memory_profile(
-        profiler,
-        precisions,
-        problem.space.optimizers,
-        device_name=target.name,
-        context_bytes=target.context_bytes,
-        transfer=measure_transfer(target) if problem.offload else None,
-    )
-    if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
-        draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
-    # Training steps have run: the context now holds cuBLAS workspaces and the kernels
-    # loaded lazily, which discover() could not see yet.
-    context = max(target.context_bytes, backend_for(target.device).context_bytes())
-    draft = dataclasses.replace(draft, context_bytes=context)
-    planners = [
-        problem.planner(CostModel(draft, layout), tuple(draft.precisions))
-        for layout in layouts(world, draft.blocks)
-    ]
-    planner = planners[0]
-    caps = {
-        p: max(
-            (
-                b
-                for q in planners
-                for o in q.optimizers
-                if p in q.precisions and (b := largest_fitting(q, p, o))
-            ),
-            default=None,
-        )
-        for p in draft.precisions
-    }
-    feasible = {p: b for p, b in caps.items() if b is not None}
-    if not feasible:
-        helps = not backend_for(problem.target.device).host_is_device
-        raise too_small(planner, problem.space, problem.budget, offload_helps=helps)
-    log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
-    draft = dataclasses.replace(draft, notes=(*slow, *notes))
-    profile = time_profile(profiler, draft, feasible, problem.sizes, device_name=target.name)
-    for note in profile.notes:
-        log.info("note: %s", note)
-    return dataclasses.replace(profile, seconds=time.perf_counter() - t0)
 
 
 def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:

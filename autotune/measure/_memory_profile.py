@@ -15,8 +15,9 @@ from torch import nn
 
 from autotune.errors import ProfileError
 from autotune.measure._devices import Transfer
+from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
-from autotune.measure._profiler import Profiler, block_parameter_bytes, parameter_layout
+from autotune.measure._profiler import Profiler
 from autotune.train import _batch as batching
 
 __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
@@ -79,6 +80,7 @@ def memory_profile(
             "checkpointing; use a larger device or a smaller model."
         )
     params = {id(p): p for p in profiler.model.parameters()}
+    every, trainable = parameter_bytes(profiler.model)
     blocks = profiler.blocks
     # An offloaded optimizer's master weights and gradient buffers, one host buffer each.
     host = [p.untyped_storage().nbytes() for p in params.values()]
@@ -87,8 +89,8 @@ def memory_profile(
         profiler.device.type,
         blocks,
         tuple(1.0 / max(len(blocks), 1) for _ in blocks),  # time shares: measured later
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params.values()),
-        grad_bytes=sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad),
+        param_bytes=every,
+        grad_bytes=trainable,
         precisions=memory,
         optimizers=measured,
         context_bytes=context_bytes,

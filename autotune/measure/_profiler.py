@@ -32,35 +32,9 @@ from autotune.train._loss import LossFn
 from autotune.train._prepare import prepare
 from autotune.train._runner import Runner
 
-__all__ = ["Profiler", "block_parameter_bytes"]
+__all__ = ["Profiler"]
 
 _PROFILE_LR = 1e-6  # the copy trains while it is measured; keep its weights sane
-
-
-def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
-    """Parameter bytes of each named block of ``model``."""
-    return tuple(
-        sum(p.untyped_storage().nbytes() for p in model.get_submodule(name).parameters())
-        for name in blocks
-    )
-
-
-def parameter_layout(
-    model: nn.Module, blocks: Sequence[str]
-) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Each parameter once as ``(unit, rows, bytes per row, element size, trainable)``: the
-    index of the first block holding it (-1: none), its first dimension, the bytes of one
-    row, of one element, and whether it is trained."""
-    owner: dict[int, int] = {}
-    for i, name in enumerate(blocks):
-        for p in model.get_submodule(name).parameters():
-            owner.setdefault(id(p), i)
-    out = []
-    for p in {id(p): p for p in model.parameters()}.values():
-        rows = p.shape[0] if p.dim() else 1
-        row = p.untyped_storage().nbytes() // max(rows, 1)
-        out.append((owner.get(id(p), -1), rows, row, p.element_size(), int(p.requires_grad)))
-    return tuple(out)
 
 
 class Profiler:
@@ -243,6 +217,14 @@ class Profiler:
 
     def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
         """Each block's share of the blocks' forward time, from one timed forward."""
+        spent, _ = self.block_times(precision, b)
+        total = sum(spent)
+        if total <= 0 or not self.modules:
+            return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)
+        return tuple(s / total for s in spent)
+
+    def block_times(self, precision: str, b: int) -> tuple[tuple[float, ...], float]:
+        """(each block's seconds, the whole forward's seconds) of one timed forward."""
         runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
         starts: dict[int, float] = {}
         spent = [0.0] * len(self.modules)
@@ -260,15 +242,12 @@ class Profiler:
             )
         try:
             with torch.no_grad():
-                runner.forward_loss(batching.resize(self.sample, b))
+                whole = self._timed(lambda: runner.forward_loss(batching.resize(self.sample, b)))
         finally:
             for h in handles:
                 h.remove()
             runner.close()
-        total = sum(spent)
-        if total <= 0 or not self.modules:
-            return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)
-        return tuple(s / total for s in spent)
+        return tuple(spent), whole
 
     def _now(self) -> float:
         self.ops.synchronize()

@@ -10,7 +10,8 @@ import autotune
 from autotune._data_parallel import per_rank_batch, world_of
 from autotune.cli._commands import _describe
 from autotune.errors import BudgetTooSmallError, ConfigError, DistributedError
-from autotune.models import GPT
+from autotune.measure._depth import shallow_copies
+from autotune.models import GPT, gpt_batch, tiny_gpt
 
 
 @pytest.mark.parametrize(
@@ -101,3 +102,30 @@ def test_a_planned_result_keeps_its_notes_through_yaml(
     loaded = autotune.load(result.save(tmp_path / "plan.yaml"))
     assert loaded.unverified == result.unverified != ()
     assert loaded.config == result.config
+
+
+def test_a_model_too_large_for_the_device_whole_is_planned_from_shallow_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As if 6 blocks did not fit the device: the plan and the estimate come from copies
+    with 3 and 4 blocks, and predict what the whole model's profile predicts."""
+    model = tiny_gpt(n_layer=6, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+    sample = gpt_batch(model.config, 4)
+    config = autotune.TrainConfig(micro_batch_size=4, precision="bf16", parallel="fsdp",
+                                  world_size=4, checkpoint=("blocks.2", "blocks.3"))  # fmt: skip
+    whole = autotune.estimate(model, sample, config, device="cpu")[0]
+    deepened = []
+    monkeypatch.setattr("autotune.measure._depth._WHOLE_SHARE", 0.0)
+    for where in ("autotune._estimate", "autotune._profiling"):
+        monkeypatch.setattr(
+            f"{where}.shallow_copies", lambda *a: deepened.append(1) or shallow_copies(*a)
+        )
+    assert autotune.estimate(model, sample, config, device="cpu")[0] == whole
+    result = autotune.autotune(
+        model, sample, whole * 1.2 / 2**30, global_batch_size=16, world_size=4, device="cpu"
+    )
+    assert len(deepened) == 2  # the estimate and the plan were both made from copies
+    assert result.predicted.peak_bytes <= result.budget_bytes
+    assert autotune.estimate(model, sample, result.config, device="cpu")[0] == (
+        result.predicted.peak_bytes
+    )

@@ -38,6 +38,21 @@ def test_every_rank_returns_the_same_verified_result_within_the_budget() -> None
     assert len({r["loss"] for r in results}) == 1
 
 
+def test_a_model_too_large_for_one_device_is_profiled_on_shallow_copies() -> None:
+    """Rank 0 profiles copies with 3 and 4 of the 6 blocks (the whole model, as if it did
+    not fit its device) and extends them to 6: the verified per-rank peaks match."""
+    job = {"model": "gpt6", "budget_gb": BUDGET_GB, "global_batch": 16, "shallow": True}
+    results = run(2, job)
+    first = results[0]["result"]
+    assert results[0]["deepened"] and all(r["result"] == first for r in results)
+    fitted = [t for t in first["trials"] if t["measured"] is not None]
+    assert first["config"]["parallel"] == "fsdp"  # DDP cannot hold the 6 blocks here
+    assert first["measured"]["peak_bytes"] <= first["budget_bytes"]
+    for t in fitted:
+        predicted, measured = t["predicted"]["peak_bytes"], t["measured"]["peak_bytes"]
+        assert abs(predicted - measured) <= 0.03 * measured, t["config"]
+
+
 def test_a_rank_killed_mid_tuning_makes_the_others_fail_clearly() -> None:
     procs = start(3, {"model": "gpt", "budget_gb": BUDGET_GB, "global_batch": 24, "die_rank": 2})
     outcomes = []

@@ -50,7 +50,8 @@ def model_and_data(name: str, n: int) -> tuple[nn.Module, Any, Any]:
             model[1][0].requires_grad_(False)
         data = (torch.randn(n, 32, generator=g), torch.randint(10, (n,), generator=g))
         return model, mlp_loss, data
-    model = tiny_gpt(n_layer=3, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+    layers = 6 if name == "gpt6" else 3
+    model = tiny_gpt(n_layer=layers, n_embd=64, n_head=2, block_size=32, vocab_size=128)
     return model, None, gpt_batch(model.config, n, seed=1)
 
 
@@ -110,6 +111,14 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             os.kill(os.getpid(), signal.SIGKILL)
 
         _verifier.Verifier.run = die  # type: ignore[method-assign]
+    deepened = []
+    if job.get("shallow"):  # as if the whole model did not fit the device: copies of 3 and 4
+        from autotune import _profiling
+        from autotune.measure import _depth
+
+        _depth._WHOLE_SHARE = 0.0
+        deepen = _profiling.deepen
+        _profiling.deepen = lambda *a: deepened.append(1) or deepen(*a)  # type: ignore[assignment]
     model, loss_fn, data = model_and_data(job["model"], 8)
     result = autotune.autotune(
         model,
@@ -122,7 +131,7 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     runner = autotune.prepare(model, result, loss_fn=loss_fn, device="cpu")
     local = result.config.effective_batch_size
     loss = runner.step(rows(data, 0, local) if local <= 8 else data)
-    return {"result": result.to_dict(), "loss": float(loss)}
+    return {"result": result.to_dict(), "loss": float(loss), "deepened": bool(deepened)}
 
 
 def fallback(rank: int, world: int) -> dict[str, Any]:

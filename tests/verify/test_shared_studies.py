@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
     where = {{"record": (_verifier.Verifier, "record"), "settle": (shared, "settle"),
-             "profile": (tuning, "_profile"), "search": (layouts, "search")}}[stage]
+             "profile": (tuning, "profile_model"), "search": (layouts, "search")}}[stage]
     original, seen = getattr(*where), []
 
     def hanging(*args, **kwargs):  # the test kills or interrupts us in here

@@ -51,7 +51,7 @@ def test_resume_reuses_the_profile_and_the_verifications(tmp_path, monkeypatch) 
     def boom(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr("autotune.tune._profile", boom)
+    monkeypatch.setattr("autotune.tune.profile_model", boom)
     monkeypatch.setattr("autotune.verify._verifier.Verifier.record", boom)
     again = tune(path)
     assert again.config == first.config and again.measured == first.measured
