@@ -1,5 +1,6 @@
 """Data parallelism on the CPU with gloo (issue 14): per-rank peak prediction, the largest
-model a per-rank budget holds at 1, 2 and 4 ranks, and tuning time at 2 ranks.
+model a per-rank budget holds at 1, 2 and 4 ranks, tuning time at 2 ranks, and a deep
+model tuned from a profile of its whole depth against one of copies with 3 and 4 blocks.
 
     python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json   # ~6 min
 
@@ -109,7 +110,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results-parallel-cpu.json"))
     parser.add_argument("--budget-mib", type=int, default=96)
     parser.add_argument(
-        "--only", choices=("prediction", "largest", "tuning"), help="one part, kept beside the rest"
+        "--only",
+        choices=("prediction", "largest", "tuning", "deep"),
+        help="one part, kept beside the rest",
     )
     args = parser.parse_args()
     started = time.time()
@@ -133,6 +136,9 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=2))
     if args.only in (None, "tuning"):
         out["tuning"] = tuning()
+        args.out.write_text(json.dumps(out, indent=2))
+    if args.only in (None, "deep"):
+        out["deep"] = deep()
     out["seconds"] = time.time() - started
     args.out.write_text(json.dumps(out, indent=2))
 
@@ -145,6 +151,28 @@ def tuning() -> list[Any]:
     ]
     for t in runs:
         print(f"tuning at 2 ranks: {t['tuning_s']:.1f} s -> {t['config']}")
+    return runs
+
+
+def deep() -> list[Any]:
+    """A 24-block GPT tuned on 2 ranks where only FSDP2 fits, profiled whole and on copies of
+    3 and 4 blocks (as when the model does not fit one device whole): profile time, the
+    winner, and every verified per-rank peak against its prediction."""
+    shape = {**SHAPES["gpt-4x128"], "n_layer": 24}
+    model = tiny_gpt(**shape)
+    blocks = tuple(f"blocks.{i}" for i in range(24))
+    ddp = autotune.TrainConfig(checkpoint=blocks, parallel="ddp", world_size=2)
+    budget = 0.8 * autotune.estimate(model, gpt_batch(model.config, 2), ddp, device="cpu")[0]
+    runs = []
+    for shallow in (False, True):
+        job = {"model": shape, "budget_gb": budget / 2**30, "global_batch": 16}
+        run = launch(2, {"tune": {**job, "shallow": shallow}})
+        runs.append({"shallow": shallow, **run})
+        worst = max(abs(e) for e in run["errors"])
+        print(
+            f"24 blocks, {'copies of 3 and 4' if shallow else 'whole'}: profile "
+            f"{run['spent']['profile_s']:.1f} s, {run['config']}, max error {100 * worst:.2f}%"
+        )
     return runs
 
 

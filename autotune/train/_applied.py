@@ -11,7 +11,6 @@ written with these pieces trains exactly as the runner does.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -21,8 +20,9 @@ from torch import nn
 from autotune._backend import backend_for
 from autotune._device import resolve_device
 from autotune.config import TrainConfig
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import ConfigError
 from autotune.train import _batch as batching
+from autotune.train import _fallback
 from autotune.train._checkpoint import (
     apply_checkpointing,
     apply_offloading,
@@ -84,7 +84,8 @@ class Applied:
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
         # After fully_shard, whose parameters are the shards.
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._in_optimizer_step = False
+        self.stepping = False
+        """The optimizer step has begun: an out-of-memory error is no longer retried."""
         self._closed = False
         self._budget = contextlib.ExitStack()
         self._undo: list[Callable[[], None]] = []
@@ -163,7 +164,7 @@ class Applied:
         Returns:
             The gradients' total norm before clipping, if ``max_grad_norm`` was given.
         """
-        self._in_optimizer_step = True  # an OOM from here on is not retried
+        self.stepping = True  # an OOM from here on is not retried
         optimizer = self.optimizer
         norm: list[torch.Tensor] = []
 
@@ -205,43 +206,13 @@ class Applied:
             self.host.collect = last
         self.parallel.last_micro_batch(last)
 
-    # --- the fallback ladder ------------------------------------------------------------
+    # --- the fallback ladder (autotune.train._fallback) -------------------------------
 
     def run(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``step(*args, **kwargs)``, one optimizer step, run again on a fallback after an
-        out-of-memory error.
-
-        When ``step`` raises ``torch.OutOfMemoryError`` before :meth:`optimizer_step`
-        began, with fallbacks left, the partial step is freed, the random state and the
-        buffers are put back, the next fallback takes over (with a warning) and ``step``
-        runs again with the same arguments: :meth:`micro_batches` then splits the same
-        batch as the fallback says. Without fallbacks it is just a call.
-        """
+        out-of-memory error (see :func:`~autotune.train._fallback.run`)."""
         self._check_open()
-        while True:
-            restore = self.snapshot() if self.fallbacks else None
-            self._in_optimizer_step = False
-            try:
-                return step(*args, **kwargs)
-            except torch.OutOfMemoryError as exc:
-                if restore is None or self._in_optimizer_step:
-                    # No fallback left, or weights already half-updated: not retried. The
-                    # partial gradients go, so that a caller who retries starts clean.
-                    self.zero_grad()
-                    raise
-                reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
-            # Outside the except block, so that the traceback no longer pins the step's tensors.
-            self.parallel.reset()
-            self.zero_grad()
-            restore()
-            previous = self.config
-            self.switch(self.fallbacks.pop(0))
-            warnings.warn(
-                f"out of memory with {previous.describe()} ({reason}); the same batch runs "
-                f"again with fallback {self.config.describe()}.",
-                AutotuneWarning,
-                stacklevel=3,
-            )
+        return _fallback.run(self, step, *args, **kwargs)
 
     def switch(self, config: TrainConfig) -> None:
         """Train with ``config`` from the next step on, keeping weights and optimizer state.
@@ -249,43 +220,21 @@ class Applied:
         Raises:
             ConfigError: ``config`` names another optimizer (its state could not be kept).
         """
-        if config.optimizer != self.config.optimizer:
-            raise ConfigError(
-                f"cannot switch from optimizer {self.config.optimizer} to {config.optimizer} "
-                "mid-training; apply the new config to the model instead."
-            )
-        check_blocks(self.model, config)
-        self.parallel.switch(config)
-        remove_checkpointing(self.model)
-        apply_checkpointing(self.model, config.checkpoint)
-        apply_offloading(self.model, config.offload_activations, self.offloader)
-        moved = config.offload_optimizer != self.config.offload_optimizer
-        if moved and self._optimizer is not None:
+        _fallback.switch(self, config)
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts the random state and buffers back as they are now."""
+        return _fallback.snapshot(self.model, self.ops)
+
+    def rebuild_optimizer(self, offload: bool) -> None:
+        """The optimizer built again on the host or the device, its state kept."""
+        if self._optimizer is not None:
             # The state moves with a state dict: load_state_dict puts it where the new
             # optimizer's parameters are (host or device).
             state = self._optimizer.state_dict()
             self.zero_grad()
-            self._optimizer = self._build_optimizer(config.offload_optimizer)
+            self._optimizer = self._build_optimizer(offload)
             self._optimizer.load_state_dict(state)
-        self.scaler = make_scaler(config, self.device, self.scaler)
-        self.config = config
-
-    def snapshot(self) -> Callable[[], None]:
-        """A function that puts the random state and buffers back as they are now."""
-        cpu_rng = torch.random.get_rng_state()
-        device_rng = self.ops.rng_state()
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-
-        def restore() -> None:
-            torch.random.set_rng_state(cpu_rng)
-            if device_rng is not None:
-                self.ops.set_rng_state(device_rng)
-            with torch.no_grad():
-                for live, saved in buffers:
-                    live.copy_(saved)
-            self.ops.empty_cache()
-
-        return restore
 
     # --- the budget, and giving the model back ------------------------------------------
 

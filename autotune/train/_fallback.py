@@ -1,0 +1,108 @@
+"""The fallback ladder of an applied config: a step that runs out of device memory runs
+again on the next fallback, with the same batch, weights, optimizer state, random state
+and buffers."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from autotune._backend import Backend
+from autotune.config import TrainConfig
+from autotune.errors import AutotuneWarning, ConfigError
+from autotune.train._checkpoint import (
+    apply_checkpointing,
+    apply_offloading,
+    check_blocks,
+    remove_checkpointing,
+)
+from autotune.train._steps import make_scaler
+
+if TYPE_CHECKING:
+    from autotune.train._applied import Applied
+
+__all__ = ["run", "snapshot", "switch"]
+
+T = TypeVar("T")
+
+
+def run(applied: Applied, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``step(*args, **kwargs)``, one optimizer step, run again on a fallback after an
+    out-of-memory error.
+
+    When ``step`` raises ``torch.OutOfMemoryError`` before the optimizer step began, with
+    fallbacks left, the partial step is freed, the random state and the buffers are put
+    back, the next fallback takes over (with a warning) and ``step`` runs again with the
+    same arguments: ``applied.micro_batches`` then splits the same batch as the fallback
+    says. Without fallbacks it is just a call.
+    """
+    while True:
+        restore = snapshot(applied.model, applied.ops) if applied.fallbacks else None
+        applied.stepping = False
+        try:
+            return step(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if restore is None or applied.stepping:
+                # No fallback left, or weights already half-updated: not retried. The
+                # partial gradients go, so that a caller who retries starts clean.
+                applied.zero_grad()
+                raise
+            reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Outside the except block, so that the traceback no longer pins the step's tensors.
+        applied.parallel.reset()
+        applied.zero_grad()
+        restore()
+        previous = applied.config
+        switch(applied, applied.fallbacks.pop(0))
+        warnings.warn(
+            f"out of memory with {previous.describe()} ({reason}); the same batch runs "
+            f"again with fallback {applied.config.describe()}.",
+            AutotuneWarning,
+            stacklevel=4,
+        )
+
+
+def switch(applied: Applied, config: TrainConfig) -> None:
+    """``applied`` trains with ``config`` from the next step on, keeping weights and
+    optimizer state.
+
+    Raises:
+        ConfigError: ``config`` names another optimizer (its state could not be kept).
+    """
+    if config.optimizer != applied.config.optimizer:
+        raise ConfigError(
+            f"cannot switch from optimizer {applied.config.optimizer} to {config.optimizer} "
+            "mid-training; apply the new config to the model instead."
+        )
+    model = applied.model
+    check_blocks(model, config)
+    applied.parallel.switch(config)
+    remove_checkpointing(model)
+    apply_checkpointing(model, config.checkpoint)
+    apply_offloading(model, config.offload_activations, applied.offloader)
+    if config.offload_optimizer != applied.config.offload_optimizer:
+        applied.rebuild_optimizer(config.offload_optimizer)
+    applied.scaler = make_scaler(config, applied.device, applied.scaler)
+    applied.config = config
+
+
+def snapshot(model: nn.Module, ops: Backend) -> Callable[[], None]:
+    """A function that puts the random state and ``model``'s buffers back as they are now."""
+    cpu_rng = torch.random.get_rng_state()
+    device_rng = ops.rng_state()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore() -> None:
+        torch.random.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            ops.set_rng_state(device_rng)
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)
+        ops.empty_cache()
+
+    return restore
