@@ -30,7 +30,7 @@ from autotune.errors import (
     ProfileError,
     VerificationError,
 )
-from autotune.result import Breakdown, Measurement, TrialRecord, TuneResult, load
+from autotune.result import Breakdown, LengthRow, Measurement, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from autotune.train._applied import Applied
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
+    from autotune.train._sampler import LengthBucketSampler
     from autotune.tune import autotune
 
 __all__ = [
@@ -52,6 +53,8 @@ __all__ = [
     "BudgetTooSmallError",
     "ConfigError",
     "DistributedError",
+    "LengthBucketSampler",
+    "LengthRow",
     "LossError",
     "Measurement",
     "ProfileError",
@@ -74,6 +77,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Applied": "autotune.train._applied",
+    "LengthBucketSampler": "autotune.train._sampler",
     "apply": "autotune.train._prepare",
     "autotune": "autotune.tune",
     "estimate": "autotune._estimate",

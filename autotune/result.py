@@ -22,6 +22,7 @@ __all__ = [
     "PARTS",
     "SCHEMA_VERSION",
     "Breakdown",
+    "LengthRow",
     "Measurement",
     "ModelInfo",
     "Spent",
@@ -122,6 +123,20 @@ class Spent:
 
 
 @dataclasses.dataclass(frozen=True)
+class LengthRow:
+    """One row of a result tuned per sequence length: how batches up to ``length`` train."""
+
+    length: int
+    """The longest (padded) length this row trains; the row before it holds the shorter."""
+    config: TrainConfig
+    """The fastest verified configuration at ``length``."""
+    predicted: Measurement
+    measured: Measurement
+    fallbacks: tuple[TrainConfig, ...] = ()
+    """Verified at ``length``, with this row's effective batch, fastest to most frugal."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TuneResult:
     """The outcome of :func:`autotune.autotune`: the winner, its evidence and fallbacks."""
 
@@ -147,6 +162,9 @@ class TuneResult:
     unverified: tuple[str, ...] = ()
     """What of this result was predicted and not run for real (a plan for a world size
     tuned in one process); empty when everything was verified."""
+    by_length: tuple[LengthRow, ...] = ()
+    """Tuned per sequence length (``sequence_lengths=``): a row per length, ascending; the
+    last is the longest, whose config is ``config``. Empty: one config for every batch."""
     version: int = SCHEMA_VERSION
     """Schema version of the YAML file."""
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autotune._backend import backend_for
+from autotune._by_length import Lengths, tune_by_length
 from autotune._data_parallel import (
     layouts,
     per_rank_batch,
@@ -68,6 +69,8 @@ def autotune(
     *,
     loss_fn: LossFn | None = None,
     global_batch_size: int | None = None,
+    global_batch_tokens: int | None = None,
+    sequence_lengths: Sequence[int] | None = None,
     device: torch.device | str | None = None,
     space: SearchSpace | None = None,
     n_trials: int | None = None,
@@ -88,6 +91,15 @@ def autotune(
             ``output.loss``, or the first element of a tuple output.
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             default: no accumulation, the micro-batch is the batch.
+        global_batch_tokens: Tokens per optimizer step instead (``global_batch_size``
+            samples of the sequence length): at each length, ``tokens / length`` samples,
+            exact, so every length must divide it.
+        sequence_lengths: Tune a table: for each of these lengths (the sample batch at
+            the longest), the fastest verified config for batches padded up to it, in
+            ``result.by_length``; the runner trains each batch with its length's row and
+            :class:`autotune.LengthBucketSampler` makes the batches. Every row keeps the
+            optimizer step's meaning (the global batch, in samples or tokens), the
+            precision and the optimizer of the longest, so the math is the same.
         device: Target device; default CUDA if available, else CPU.
         space: Knobs to search; default :class:`SearchSpace()`.
         n_trials: Optuna trials on the cost model, for a space too large to enumerate
@@ -108,12 +120,56 @@ def autotune(
             ``micro x accumulation x world_size``.
 
     Returns:
-        The verified winner, its predicted and measured numbers, and fallbacks.
+        The verified winner, its predicted and measured numbers, and fallbacks (with
+        ``sequence_lengths``: those of the longest, and the table).
 
     Raises:
         BudgetError, BudgetTooSmallError, BatchError, LossError, BlockError, ProfileError,
         VerificationError: each with a message that says what to do.
     """
+    space = space or SearchSpace()
+    one = functools.partial(
+        _tune,
+        budget_gb=budget_gb,
+        loss_fn=loss_fn,
+        device=device,
+        n_trials=n_trials,
+        timeout_s=timeout_s,
+        seed=seed,
+        storage=storage,
+        study_name=study_name,
+        world_size=world_size,
+    )
+    if sequence_lengths is None and global_batch_tokens is None:
+        return one(model, sample_batch, global_batch_size=global_batch_size, space=space)
+    return tune_by_length(
+        one,
+        model,
+        sample_batch,
+        Lengths.of(sample_batch, sequence_lengths, global_batch_size, global_batch_tokens),
+        space,
+        parallel=world_size not in (None, 1) or group_size() > 1,
+        storage=storage is not None,
+    )
+
+
+def _tune(
+    model: nn.Module,
+    sample_batch: Any,
+    budget_gb: float,
+    *,
+    loss_fn: LossFn | None,
+    global_batch_size: int | None,
+    device: torch.device | str | None,
+    space: SearchSpace,
+    n_trials: int | None,
+    timeout_s: float | None,
+    seed: int,
+    storage: str | None,
+    study_name: str | None,
+    world_size: int | None,
+) -> TuneResult:
+    """:func:`autotune` at one sequence length (the sample batch's)."""
     started = time.perf_counter()
     world, here = world_of(world_size)
     problem = make_problem(
@@ -123,7 +179,7 @@ def autotune(
         loss_fn=loss_fn,
         global_batch_size=per_rank_batch(global_batch_size, world),
         device=device,
-        space=space or SearchSpace(),
+        space=space,
     )
     if storage is not None and world > 1:
         raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")

@@ -17,7 +17,7 @@ from autotune.cli._progress import progress
 from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import PARTS, TrialRecord, TuneResult, load
+from autotune.result import PARTS, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 __all__ = ["estimate_command", "export_command", "report", "show", "tune", "verify"]
@@ -35,6 +35,10 @@ def tune(args: argparse.Namespace) -> int:
     space = _space(args)
     if args.world_size is not None:
         extra["world_size"] = args.world_size
+    if args.global_batch_tokens is not None:
+        extra["global_batch_tokens"] = args.global_batch_tokens
+    if args.sequence_lengths:
+        extra["sequence_lengths"] = _integers(args.sequence_lengths, "--sequence-lengths")
     first, joined = join_torchrun(args.device)
     with progress(quiet=args.quiet or not first), leave_group(joined):
         result = autotune(
@@ -76,14 +80,18 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     if args.blocks:
         knobs["blocks"] = _names(args.blocks)
     if args.micro_batch_sizes:
-        try:
-            knobs["micro_batch_sizes"] = tuple(int(s) for s in _names(args.micro_batch_sizes))
-        except ValueError:
-            raise ConfigError(
-                f"--micro-batch-sizes takes integers separated by commas, e.g. 8,16,32; got "
-                f"{args.micro_batch_sizes[:40]!r}."
-            ) from None
+        knobs["micro_batch_sizes"] = _integers(args.micro_batch_sizes, "--micro-batch-sizes")
     return SearchSpace(**knobs)
+
+
+def _integers(text: str, flag: str) -> tuple[int, ...]:
+    """A flag's integers, separated by commas."""
+    try:
+        return tuple(int(s) for s in _names(text))
+    except ValueError:
+        raise ConfigError(
+            f"{flag} takes integers separated by commas, e.g. 8,16,32; got {text[:40]!r}."
+        ) from None
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -239,6 +247,9 @@ def _describe(result: TuneResult) -> str:
         lines += [f"unverified  {note}" for note in result.unverified]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")
+    if result.by_length:
+        lines.append("by sequence length (a row trains batches up to its length):")
+        lines += [f"  {_row(r)}" for r in result.by_length]
     s = result.spent
     lines.append(
         f"tuned in    {result.tuning_s:.1f} s: profile {s.profile_s:.1f} s, search "
@@ -247,6 +258,16 @@ def _describe(result: TuneResult) -> str:
     lines.append(f"verified    {len(result.trials)} configs run for real:")
     lines += [f"  {_trial(r)}" for r in result.trials]
     return "\n".join(lines)
+
+
+def _row(r: LengthRow) -> str:
+    """One row of a table per sequence length."""
+    m = r.measured
+    return (
+        f"{r.length:>6}  {r.config.describe()}: {m.samples_per_s:.1f} samples/s "
+        f"({m.samples_per_s * r.length:.0f} tokens/s), peak {format_bytes(m.peak_bytes)}, "
+        f"{len(r.fallbacks)} fallbacks"
+    )
 
 
 def _trial(r: TrialRecord) -> str:

@@ -113,6 +113,15 @@ def _add_tune(sub: Any) -> None:
     )
     tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
     tune.add_argument(
+        "--global-batch-tokens",
+        type=positive_int,
+        help="tokens per optimizer step instead: tokens / length samples at each length",
+    )
+    tune.add_argument(
+        "--sequence-lengths",
+        help="tune a table, a row per length (the batch at the longest), e.g. 128,256,512",
+    )
+    tune.add_argument(
         "--trials",
         type=positive_int,
         help="Optuna trials on the cost model, for a space too large to enumerate",

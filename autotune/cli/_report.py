@@ -55,6 +55,8 @@ def render_html(result: TuneResult) -> str:
         "<h2>Configurations run on the device</h2>",
         _trials(result),
     ]
+    if result.by_length:
+        body[2:2] = ["<h2>By sequence length</h2>", _lengths(result)]
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body>\n"
@@ -154,6 +156,23 @@ def _blocks(config: TrainConfig, blocks: Sequence[str]) -> str:
         "(checkpointed); kept blocks hold theirs until backward.</p>"
         + _table(("block", "activations"), rows)
     )
+
+
+def _lengths(result: TuneResult) -> str:
+    """The table per sequence length: each row's config and what it measured."""
+    rows = [
+        (
+            _num(str(r.length)),
+            _esc(r.config.describe()),
+            _num(format_bytes(r.measured.peak_bytes)),
+            _num(f"{r.measured.samples_per_s:.1f}"),
+            _num(f"{r.measured.samples_per_s * r.length:.0f}"),
+            _num(str(len(r.fallbacks))),
+        )
+        for r in result.by_length
+    ]
+    head = ("up to length", "configuration", "peak", "samples/s", "tokens/s", "fallbacks")
+    return _table(head, rows)
 
 
 def _trials(result: TuneResult) -> str:

@@ -18,6 +18,8 @@ _WORDS: tuple[tuple[str, str], ...] = (  # longest first: the generic names come
     ("SearchSpace.micro_batch_sizes", "--micro-batch-sizes"),
     ("SearchSpace.blocks", "--blocks"),
     ("SearchSpace(blocks=[...])", "--blocks NAME,NAME"),
+    ("global_batch_tokens", "--global-batch-tokens"),
+    ("sequence_lengths", "--sequence-lengths"),
     ("global_batch_size", "--global-batch"),
     ("budget_gb", "--budget-gb"),
     ("n_trials", "--trials"),

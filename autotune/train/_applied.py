@@ -21,6 +21,7 @@ from autotune._backend import backend_for
 from autotune._device import resolve_device
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
+from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train import _fallback
 from autotune.train._checkpoint import (
@@ -29,6 +30,7 @@ from autotune.train._checkpoint import (
     check_blocks,
     remove_checkpointing,
 )
+from autotune.train._lengths import Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
@@ -61,15 +63,21 @@ class Applied:
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
         units: Sequence[str] = (),
+        table: Sequence[LengthRow] = (),
     ) -> None:
-        for c in (config, *fallbacks):  # now, not at the first OOM in the middle of training
+        every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
+        for c in every:  # now, not at the first OOM in the middle of training
             check_blocks(model, c)
         self.model = model
         self.config = config
         self.device = device = resolve_device(device)
         self.ops = backend_for(device)
         self.lr = lr
-        self.fallbacks = [f for f in fallbacks if config.can_switch_to(f)]
+        self.rows = Rows.of(table, config)
+        """A table tuned per sequence length: each batch trains with its length's row."""
+        self.row = self.rows.first(config)
+        self.fallbacks = self.row.fallbacks if self.row else Rows.usable(fallbacks, config)
+        """The current config's fallbacks still left (its row's, with a table)."""
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
         self.host: OptimizerOffloader | None = None
@@ -82,8 +90,7 @@ class Applied:
         apply_offloading(model, config.offload_activations, self.offloader)
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
-        # After fully_shard, whose parameters are the shards.
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # FSDP's: shards
         self.stepping = False
         """The optimizer step has begun: an out-of-memory error is no longer retried."""
         self._closed = False
@@ -127,6 +134,7 @@ class Applied:
     def _chunks(self, batch: Any) -> Iterator[tuple[Any, float]]:
         """:meth:`micro_batches` where the batch is (the runner moves each one itself)."""
         self._check_open()
+        self.select(batch)
         n = batching.batch_size(batch)
         chunks = batching.split(batch, self.config.micro_batch_size)
         for i, chunk in enumerate(chunks):
@@ -135,6 +143,11 @@ class Applied:
                 yield chunk, batching.batch_size(chunk) / n
             finally:
                 self.last_micro_batch(False)
+
+    def select(self, batch: Any) -> None:
+        """With a table tuned per sequence length, train with the row of ``batch``'s
+        length from now on (see :func:`~autotune.train._fallback.select`)."""
+        _fallback.select(self, batch)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast context of the config's precision (a no-op for fp32)."""

@@ -69,18 +69,19 @@ def _map(batch: Batch, fn: Callable[[Tensor], Tensor], min_ndim: int) -> Batch:
     return batch
 
 
-def map_tensors(batch: Batch, fn: Callable[[Tensor], Tensor]) -> Batch:
-    """Applies ``fn`` to every tensor leaf with at least one dimension.
+def map_tensors(batch: Batch, fn: Callable[[Tensor], Tensor], *, min_ndim: int = 1) -> Batch:
+    """Applies ``fn`` to every tensor leaf with at least ``min_ndim`` dimensions.
 
     Args:
         batch: A Tensor, tuple/list or Mapping, nested freely.
         fn: Maps one tensor to another (usually with the same number of rows or fewer).
+        min_ndim: Leaves with fewer dimensions pass unchanged.
 
     Returns:
         The same structure and container types, with ``fn`` applied to the tensor leaves.
     """
     _check_type(batch)
-    return _map(batch, fn, 1)
+    return _map(batch, fn, min_ndim)
 
 
 def _leaves(batch: Batch, path: str) -> Iterator[tuple[str, Tensor]]:

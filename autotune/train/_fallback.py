@@ -1,6 +1,7 @@
-"""The fallback ladder of an applied config: a step that runs out of device memory runs
-again on the next fallback, with the same batch, weights, optimizer state, random state
-and buffers."""
+"""Switching an applied config mid-training, weights and optimizer state kept: the
+fallback ladder (a step that runs out of device memory runs again on the next fallback,
+with the same batch, random state and buffers), and the row of a table tuned per
+sequence length that a batch trains with."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from autotune.train._steps import make_scaler
 if TYPE_CHECKING:
     from autotune.train._applied import Applied
 
-__all__ = ["run", "snapshot", "switch"]
+__all__ = ["run", "select", "snapshot", "switch"]
 
 T = TypeVar("T")
 
@@ -40,13 +41,15 @@ def run(applied: Applied, step: Callable[..., T], *args: Any, **kwargs: Any) -> 
     same arguments: ``applied.micro_batches`` then splits the same batch as the fallback
     says. Without fallbacks it is just a call.
     """
+    # With a table, the step may move to a row with fallbacks: snapshot if any row has.
+    rows = (applied.fallbacks, *(r.fallbacks for r in applied.rows))
     while True:
-        restore = snapshot(applied.model, applied.ops) if applied.fallbacks else None
+        restore = snapshot(applied.model, applied.ops) if any(rows) else None
         applied.stepping = False
         try:
             return step(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if restore is None or applied.stepping:
+            if restore is None or applied.stepping or not applied.fallbacks:
                 # No fallback left, or weights already half-updated: not retried. The
                 # partial gradients go, so that a caller who retries starts clean.
                 applied.zero_grad()
@@ -58,6 +61,8 @@ def run(applied: Applied, step: Callable[..., T], *args: Any, **kwargs: Any) -> 
         restore()
         previous = applied.config
         switch(applied, applied.fallbacks.pop(0))
+        if applied.row is not None:  # the row trains with its fallback from now on
+            applied.row.config = applied.config
         warnings.warn(
             f"out of memory with {previous.describe()} ({reason}); the same batch runs "
             f"again with fallback {applied.config.describe()}.",
@@ -88,6 +93,21 @@ def switch(applied: Applied, config: TrainConfig) -> None:
         applied.rebuild_optimizer(config.offload_optimizer)
     applied.scaler = make_scaler(config, applied.device, applied.scaler)
     applied.config = config
+
+
+def select(applied: Applied, batch: Any) -> None:
+    """With a table tuned per sequence length, ``applied`` trains with the row of
+    ``batch``'s (padded) length from now on: its config, its fallbacks. Without a table,
+    nothing.
+
+    Raises:
+        BatchError: ``batch`` is longer than the table's longest length.
+    """
+    row = applied.rows.of_batch(batch)
+    if row is not None and row is not applied.row:
+        if row.config != applied.config:
+            switch(applied, row.config)
+        applied.row, applied.fallbacks = row, row.fallbacks
 
 
 def snapshot(model: nn.Module, ops: Backend) -> Callable[[], None]:

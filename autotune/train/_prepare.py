@@ -55,15 +55,24 @@ def prepare(
     Given a :class:`TuneResult`, the runner falls back down ``result.fallbacks`` when a
     step runs out of memory (see :meth:`Runner.step`), and on a device with a caching
     allocator (CUDA) it caps the allocator at the result's budget, as verification did,
-    until the runner is closed.
+    until the runner is closed. A result tuned per sequence length (``by_length``) trains
+    each batch with the row of its padded length, each row with its own fallbacks.
     """
     config, result, target, foreign = _setup(model, config, device, strict, "prepare")
     model.train()
     _disable_kv_cache(model)
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
+    table = result.by_length if result is not None else ()
     runner = Runner(
-        model, config, lr=lr, loss_fn=loss_fn, device=target, fallbacks=fallbacks, units=units
+        model,
+        config,
+        lr=lr,
+        loss_fn=loss_fn,
+        device=target,
+        fallbacks=fallbacks,
+        units=units,
+        table=table,
     )
     _hold(runner, result, foreign)
     return runner
@@ -95,7 +104,10 @@ def apply(
     cache = getattr(getattr(model, "config", None), "use_cache", None)
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
-    handle = Applied(model, config, lr=lr, device=target, fallbacks=fallbacks, units=units)
+    table = result.by_length if result is not None else ()
+    handle = Applied(
+        model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
+    )
     if cache:
         _disable_kv_cache(model)
         handle.on_undo(lambda: setattr(model.config, "use_cache", cache))

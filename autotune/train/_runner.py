@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autotune.config import TrainConfig
+from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._applied import Applied
 from autotune.train._loss import LossFn, call_model, compute_loss
@@ -48,8 +49,11 @@ class Runner(Applied):
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
         units: Sequence[str] = (),
+        table: Sequence[LengthRow] = (),
     ) -> None:
-        super().__init__(model, config, lr=lr, device=device, fallbacks=fallbacks, units=units)
+        super().__init__(
+            model, config, lr=lr, device=device, fallbacks=fallbacks, units=units, table=table
+        )
         self.loss_fn = loss_fn
         _ = self.optimizer  # built now: its memory is part of what the runner holds
 
@@ -63,7 +67,9 @@ class Runner(Applied):
         """One optimizer step over ``batch``, in micro-batches of ``micro_batch_size``.
 
         The batch normally holds ``effective_batch_size`` samples; any size works, and the
-        gradient is that of the mean loss over the whole batch either way. On
+        gradient is that of the mean loss over the whole batch either way. With a table
+        tuned per sequence length, the batch trains with the row of its padded length
+        (:meth:`select`); a batch longer than the longest row is a ``BatchError``. On
         ``torch.OutOfMemoryError`` in the forward or backward, with fallbacks left, the
         partial step is freed, the next fallback takes over (with a warning), and the
         same batch runs again from the same random state and buffers.
@@ -76,6 +82,7 @@ class Runner(Applied):
         Returns:
             The mean loss over the batch (a detached scalar tensor, not synchronised).
         """
+        self.select(batch)
         return self.run(self._step, batch, max_grad_norm, scheduler)
 
     def _step(

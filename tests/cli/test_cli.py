@@ -180,6 +180,9 @@ def test_tune_takes_the_search_space_flags(capsys, tuned: Tuned, tmp_path: Path)
         (["--micro-batch-sizes", "0"], "--micro-batch-sizes must be positive"),
         (["--optimizers", "lion"], "--optimizers must be"),
         (["--budget-gb", "0.0001"], "raise --budget-gb"),
+        (["--sequence-lengths", "8,x"], "--sequence-lengths takes integers"),
+        (["--sequence-lengths", "8,16"], "pass --global-batch (samples) or --global-batch-tokens"),
+        (["--global-batch-tokens", "100"], "at length"),
     ],
 )
 def test_errors_name_the_flags_not_the_python_keywords(capsys, tuned: Tuned, flags, words) -> None:

@@ -1,0 +1,152 @@
+"""Tuning a table per sequence length: the fastest verified config at each length.
+
+Activation memory grows with a batch's length, so a config tuned at the longest length
+wastes the budget on every shorter batch. Each length of the table is tuned as a run of
+its own (profile, search, verification under the budget) on the sample batch cut to that
+length, the longest first. The rows keep the optimizer step's meaning (the global batch in
+samples, or in tokens: ``tokens / length`` samples) and the longest row's precision and
+optimizer, so training switches between rows with the same math and optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autotune.config import MAX_BATCH
+from autotune.errors import ConfigError
+from autotune.result import LengthRow, Spent, TuneResult
+from autotune.space import SearchSpace
+from autotune.train._lengths import sequence_length, truncate
+
+__all__ = ["Lengths", "tune_by_length"]
+
+log = logging.getLogger("autotune")
+
+TuneOne = Callable[..., TuneResult]
+"""``tune(model, sample, global_batch_size=, space=)``: one length's tuning run."""
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_BATCH**2
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths of a table and the samples of one optimizer step at each."""
+
+    lengths: tuple[int, ...]
+    """Ascending; the last is the longest."""
+    samples: tuple[int, ...]
+    """The global batch, in samples, at each length."""
+
+    @staticmethod
+    def of(
+        sample: Any,
+        lengths: Sequence[int] | None,
+        global_batch_size: int | None,
+        global_batch_tokens: int | None,
+    ) -> Lengths:
+        """Check the table's arguments (fast, before anything runs).
+
+        Raises:
+            ConfigError: what is wrong with them, and what to pass instead.
+            BatchError: the sample batch has no sequence dimension.
+        """
+        if global_batch_size is not None and global_batch_tokens is not None:
+            raise ConfigError(
+                "pass global_batch_size (samples per step) or global_batch_tokens, not both."
+            )
+        full = sequence_length(sample)
+        if lengths is None:
+            lengths = (full,)
+        if (
+            isinstance(lengths, (str, bytes))
+            or not isinstance(lengths, Sequence)
+            or not lengths
+            or not all(_positive(n) for n in lengths)
+        ):
+            raise ConfigError(
+                f"sequence_lengths must be a list of positive integers, got {lengths!r:.60}."
+            )
+        ordered = tuple(sorted(set(lengths)))
+        if ordered[-1] > full:
+            raise ConfigError(
+                f"the sample batch is {full} long but sequence_lengths goes to {ordered[-1]}: "
+                "pass a sample batch at the longest length you will train on."
+            )
+        if global_batch_tokens is not None:
+            if not _positive(global_batch_tokens):
+                raise ConfigError(
+                    "global_batch_tokens must be a positive integer, got "
+                    f"{global_batch_tokens!r:.40}."
+                )
+            uneven = [n for n in ordered if global_batch_tokens % n]
+            if uneven:
+                raise ConfigError(
+                    f"global_batch_tokens {global_batch_tokens} is not a whole number of "
+                    f"samples at length {uneven[0]}: use a multiple of every length."
+                )
+            samples = tuple(global_batch_tokens // n for n in ordered)
+        elif global_batch_size is not None:
+            samples = tuple(global_batch_size for _ in ordered)
+        else:
+            raise ConfigError(
+                "a table per sequence length needs the optimizer step to mean the same at "
+                "every length: pass global_batch_size (samples) or global_batch_tokens."
+            )
+        return Lengths(ordered, samples)
+
+
+def tune_by_length(
+    tune: TuneOne,
+    model: nn.Module,
+    sample: Any,
+    lengths: Lengths,
+    space: SearchSpace,
+    *,
+    parallel: bool,
+    storage: bool,
+) -> TuneResult:
+    """Tune each length (the longest first) and join the rows into one result: the
+    longest's, with ``by_length``.
+
+    Raises:
+        ConfigError: data parallelism or a storage were asked for (not supported yet).
+    """
+    if parallel:
+        raise ConfigError(
+            "sequence_lengths is not supported with data parallelism yet; tune at the "
+            "longest length, or in one process."
+        )
+    if storage:
+        raise ConfigError("sequence_lengths is not supported with storage= yet; leave it out.")
+    started = time.perf_counter()
+    rows: list[LengthRow] = []
+    results: list[TuneResult] = []
+    for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
+        log.info("tuning at sequence length %d (%d samples per step)", length, samples)
+        result = tune(model, truncate(sample, length), global_batch_size=samples, space=space)
+        if not results:  # the longest fixes the math of every row
+            c = result.config
+            space = dataclasses.replace(space, precisions=(c.precision,), optimizers=(c.optimizer,))
+        results.append(result)
+        rows.insert(
+            0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)
+        )
+    spent = Spent(*(sum(getattr(r.spent, f.name) for r in results) for f in _SPENT))
+    return dataclasses.replace(
+        results[0],
+        by_length=tuple(rows),
+        tuning_s=time.perf_counter() - started,
+        spent=spent,
+    )
+
+
+_SPENT = dataclasses.fields(Spent)
