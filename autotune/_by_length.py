@@ -140,13 +140,10 @@ def tune_by_length(
         rows.insert(
             0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)
         )
-    spent = Spent(*(sum(getattr(r.spent, f.name) for r in results) for f in _SPENT))
+    spent = sum((r.spent for r in results), Spent())
     return dataclasses.replace(
         results[0],
         by_length=tuple(rows),
         tuning_s=time.perf_counter() - started,
         spent=spent,
     )
-
-
-_SPENT = dataclasses.fields(Spent)

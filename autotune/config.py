@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
-__all__ = ["MAX_BATCH", "OPTIMIZERS", "PARALLEL", "PRECISIONS", "TrainConfig"]
+__all__ = ["ATTENTION", "MAX_BATCH", "OPTIMIZERS", "PARALLEL", "PRECISIONS", "TrainConfig"]
 
 MAX_BATCH = 2**31 - 1
 """The largest micro-batch size or accumulation count a config may hold."""
@@ -19,6 +19,14 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Training precisions: fp32, bf16 autocast, fp16 autocast with a GradScaler."""
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor", "adamw8bit")
 """Optimizer names; :mod:`autotune.train._optimizers` builds them."""
+ATTENTION: tuple[str, ...] = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flex_attention",
+)
+"""Attention implementations a Hugging Face model may run (its ``attn_implementation``)."""
 PARALLEL: tuple[str, ...] = ("none", "ddp", "fsdp")
 """Data parallelism over ``world_size`` ranks: none, DDP (replicated), FSDP2 (sharded)."""
 
@@ -51,6 +59,9 @@ class TrainConfig:
     keep_gathered: tuple[str, ...] = ()
     """FSDP units (blocks) not resharded after forward (``reshard_after_forward=False``):
     their parameters stay gathered until their backward, one all-gather fewer."""
+    attention: str | None = None
+    """The attention implementation of a model that has one (a Hugging Face model's
+    ``attn_implementation``, one of :data:`ATTENTION`); ``None``: the model's own."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps"):
@@ -79,6 +90,9 @@ class TrainConfig:
                 f"blocks {sorted(both)} are both checkpointed and offloaded; "
                 "a block is kept, checkpointed or offloaded, not two of these."
             )
+        if self.attention is not None and self.attention not in ATTENTION:
+            got = str(self.attention)[:40]
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {got!r}.")
         if not isinstance(self.offload_optimizer, bool):
             raise ConfigError(
                 f"offload_optimizer must be true or false, got {self.offload_optimizer!r}."
@@ -154,4 +168,6 @@ class TrainConfig:
             parts.append(f"{self.parallel}x{self.world_size}")
         if self.keep_gathered:
             parts.append(f"keep_gathered={len(self.keep_gathered)}")
+        if self.attention:
+            parts.append(f"attention={self.attention}")
         return " ".join(parts)

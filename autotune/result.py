@@ -121,6 +121,12 @@ class Spent:
     verification_s: float = 0.0
     """Running candidates and fallbacks for real, and re-timing the contenders."""
 
+    def __add__(self, other: Spent) -> Spent:
+        """The seconds of two tuning runs together."""
+        return Spent(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class LengthRow:

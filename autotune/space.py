@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.config import OPTIMIZERS, PRECISIONS
+from autotune.config import ATTENTION, OPTIMIZERS, PRECISIONS
 from autotune.errors import ConfigError
 
 __all__ = ["SearchSpace"]
@@ -45,6 +45,10 @@ class SearchSpace:
     """Largest micro-batch considered."""
     micro_batch_sizes: tuple[int, ...] | None = None
     """Only these micro-batch sizes (default: every size that fits)."""
+    attention: tuple[str, ...] | None = None
+    """Attention implementations to measure, for a model that has a choice (a Hugging Face
+    model's ``attn_implementation``: ``eager``, ``sdpa``, ``flash_attention_2`` where
+    installed); each is tuned and the fastest verified wins. ``None``: the model's own."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("precisions", PRECISIONS), ("optimizers", OPTIMIZERS)):
@@ -58,6 +62,14 @@ class SearchSpace:
             object.__setattr__(self, name, value)
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
+        if self.attention is not None:
+            names = tuple(dict.fromkeys(self.attention))
+            if not names or any(n not in ATTENTION for n in names):
+                raise ConfigError(
+                    f"SearchSpace.attention must be a non-empty list from {', '.join(ATTENTION)}"
+                    f"; got {list(self.attention)!r:.80}."
+                )
+            object.__setattr__(self, "attention", names)
         if self.micro_batch_sizes is not None:
             sizes = tuple(sorted(set(self.micro_batch_sizes)))
             if not sizes or any(

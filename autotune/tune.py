@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._attention_search import tune_attention
 from autotune._backend import backend_for
 from autotune._by_length import Lengths, tune_by_length
 from autotune._data_parallel import (
@@ -128,7 +129,7 @@ def autotune(
         VerificationError: each with a message that says what to do.
     """
     space = space or SearchSpace()
-    one = functools.partial(
+    tune = functools.partial(
         _tune,
         budget_gb=budget_gb,
         loss_fn=loss_fn,
@@ -140,6 +141,7 @@ def autotune(
         study_name=study_name,
         world_size=world_size,
     )
+    one = functools.partial(tune_attention, tune)  # each attention implementation, if asked
     if sequence_lengths is None and global_batch_tokens is None:
         return one(model, sample_batch, global_batch_size=global_batch_size, space=space)
     return tune_by_length(

@@ -25,8 +25,6 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train import _fallback
 from autotune.train._checkpoint import (
-    apply_checkpointing,
-    apply_offloading,
     check_blocks,
     remove_checkpointing,
 )
@@ -85,9 +83,8 @@ class Applied:
         self._optimizer: torch.optim.Optimizer | None = None
         self.scaler = make_scaler(config, device)
         self.offloader = ActivationOffloader(model, device)
-        remove_checkpointing(model)
-        apply_checkpointing(model, config.checkpoint)
-        apply_offloading(model, config.offload_activations, self.offloader)
+        self._undo: list[Callable[[], None]] = []
+        _fallback.wrap(self, config)
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
         self.params = [p for p in model.parameters() if p.requires_grad]  # FSDP's: shards
@@ -95,7 +92,6 @@ class Applied:
         """The optimizer step has begun: an out-of-memory error is no longer retried."""
         self._closed = False
         self._budget = contextlib.ExitStack()
-        self._undo: list[Callable[[], None]] = []
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -15,6 +15,7 @@ from torch import nn
 from autotune._backend import Backend
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
+from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import (
     apply_checkpointing,
     apply_offloading,
@@ -26,7 +27,7 @@ from autotune.train._steps import make_scaler
 if TYPE_CHECKING:
     from autotune.train._applied import Applied
 
-__all__ = ["run", "select", "snapshot", "switch"]
+__all__ = ["run", "select", "snapshot", "switch", "wrap"]
 
 T = TypeVar("T")
 
@@ -83,16 +84,24 @@ def switch(applied: Applied, config: TrainConfig) -> None:
             f"cannot switch from optimizer {applied.config.optimizer} to {config.optimizer} "
             "mid-training; apply the new config to the model instead."
         )
-    model = applied.model
-    check_blocks(model, config)
+    check_blocks(applied.model, config)
     applied.parallel.switch(config)
-    remove_checkpointing(model)
-    apply_checkpointing(model, config.checkpoint)
-    apply_offloading(model, config.offload_activations, applied.offloader)
+    wrap(applied, config)
     if config.offload_optimizer != applied.config.offload_optimizer:
         applied.rebuild_optimizer(config.offload_optimizer)
     applied.scaler = make_scaler(config, applied.device, applied.scaler)
     applied.config = config
+
+
+def wrap(applied: Applied, config: TrainConfig) -> None:
+    """The model-side knobs of ``config`` on ``applied.model``: its blocks checkpointed
+    and offloaded, its attention implementation (put back by ``applied.undo()``)."""
+    model = applied.model
+    if config.attention is not None and config.attention != attention_of(model):
+        applied.on_undo(set_attention(model, config.attention))  # first: it may refuse
+    remove_checkpointing(model)
+    apply_checkpointing(model, config.checkpoint)
+    apply_offloading(model, config.offload_activations, applied.offloader)
 
 
 def select(applied: Applied, batch: Any) -> None:

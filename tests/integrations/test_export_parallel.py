@@ -10,7 +10,7 @@ import pytest
 from test_export import BLOCKS, result_for
 
 from autotune.config import TrainConfig
-from autotune.errors import ConfigError
+from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._export import export, to_accelerate, to_deepspeed, to_torchrun
 
 FSDP = TrainConfig(
@@ -107,3 +107,17 @@ def test_a_trainer_with_its_own_data_parallelism_takes_the_per_rank_part() -> No
     assert (local.micro_batch_size, local.grad_accum_steps) == (4, 2)
     with pytest.raises(ConfigError, match="FSDP2 over 8 ranks, which Lightning cannot"):
         per_process(result_for(FSDP), "Lightning")
+
+
+def test_a_trainer_given_a_table_per_length_trains_the_longest_row_and_says_so() -> None:
+    import dataclasses
+
+    from autotune.integrations._one_process import per_process
+    from autotune.result import LengthRow, Measurement
+
+    m = Measurement(1, 1.0, 1.0)
+    short, long = TrainConfig(micro_batch_size=8), TrainConfig(micro_batch_size=2)
+    rows = (LengthRow(128, short, m, m), LengthRow(512, long, m, m))
+    result = dataclasses.replace(result_for(long), by_length=rows)
+    with pytest.warns(AutotuneWarning, match="the longest row's"):
+        assert per_process(result, "the Trainer") == long

@@ -1,0 +1,85 @@
+"""Tuning the attention implementation: each one a tuning run of its own on the model set
+to it, the fastest verified winner of them all wins.
+
+The implementations compute the same attention (within the dtype's tolerance) but differ
+in memory (eager keeps the attention matrix for backward) and speed, which depend on the
+device, the dtype and the length: measured, never assumed. The user's model is set to
+each in turn and put back as it was; every config of the result names its implementation,
+which ``prepare()`` sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from autotune.config import TrainConfig
+from autotune.errors import BudgetTooSmallError, VerificationError
+from autotune.result import Spent, TuneResult
+from autotune.space import SearchSpace
+from autotune.train._attention import set_attention
+
+__all__ = ["tune_attention"]
+
+log = logging.getLogger("autotune")
+
+
+def tune_attention(
+    tune: Callable[..., TuneResult],
+    model: nn.Module,
+    sample: Any,
+    *,
+    global_batch_size: int | None,
+    space: SearchSpace,
+) -> TuneResult:
+    """``tune(model, sample, ...)`` once per implementation of ``space.attention`` (once
+    with the model's own where it names none); the fastest verified result, with every
+    run's trials and seconds.
+
+    Raises:
+        ConfigError: the model has no implementation to choose, or one is not installed.
+        BudgetTooSmallError, VerificationError: no implementation fits (the first's error).
+    """
+    if not space.attention:
+        return tune(model, sample, global_batch_size=global_batch_size, space=space)
+    results: list[TuneResult] = []
+    failed: list[Exception] = []
+    for name in space.attention:
+        put_back = set_attention(model, name)
+        try:
+            log.info("tuning with attention %s", name)
+            result = tune(model, sample, global_batch_size=global_batch_size, space=space)
+        except (BudgetTooSmallError, VerificationError) as exc:
+            log.info("attention %s: %s", name, str(exc).splitlines()[0])
+            failed.append(exc)
+            continue
+        finally:
+            put_back()
+        results.append(_named(result, name))
+    if not results:
+        raise failed[0]
+    best = max(results, key=lambda r: r.measured.samples_per_s)
+    return dataclasses.replace(
+        best,
+        trials=tuple(t for r in results for t in r.trials),
+        tuning_s=sum(r.tuning_s for r in results),
+        spent=sum((r.spent for r in results), Spent()),
+    )
+
+
+def _named(result: TuneResult, name: str) -> TuneResult:
+    """``result`` with every config naming attention implementation ``name``."""
+
+    def named(c: TrainConfig) -> TrainConfig:
+        return c.replace(attention=name)
+
+    return dataclasses.replace(
+        result,
+        config=named(result.config),
+        fallbacks=tuple(named(f) for f in result.fallbacks),
+        trials=tuple(dataclasses.replace(t, config=named(t.config)) for t in result.trials),
+    )
