@@ -5,7 +5,9 @@ wastes the budget on every shorter batch. Each length of the table is tuned as a
 its own (profile, search, verification under the budget) on the sample batch cut to that
 length, the longest first. The rows keep the optimizer step's meaning (the global batch in
 samples, or in tokens: ``tokens / length`` samples) and the longest row's precision and
-optimizer, so training switches between rows with the same math and optimizer state.
+optimizer, so training switches between rows with the same math and optimizer state. Where
+the longest keeps the optimizer on the device, so do the others (a switch would move its
+state through the host).
 """
 
 from __future__ import annotations
@@ -133,9 +135,14 @@ def tune_by_length(
     for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
         log.info("tuning at sequence length %d (%d samples per step)", length, samples)
         result = tune(model, truncate(sample, length), global_batch_size=samples, space=space)
-        if not results:  # the longest fixes the math of every row
+        if not results:  # the longest fixes the math of every row, and where the state lives
             c = result.config
-            space = dataclasses.replace(space, precisions=(c.precision,), optimizers=(c.optimizer,))
+            space = dataclasses.replace(
+                space,
+                precisions=(c.precision,),
+                optimizers=(c.optimizer,),
+                offload_optimizer=space.offload_optimizer if c.offload_optimizer else False,
+            )
         results.append(result)
         rows.insert(
             0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)

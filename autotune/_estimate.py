@@ -72,6 +72,7 @@ def estimate(
     offload_facts = measure_transfer(target) if offloads else None
 
     def measured(work: nn.Module, blocks: tuple[str, ...]) -> Profile:
+        work.to(target.device)
         try:
             profiler = Profiler(
                 work, sample_batch, blocks, device=target.device, loss_fn=loss_fn,
@@ -99,11 +100,8 @@ def estimate(
     if copies is None:
         profile = measured(working_copy(model, target.device), names)
     else:
-        (three, names3), (four, names4) = copies
-        del copies  # each copy lives only while it is measured
-        shallow = measured(three.to(target.device), names3)
-        del three
-        profile = deepen(shallow, measured(four.to(target.device), names4), model, names)
+        shallow = measured(*copies.copy(3))  # each copy on the device only while measured
+        profile = deepen(shallow, measured(*copies.copy(4)), model, names)
     # After the profile's training steps the context holds what loads lazily too.
     context = max(target.context_bytes, ops.context_bytes())
     return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)

@@ -62,17 +62,17 @@ def profile_model(
         )
         draft, notes = _memory(profiler, problem, precisions, world)
     else:
-        (three, blocks3), (four, blocks4) = copies
-        del copies  # each copy lives only while it is measured
         log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
-        profiler = _profiler(four.to(device), problem, blocks4)
-        precisions, slow = fast_precisions(
-            profiler, problem.precisions, device_name=problem.target.name
-        )
+        three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
         shallow = _profiler(three.to(device), problem, blocks3)
+        precisions, slow = fast_precisions(
+            shallow, problem.precisions, device_name=problem.target.name
+        )
         draft3, _ = _memory(shallow, problem, precisions, world)
         del shallow, three
         backend_for(device).empty_cache()
+        four, blocks4 = copies.copy(4)
+        profiler = _profiler(four.to(device), problem, blocks4)
         draft, notes = _memory(profiler, problem, precisions, world)
         draft = deepen(draft3, draft, work, problem.blocks)
     # Training steps have run: the context now holds cuBLAS workspaces and the kernels

@@ -129,6 +129,10 @@ def autotune(
         VerificationError: each with a message that says what to do.
     """
     space = space or SearchSpace()
+    if storage is not None and space.attention:
+        raise ConfigError(
+            "SearchSpace.attention is not supported with storage= yet; leave one of them out."
+        )
     tune = functools.partial(
         _tune,
         budget_gb=budget_gb,

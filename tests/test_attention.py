@@ -11,6 +11,7 @@ import torch
 import autotune
 from autotune import ConfigError, SearchSpace, TrainConfig
 from autotune.models import gpt_batch, tiny_gpt
+from autotune.train._applied import Applied
 from autotune.train._attention import attention_of, set_attention
 
 transformers = pytest.importorskip("transformers")
@@ -84,3 +85,11 @@ def test_a_model_without_the_choice_is_a_clear_error() -> None:
         SearchSpace(attention=())
     with pytest.raises(ConfigError, match="not available here"):
         set_attention(llama(), "flash_attention_3")
+    model = llama()
+    fallback = TrainConfig(micro_batch_size=2, attention="flash_attention_3")
+    with pytest.raises(ConfigError, match="not available here"):  # at once, not mid-run
+        Applied(model, TrainConfig(), lr=1e-3, device=torch.device("cpu"), fallbacks=[fallback])
+    with pytest.raises(ConfigError, match="not supported with storage"):
+        autotune.autotune(model, batch(), 0.05, device="cpu", storage="x.db",
+                          space=SearchSpace(attention=("eager", "sdpa")))  # fmt: skip
+    assert attention_of(model) == "sdpa"

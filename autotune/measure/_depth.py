@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import nn
@@ -37,7 +38,7 @@ from autotune.measure._profile_data import (
     TimeCurve,
 )
 
-__all__ = ["MIN_BLOCKS", "deepen", "deepen_time", "shallow_copies", "whole_fits"]
+__all__ = ["MIN_BLOCKS", "Shallow", "deepen", "deepen_time", "shallow_copies", "whole_fits"]
 
 T = TypeVar("T")
 
@@ -57,29 +58,36 @@ def whole_fits(model: nn.Module, free_bytes: int) -> bool:
     return 4 * every <= _WHOLE_SHARE * free_bytes
 
 
-def shallow_copies(
-    model: nn.Module, blocks: Sequence[str]
-) -> tuple[tuple[nn.Module, tuple[str, ...]], tuple[nn.Module, tuple[str, ...]]] | None:
-    """Copies of ``model`` keeping 3 and 4 of its blocks, with their blocks' names, on the
-    model's device; ``None`` where the blocks are not a container's uniform layers (all its
-    children, of one class and the same parameter shapes) or fewer than :data:`MIN_BLOCKS`.
-    The dropped blocks are never copied."""
+def shallow_copies(model: nn.Module, blocks: Sequence[str]) -> Shallow | None:
+    """What makes copies of ``model`` keeping 3 and 4 of its blocks; ``None`` where the
+    blocks are not a container's uniform layers (all its children, of one class and the
+    same parameter shapes) or fewer than :data:`MIN_BLOCKS`."""
     container = _container(model, blocks)
-    if container is None:
-        return None
-    parent, layers = container
-    n = len(layers)
-    out = []
-    for kept in ((0, 1, n - 1), (0, 1, 2, n - 1)):
-        memo: dict[int, Any] = {id(layers[i]): None for i in range(n) if i not in kept}
-        shallow = copy.deepcopy(model, memo)
-        inner = shallow.get_submodule(parent)
-        inner._modules = {
-            str(i): m for i, m in enumerate(m for m in inner._modules.values() if m is not None)
-        }
-        prefix = f"{parent}." if parent else ""
-        out.append((shallow, tuple(f"{prefix}{i}" for i in range(len(kept)))))
-    return out[0], out[1]
+    return None if container is None else Shallow(model, *container)
+
+
+@dataclass(frozen=True)
+class Shallow:
+    """Makes the shallow copies of a model, one at a time (each as it is measured)."""
+
+    model: nn.Module
+    parent: str
+    """The qualified name of the container of the blocks ("": the model itself)."""
+    layers: nn.ModuleList | nn.Sequential
+
+    def copy(self, depth: int) -> tuple[nn.Module, tuple[str, ...]]:
+        """A copy with ``depth`` (3 or 4) of the blocks (the first, ``depth - 2`` after
+        it, the last), on the model's device, and its blocks' names. The dropped blocks
+        are never copied."""
+        n = len(self.layers)
+        kept = (*range(depth - 1), n - 1)
+        memo: dict[int, Any] = {id(self.layers[i]): None for i in range(n) if i not in kept}
+        shallow = copy.deepcopy(self.model, memo)
+        inner = shallow.get_submodule(self.parent)
+        left = [m for m in inner._modules.values() if m is not None]
+        inner._modules = {str(i): m for i, m in enumerate(left)}
+        prefix = f"{self.parent}." if self.parent else ""
+        return shallow, tuple(f"{prefix}{i}" for i in range(depth))
 
 
 def _container(
@@ -158,7 +166,7 @@ def deepen_time(profile: Profile, seconds: Sequence[float], forward_s: float) ->
     blocks_grown = (sum(seconds) + (n - 4) * middle) / max(sum(seconds), 1e-12)
     spent = (seconds[0], *(middle for _ in range(n - 2)), seconds[3])
     total = sum(spent)
-    weights = tuple(s / total for s in spent) if total > 0 else profile.block_weights
+    weights = tuple(s / total for s in spent) if total > 0 else tuple(1.0 / n for _ in spent)
 
     def curve(t: TimeCurve | None) -> TimeCurve | None:
         if t is None:

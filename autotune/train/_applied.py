@@ -24,6 +24,7 @@ from autotune.errors import ConfigError
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train import _fallback
+from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import (
     check_blocks,
     remove_checkpointing,
@@ -66,6 +67,8 @@ class Applied:
         every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
         for c in every:  # now, not at the first OOM in the middle of training
             check_blocks(model, c)
+        for name in {c.attention for c in every if c.attention} - {attention_of(model)}:
+            set_attention(model, name)()  # installed here: set, and put back
         self.model = model
         self.config = config
         self.device = device = resolve_device(device)
@@ -84,6 +87,7 @@ class Applied:
         self.scaler = make_scaler(config, device)
         self.offloader = ActivationOffloader(model, device)
         self._undo: list[Callable[[], None]] = []
+        self.attention_put_back: Callable[[], None] | None = None
         _fallback.wrap(self, config)
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""

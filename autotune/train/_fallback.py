@@ -98,7 +98,10 @@ def wrap(applied: Applied, config: TrainConfig) -> None:
     and offloaded, its attention implementation (put back by ``applied.undo()``)."""
     model = applied.model
     if config.attention is not None and config.attention != attention_of(model):
-        applied.on_undo(set_attention(model, config.attention))  # first: it may refuse
+        put_back = set_attention(model, config.attention)  # first: it may refuse
+        if applied.attention_put_back is None:  # the model's own comes back at undo
+            applied.attention_put_back = put_back
+            applied.on_undo(put_back)
     remove_checkpointing(model)
     apply_checkpointing(model, config.checkpoint)
     apply_offloading(model, config.offload_activations, applied.offloader)

@@ -49,13 +49,14 @@ def sequence_length(batch: Batch) -> int:
 
 
 def truncate(batch: Batch, length: int) -> Batch:
-    """``batch`` cut to ``length`` along dimension 1 of every tensor as long as the batch
-    (views): ids, masks and labels alike; other tensors pass unchanged."""
+    """``batch`` cut to ``length`` along dimension 1 of every tensor as long as the batch:
+    ids, masks and labels alike, contiguous (a model may ``view`` them); other tensors pass
+    unchanged."""
     full = sequence_length(batch)
     if not 1 <= length <= full:
         raise BatchError(f"cannot cut a batch of length {full} to {length}")
     return batching.map_tensors(
-        batch, lambda t: t[:, :length] if t.shape[1] == full else t, min_ndim=2
+        batch, lambda t: t[:, :length].contiguous() if t.shape[1] == full else t, min_ndim=2
     )
 
 

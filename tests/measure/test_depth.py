@@ -37,7 +37,7 @@ def whole_and_deepened(model: nn.Module, sample: Any) -> tuple[Profile, Profile]
     blocks = find_blocks(model)
     copies = shallow_copies(model, blocks)
     assert copies is not None
-    (three, names3), (four, names4) = copies
+    (three, names3), (four, names4) = copies.copy(3), copies.copy(4)
     deep = deepen(profiled(three, sample, names3), profiled(four, sample, names4), model, blocks)
     return profiled(copy.deepcopy(model), sample, blocks), deep
 
@@ -107,7 +107,9 @@ def test_the_copies_leave_the_model_as_it_was_and_copy_no_dropped_block() -> Non
     before = {k: v.clone() for k, v in model.state_dict().items()}
     copies = shallow_copies(model, find_blocks(model))
     assert copies is not None
-    for (shallow, names), kept in zip(copies, ((0, 1, 6), (0, 1, 2, 6)), strict=True):
+    for (shallow, names), kept in zip(
+        (copies.copy(3), copies.copy(4)), ((0, 1, 6), (0, 1, 2, 6)), strict=True
+    ):
         assert names == tuple(f"blocks.{i}" for i in range(len(kept)))
         assert len(shallow.blocks) == len(kept)  # type: ignore[arg-type]
         for i, k in enumerate(kept):
@@ -143,8 +145,9 @@ def test_blocks_that_are_not_uniform_layers_are_not_copied(
 
 def test_a_model_that_is_its_layers_is_copied_too() -> None:
     model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(8)))
-    copies = shallow_copies(model, find_blocks(model))
-    assert copies is not None
+    shallow = shallow_copies(model, find_blocks(model))
+    assert shallow is not None
+    copies = [shallow.copy(3), shallow.copy(4)]
     assert [names for _, names in copies] == [("0", "1", "2"), ("0", "1", "2", "3")]
     assert [len(m) for m, _ in copies] == [3, 4]  # type: ignore[arg-type]
     assert copies[1][0](torch.ones(2, 16)).shape == (2, 16)

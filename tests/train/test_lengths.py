@@ -35,6 +35,7 @@ def test_a_sample_is_cut_where_it_is_as_long_as_the_batch() -> None:
     batch = {"input_ids": torch.arange(24).view(2, 12), "pixel": torch.zeros(2, 5, 3)}
     cut = truncate(batch, 4)
     assert cut["input_ids"].tolist() == [[0, 1, 2, 3], [12, 13, 14, 15]]
+    assert cut["input_ids"].is_contiguous()  # a model may view(-1) its labels
     assert cut["pixel"].shape == (2, 5, 3)  # another dimension 1: not the sequence
     with pytest.raises(BatchError):
         truncate(batch, 13)
