@@ -124,11 +124,14 @@ def tune_by_length(
     """
     if parallel:
         raise ConfigError(
-            "sequence_lengths is not supported with data parallelism yet; tune at the "
-            "longest length, or in one process."
+            "sequence_lengths and global_batch_tokens are not supported with data "
+            "parallelism yet; tune at the longest length with global_batch_size."
         )
     if storage:
-        raise ConfigError("sequence_lengths is not supported with storage= yet; leave it out.")
+        raise ConfigError(
+            "sequence_lengths and global_batch_tokens are not supported with storage= yet; "
+            "leave storage out."
+        )
     started = time.perf_counter()
     rows: list[LengthRow] = []
     results: list[TuneResult] = []
