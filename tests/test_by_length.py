@@ -5,6 +5,7 @@ losses as the single max-length config, and the table kept through YAML and show
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from autotune import (
     TuneResult,
 )
 from autotune._by_length import Lengths, tune_by_length
+from autotune.cli import main
 from autotune.cli._commands import _describe
 from autotune.cli._report import render_html
 from autotune.measure._devices import discover
@@ -184,3 +186,44 @@ def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer() -> None:
     assert calls[0][2] == SearchSpace()
     assert (calls[1][2].precisions, calls[1][2].optimizers) == (("bf16",), ("adamw",))
     assert [r.length for r in out.by_length] == [16, 64]
+
+
+INPUTS = """
+import torch
+from autotune.models import gpt_batch, tiny_gpt
+
+
+def model():
+    return tiny_gpt(n_layer=3, n_embd=64, n_head=2, block_size=64, vocab_size=128)
+
+
+def batch():
+    return gpt_batch(model().config, 8)
+
+
+def loss(logits, batch):
+    labels = batch[1]
+    tokens = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), labels, ignore_index=-1, reduction="none"
+    )
+    return (tokens.sum(1) / (labels != -1).sum(1)).mean()
+"""
+
+
+def test_verify_runs_every_row_at_its_length(
+    tuned: tuple[GPT, TuneResult], tmp_path, capsys
+) -> None:
+    _, result = tuned
+    path = result.save(tmp_path / "table.yaml")
+    inputs = tmp_path / "inputs.py"
+    inputs.write_text(INPUTS)
+    args = [f"{inputs}:model", "--batch", f"{inputs}:batch", "--loss", f"{inputs}:loss"]
+    code = main(["verify", str(path), *args, "--device", "cpu", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [r["length"] for r in rows] == LENGTHS
+    for row, tuned_row in zip(rows, result.by_length, strict=True):
+        assert row["fits"] and row["measured"]["peak_bytes"] <= result.budget_bytes
+        assert row["measured"]["peak_bytes"] == pytest.approx(
+            tuned_row.measured.peak_bytes, rel=0.01
+        )

@@ -20,7 +20,7 @@ from autotune.errors import ConfigError
 from autotune.result import PARTS, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
-__all__ = ["estimate_command", "export_command", "report", "show", "tune", "verify"]
+__all__ = ["estimate_command", "export_command", "report", "show", "tune"]
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -159,50 +159,6 @@ def estimate_command(args: argparse.Namespace) -> int:
         value = getattr(parts, name)
         print(f"  {name:<11}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
     return 0
-
-
-def verify(args: argparse.Namespace) -> int:
-    import torch
-
-    from autotune._backend import backend_for
-    from autotune._identity import differences
-    from autotune.measure._devices import discover
-    from autotune.verify._verifier import Verifier
-
-    result = load(args.path)
-    model, batch, loss = inputs(args)
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"MODEL must give a torch.nn.Module, got {type(model).__name__}.")
-    target = discover(args.device or result.target.device)
-    for difference in differences(result, model, target.device):
-        print(f"autotune: warning: {difference}", file=sys.stderr)
-    verifier = Verifier(
-        model,
-        batch,
-        device=target.device,
-        budget_bytes=result.budget_bytes,
-        loss_fn=loss,
-        context_bytes=target.context_bytes,
-        foreign_bytes=backend_for(target.device).reserved(),
-    )
-    measured, error = verifier.run(result.config)
-    budget, predicted = result.budget_bytes, result.predicted
-    if args.json:
-        out = {"fits": measured is not None, "device": str(target.device), "error": error}
-        out |= {"budget_bytes": budget, "predicted": to_plain(predicted)}
-        print(json.dumps({**out, "measured": to_plain(measured)}, indent=2))
-    elif measured is None:
-        print(f"does not fit  {result.config.describe()} on {target.name}: {error}")
-        print(f"              budget {format_bytes(budget)}, predicted {_peak(predicted)}")
-    else:
-        print(f"fits         {result.config.describe()} on {target.name}")
-        print(f"peak         measured {_peak(measured)} within the {format_bytes(budget)} budget")
-        print(f"             predicted {_peak(predicted)}; when tuned {_peak(result.measured)}")
-        print(
-            f"throughput   measured {measured.samples_per_s:.1f} samples/s; "
-            f"when tuned {result.measured.samples_per_s:.1f}"
-        )
-    return 0 if measured is not None else 1
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from autotune.cli import _commands as commands
 from autotune.cli._types import gib, positive_int, seconds
+from autotune.cli._verify import verify
 from autotune.cli._words import cli_words
 from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
@@ -179,7 +180,7 @@ def _add_checks(sub: Any) -> None:
     ver.add_argument("path", help="a tuned YAML file")
     _add_inputs(ver, device_help="where to run (default: the device it was tuned on)")
     ver.add_argument("--json", action="store_true", help="print as JSON")
-    ver.set_defaults(run=commands.verify)
+    ver.set_defaults(run=verify)
 
     exp = sub.add_parser("export", help="a tuned config as another trainer's settings")
     exp.add_argument("path", help="a tuned YAML file")

@@ -1,0 +1,98 @@
+"""``autotune verify``: run a tuned config (every row of a table per sequence length) on
+this device, under its budget, and say whether it fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from autotune._format import format_bytes
+from autotune._plain import to_plain
+from autotune.cli._inputs import inputs
+from autotune.config import TrainConfig
+from autotune.errors import ConfigError
+from autotune.result import Measurement, load
+
+__all__ = ["verify"]
+
+
+@dataclass
+class _Run:
+    """One config run again: what tuning said of it and what this run measured."""
+
+    length: int | None
+    """A table's row (the batch cut to it); ``None``: the one config."""
+    config: TrainConfig
+    predicted: Measurement
+    tuned: Measurement
+    measured: Measurement | None = None
+    error: str | None = None
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Exit code 0: every config fits; 1: one does not."""
+    import torch
+
+    from autotune._backend import backend_for
+    from autotune._identity import differences
+    from autotune.measure._devices import discover
+    from autotune.train._lengths import truncate
+    from autotune.verify._verifier import Verifier
+
+    result = load(args.path)
+    model, batch, loss = inputs(args)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"MODEL must give a torch.nn.Module, got {type(model).__name__}.")
+    target = discover(args.device or result.target.device)
+    for difference in differences(result, model, target.device):
+        print(f"autotune: warning: {difference}", file=sys.stderr)
+    runs = [_Run(r.length, r.config, r.predicted, r.measured) for r in result.by_length] or [
+        _Run(None, result.config, result.predicted, result.measured)
+    ]
+    for run in runs:  # a table: each row on the batch cut to its length
+        verifier = Verifier(
+            model,
+            batch if run.length is None else truncate(batch, run.length),
+            device=target.device,
+            budget_bytes=result.budget_bytes,
+            loss_fn=loss,
+            context_bytes=target.context_bytes,
+            foreign_bytes=backend_for(target.device).reserved(),
+        )
+        run.measured, run.error = verifier.run(run.config)
+    if args.json:  # an object; for a table, a list of them, one per row
+        found = [_json(run, str(target.device), result.budget_bytes) for run in runs]
+        print(json.dumps(found if result.by_length else found[0], indent=2))
+    else:
+        for run in runs:
+            print(_text(run, target.name, result.budget_bytes))
+    return 0 if all(run.measured is not None for run in runs) else 1
+
+
+def _json(run: _Run, device: str, budget: int) -> dict[str, Any]:
+    out = {"fits": run.measured is not None, "device": device, "error": run.error}
+    out |= {"budget_bytes": budget, "predicted": to_plain(run.predicted)}
+    out |= {"measured": to_plain(run.measured)}
+    return out if run.length is None else {"length": run.length, **out}
+
+
+def _text(run: _Run, name: str, budget: int) -> str:
+    at = "" if run.length is None else f" up to length {run.length}"
+    predicted = format_bytes(run.predicted.peak_bytes)
+    m = run.measured
+    if m is None:
+        return (
+            f"does not fit  {run.config.describe()}{at} on {name}: {run.error}\n"
+            f"              budget {format_bytes(budget)}, predicted {predicted}"
+        )
+    return (
+        f"fits         {run.config.describe()}{at} on {name}\n"
+        f"peak         measured {format_bytes(m.peak_bytes)} within the "
+        f"{format_bytes(budget)} budget\n"
+        f"             predicted {predicted}; when tuned {format_bytes(run.tuned.peak_bytes)}\n"
+        f"throughput   measured {m.samples_per_s:.1f} samples/s; "
+        f"when tuned {run.tuned.samples_per_s:.1f}"
+    )
