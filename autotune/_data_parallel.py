@@ -87,10 +87,13 @@ def per_rank_batch(global_batch_size: int | None, world: int) -> int | None:
 
 def layouts(world: int, blocks: Sequence[str]) -> list[Layout]:
     """The data parallelism to search: DDP; FSDP2 resharding every unit after forward;
-    FSDP2 keeping every unit gathered (no second all-gather)."""
+    FSDP2 keeping the last unit gathered (its backward follows its forward: a second
+    all-gather there only waits); FSDP2 keeping every unit gathered (no second all-gather)."""
     if world == 1:
         return [Layout()]
     out = [Layout("ddp", world), Layout("fsdp", world)]
+    if len(blocks) > 1:
+        out.append(Layout("fsdp", world, (blocks[-1],)))
     if blocks:
         out.append(Layout("fsdp", world, tuple(blocks)))
     return out

@@ -47,7 +47,7 @@ def accelerate_parallel(result: TuneResult, settings: dict[str, Any]) -> list[st
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_transformer_layer_cls_to_wrap": ",".join(classes) or "BLOCK_CLASS",
-        "fsdp_reshard_after_forward": not c.keep_gathered,
+        "fsdp_reshard_after_forward": set(c.keep_gathered) != set(result.model.blocks),
         "fsdp_offload_params": c.offload_optimizer,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": False,
@@ -63,8 +63,8 @@ def accelerate_parallel(result: TuneResult, settings: dict[str, Any]) -> list[st
     if c.keep_gathered and set(c.keep_gathered) != set(result.model.blocks):
         warnings.append(
             f"keep_gathered ({', '.join(c.keep_gathered)}): accelerate reshards every unit "
-            "or none; this file keeps all gathered (more memory than tuned): "
-            "autotune.prepare(model, result) keeps exactly these."
+            "or none; this file reshards every unit (less memory than tuned, an all-gather "
+            "more): autotune.prepare(model, result) keeps exactly these gathered."
         )
     ckpt = c.checkpoint
     if ckpt and set(ckpt) != set(result.model.blocks):
