@@ -196,9 +196,7 @@ def search_layouts(
             len(planner.sizes),
             "/".join(planner.precisions),
             "/".join(planner.optimizers),
-            ""
-            if planner.cost.layout.parallel == "none"
-            else f" ({planner.cost.layout.describe()})",
+            _note(planner),
         )
         run_search = functools.partial(
             search,

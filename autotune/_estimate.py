@@ -95,7 +95,7 @@ def estimate(
             ops.empty_cache()
 
     # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
-    whole = config.world_size == 1 or whole_fits(model, target.free_bytes)
+    whole = whole_fits(model, target.free_bytes, config.world_size)
     copies = None if whole else shallow_copies(model, names)
     if copies is None:
         profile = measured(working_copy(model, target.device), names)

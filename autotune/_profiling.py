@@ -54,7 +54,6 @@ def profile_model(
         if copies is None:
             log.info("the blocks are not uniform layers: profiling the whole model")
             work.to(device)
-    deep = copies is not None
     if copies is None:
         profiler = _profiler(work, problem)
         precisions, slow = fast_precisions(
@@ -84,7 +83,7 @@ def profile_model(
     profile = time_profile(
         profiler, draft, feasible, problem.sizes, device_name=problem.target.name
     )
-    if deep:
+    if copies is not None:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))
         profile = deepen_time(profile, seconds, forward_s)

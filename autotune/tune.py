@@ -194,7 +194,7 @@ def _tune(
     # config, which puts on the device what the config says (a shard under FSDP).
     # A model too large for one device whole is profiled on shallow copies (FSDP2's case).
     host = torch.device("cpu")
-    whole = world == 1 or whole_fits(model, problem.target.free_bytes)
+    whole = whole_fits(model, problem.target.free_bytes, world)
     work = working_copy(model, problem.target.device if rank() == 0 and whole else host)
     try:
         clock = [time.perf_counter()]  # the ends of profiling, search and verification

@@ -52,10 +52,11 @@ parameter (AdamW's) take at most this share of the device's free memory; the res
 the activations of the profiled micro-batches."""
 
 
-def whole_fits(model: nn.Module, free_bytes: int) -> bool:
-    """Whether ``model`` can be profiled whole on a device with ``free_bytes`` free."""
+def whole_fits(model: nn.Module, free_bytes: int, world: int) -> bool:
+    """Whether ``model``, to be trained on ``world`` ranks, is profiled whole on a device
+    with ``free_bytes`` free: on one rank always (it has to train whole there)."""
     every, _ = parameter_bytes(model)
-    return 4 * every <= _WHOLE_SHARE * free_bytes
+    return world == 1 or 4 * every <= _WHOLE_SHARE * free_bytes
 
 
 def shallow_copies(model: nn.Module, blocks: Sequence[str]) -> Shallow | None:

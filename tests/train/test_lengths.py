@@ -9,14 +9,13 @@ import warnings
 
 import pytest
 import torch
+from test_fallback import result_for
 from torch import nn
 
 import autotune
 from autotune import BatchError, ConfigError, LengthBucketSampler, TrainConfig
-from autotune._identity import fingerprint
-from autotune.measure._devices import discover
 from autotune.models import tiny_gpt
-from autotune.result import Breakdown, LengthRow, Measurement, ModelInfo, TuneResult
+from autotune.result import LengthRow, Measurement, TuneResult
 from autotune.train._lengths import row_index, sequence_length, truncate
 
 M = Measurement(1, 1.0, 1.0)
@@ -48,17 +47,9 @@ def test_a_length_goes_to_the_shortest_row_that_holds_it() -> None:
 
 
 def table_result(model: nn.Module, rows: list[LengthRow]) -> TuneResult:
-    return TuneResult(
-        config=rows[-1].config,
-        predicted=M,
-        measured=M,
-        budget_bytes=2**40,
-        target=discover("cpu").info(),
-        model=ModelInfo(type(model).__name__, fingerprint(model), 0, ()),
-        breakdown=Breakdown(0, 0, 0, 0, 1),
-        fallbacks=rows[-1].fallbacks,
-        by_length=tuple(rows),
-    )
+    """A result whose longest row is its config, and the table."""
+    longest = result_for(model, rows[-1].config, *rows[-1].fallbacks)
+    return dataclasses.replace(longest, by_length=tuple(rows))
 
 
 def gpt_batch_of(n: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
