@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 from autotune._backend import backend_for
 from autotune._device import resolve_device
@@ -25,10 +26,7 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train import _fallback
 from autotune.train._attention import attention_of, set_attention
-from autotune.train._checkpoint import (
-    check_blocks,
-    remove_checkpointing,
-)
+from autotune.train._checkpoint import check_blocks, recompute_error, remove_checkpointing
 from autotune.train._lengths import Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
@@ -157,11 +155,18 @@ class Applied:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a (weighted) loss, scaled by the GradScaler for fp16."""
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        """Backward of a (weighted) loss, scaled by the GradScaler for fp16.
+
+        Raises:
+            BlockError: a checkpointed block's recomputation differs from its forward.
+        """
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        except CheckpointError as exc:
+            raise recompute_error(exc) from exc
 
     def optimizer_step(
         self, *, max_grad_norm: float | None = None, scheduler: Scheduler | None = None

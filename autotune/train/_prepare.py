@@ -16,6 +16,7 @@ from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
+from autotune.train._kv_cache import disable_kv_cache
 from autotune.train._loss import LossFn
 from autotune.train._parallel import check_group
 from autotune.train._runner import Runner
@@ -37,7 +38,8 @@ def prepare(
 
     The model is moved to the device, put in train mode, its checkpointed and offloaded
     blocks are wrapped (undone by ``runner.close()``), and a Hugging Face model's
-    ``config.use_cache`` is turned off (a key/value cache is for generation, not training).
+    ``use_cache`` is turned off in every config it holds (a key/value cache is for
+    generation, not training).
 
     Args:
         model: The model to train (modified in place).
@@ -60,7 +62,7 @@ def prepare(
     """
     config, result, target, foreign = _setup(model, config, device, strict, "prepare")
     model.train()
-    _disable_kv_cache(model)
+    disable_kv_cache(model)  # prepare() owns the model for training: left off
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
@@ -91,26 +93,23 @@ def apply(
     trainer's), and return the handle that holds the rest of it.
 
     The model is moved to the device, its blocks are checkpointed and offloaded exactly
-    as the config says, and a Hugging Face model's ``config.use_cache`` is turned off;
-    ``handle.undo()`` takes the wrappers off and turns the cache back on (the model stays
-    on the device, its weights as trained). Its train/eval mode is left as it is. The handle
-    gives the loop the micro-batches with their loss weights, the autocast context, the
-    GradScaler, the optimizer the config names (built on first use with ``lr``), the
-    optimizer step (with clipping and a scheduler) and, given a :class:`TuneResult`, the
-    fallback ladder (:meth:`Applied.run`) and the allocator's cap at the result's budget.
-    The arguments are :func:`prepare`'s.
+    as the config says, and a Hugging Face model's ``use_cache`` is turned off in every
+    config it holds; ``handle.undo()`` takes the wrappers off and turns the caches back on
+    (the model stays on the device, its weights as trained). Its train/eval mode is left
+    as it is. The handle gives the loop the micro-batches with their loss weights, the
+    autocast context, the GradScaler, the optimizer the config names (built on first use
+    with ``lr``), the optimizer step (with clipping and a scheduler) and, given a
+    :class:`TuneResult`, the fallback ladder (:meth:`Applied.run`) and the allocator's cap
+    at the result's budget. The arguments are :func:`prepare`'s.
     """
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
-    cache = getattr(getattr(model, "config", None), "use_cache", None)
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
     handle = Applied(
         model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
     )
-    if cache:
-        _disable_kv_cache(model)
-        handle.on_undo(lambda: setattr(model.config, "use_cache", cache))
+    handle.on_undo(disable_kv_cache(model))
     _hold(handle, result, foreign)
     return handle
 
@@ -182,14 +181,3 @@ def _foreign_bytes(model: nn.Module, device: torch.device) -> int:
         return 0
     own = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
     return max(ops.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)
-
-
-def _disable_kv_cache(model: nn.Module) -> None:
-    """Training needs no key/value cache; Hugging Face models build one by default.
-
-    The cache holds memory through the step and is appended to again when a checkpointed
-    layer recomputes, so Hugging Face turns it off for gradient checkpointing; so do we.
-    """
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # type: ignore[union-attr]
