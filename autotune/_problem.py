@@ -75,7 +75,7 @@ class Problem:
                 precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
         return Planner(
             cost=cost,
-            sizes=self.sizes,
+            sizes=tuple(s for s in self.sizes if s not in cost.profile.untrainable),
             precisions=tuple(precisions),
             optimizers=optimizers,
             global_batch_size=self.global_batch_size,

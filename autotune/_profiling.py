@@ -56,16 +56,16 @@ def profile_model(
             work.to(device)
     if copies is None:
         profiler = _profiler(work, problem)
-        precisions, slow = fast_precisions(
-            profiler, problem.precisions, device_name=problem.target.name
+        precisions, untrainable, slow = fast_precisions(
+            profiler, problem.precisions, problem.sizes, device_name=problem.target.name
         )
         draft, notes = _memory(profiler, problem, precisions, world)
     else:
         log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
         three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
         shallow = _profiler(three.to(device), problem, blocks3)
-        precisions, slow = fast_precisions(
-            shallow, problem.precisions, device_name=problem.target.name
+        precisions, untrainable, slow = fast_precisions(
+            shallow, problem.precisions, problem.sizes, device_name=problem.target.name
         )
         draft3, _ = _memory(shallow, problem, precisions, world)
         del shallow, three
@@ -77,12 +77,16 @@ def profile_model(
     # Training steps have run: the context now holds cuBLAS workspaces and the kernels
     # loaded lazily, which discover() could not see yet.
     context = max(problem.target.context_bytes, backend_for(device).context_bytes())
-    draft = dataclasses.replace(draft, context_bytes=context, notes=(*slow, *notes, *draft.notes))
+    draft = dataclasses.replace(
+        draft,
+        context_bytes=context,
+        notes=(*slow, *notes, *draft.notes),
+        untrainable=untrainable,
+    )
     feasible = _caps(problem, draft, world)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
-    profile = time_profile(
-        profiler, draft, feasible, problem.sizes, device_name=problem.target.name
-    )
+    sizes = [s for s in problem.sizes if s not in untrainable]
+    profile = time_profile(profiler, draft, feasible, sizes, device_name=problem.target.name)
     if copies is not None:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))

@@ -272,3 +272,35 @@ def test_cnn_with_tuple_batch_and_loss_fn() -> None:
     )
     assert result.measured.peak_bytes <= 64 * MIB
     assert result.model.blocks == ("0", "2", "4", "7")  # a mixed Sequential: its layers
+
+
+def batchnorm_net() -> nn.Module:
+    """BatchNorm over a 1x1 map (a ResNet's last stage on small images): one sample per
+    channel cannot train, so micro-batch 1 fails with the model's own ValueError."""
+    torch.manual_seed(0)
+    stage = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)) for _ in range(2)]
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 4, stride=4), *stage, nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(8),
+        nn.Flatten(), nn.Linear(8, 10),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", [None, (2, 4, 8)])
+def test_a_size_the_model_cannot_train_on_is_a_finding_not_the_end(sizes) -> None:
+    model = batchnorm_net()
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    sample = (torch.randn(4, 3, 4, 4), torch.randint(10, (4,)))
+    space = autotune.SearchSpace(micro_batch_sizes=sizes)
+    result = tune(
+        model,
+        sample,
+        64 * MIB,
+        global_batch_size=8,
+        space=space,
+        loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+    )
+    assert result.config.micro_batch_size > 1
+    assert all(t.config.micro_batch_size > 1 for t in result.trials)
+    if sizes is not None:  # a size outside the space is never run: the copy is the model's
+        assert 1 not in seen

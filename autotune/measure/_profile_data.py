@@ -213,6 +213,9 @@ class Profile:
     """Every parameter as ``(unit, rows, bytes per row, element size, trainable)``: its
     block's index (-1: outside the blocks) and what sharding it on its first dimension
     costs (empty: not recorded)."""
+    untrainable: tuple[int, ...] = ()
+    """Micro-batch sizes the model failed to train on (an error of its own, not out of
+    memory, e.g. BatchNorm over one sample): the search leaves them out."""
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -276,6 +279,7 @@ def profile_from_json(text: str) -> Profile:
         comm=_collectives(d.get("comm")),
         sharded={k: precision(v) for k, v in d.get("sharded", {}).items()},
         layout=tuple(tuple(row) for row in d.get("layout", ())),
+        untrainable=tuple(d.get("untrainable", ())),
     )
 
 

@@ -10,10 +10,11 @@ in ``_memory_profile`` and ``_time_profile``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -87,17 +88,11 @@ class Profiler:
         """Build a runner and take one step; user-model failures become ProfileError."""
         runner = self.runner(config)
         try:
-            runner.step(batching.resize(self.sample, b))
-        except (AutotuneError, torch.OutOfMemoryError):
+            with _model_errors(b):
+                runner.step(batching.resize(self.sample, b))
+        except BaseException:
             runner.close()
             raise
-        except Exception as exc:
-            runner.close()
-            raise ProfileError(
-                f"training the model on the sample batch failed with {type(exc).__name__}: "
-                f"{exc}. The batch is fed as model(batch) for a tensor, model(**batch) for a "
-                "dict, model(*batch) for a tuple (model(*batch[:-1]) when a loss_fn is given)."
-            ) from exc
         return runner
 
     def optimizer(self, name: str, b: int) -> OptimizerProfile:
@@ -208,7 +203,8 @@ class Profiler:
             apply_checkpointing(self.model, self.blocks)
         chunk = batching.resize(self.sample, b)
         try:
-            first = self._timed(lambda: runner.forward_backward(chunk))
+            with _model_errors(b):
+                first = self._timed(lambda: runner.forward_backward(chunk))
             repeats = self.repeats if first < 0.2 else 1
             times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
         finally:
@@ -257,6 +253,22 @@ class Profiler:
         start = self._now()
         fn()
         return self._now() - start
+
+
+@contextlib.contextmanager
+def _model_errors(b: int) -> Iterator[None]:
+    """A failure of the user's model (not ours, not out of memory) as a ProfileError."""
+    try:
+        yield
+    except (AutotuneError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise ProfileError(
+            f"training the model on the sample batch cut to {b} samples failed with "
+            f"{type(exc).__name__}: {exc}. The batch is fed as model(batch) for a tensor, "
+            "model(**batch) for a dict, model(*batch) for a tuple (model(*batch[:-1]) when a "
+            "loss_fn is given)."
+        ) from exc
 
 
 def _copy_lines(

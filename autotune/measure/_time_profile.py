@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from autotune.errors import ProfileError
 from autotune.measure._profile_data import Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
@@ -22,34 +23,77 @@ _SATURATED_S = 0.5
 _LONGEST_PASS_S = 2.0
 _SLOW_PRECISION = 1.6
 """A precision this many times slower than fp32 at the same micro-batch cannot win."""
+_TRIED_SIZES = 3
+"""The smallest sizes tried before a failure is the model's, not a size's."""
 
 
 def fast_precisions(
-    profiler: Profiler, precisions: Sequence[str], *, device_name: str
-) -> tuple[tuple[str, ...], list[str]]:
-    """The precisions not much slower than fp32 at micro-batch 1, and a note per one dropped.
+    profiler: Profiler, precisions: Sequence[str], sizes: Sequence[int], *, device_name: str
+) -> tuple[tuple[str, ...], tuple[int, ...], list[str]]:
+    """The precisions not much slower than fp32 at the smallest micro-batch, the smallest
+    sizes the model cannot train on, and a note per one dropped.
 
     Timed before anything else is measured, so that a precision the device only emulates
     (fp16 on most CPUs: several times slower) costs one small pass, not a memory profile
     and a time probe. The time profile checks again at a larger micro-batch, where a
-    precision that pays off on a device shows it; at 1 it is at worst as fast as fp32.
+    precision that pays off on a device shows it; at the smallest it is at worst as fast
+    as fp32. The first pass also finds the smallest size of the space that trains: a
+    model may not train on one sample (BatchNorm over a 1x1 feature map), which rules
+    out that size, not the model.
+
+    Raises:
+        ProfileError: the model trains on none of the smallest sizes of the space.
     """
-    if "fp32" not in precisions or len(precisions) < 2:
-        return tuple(precisions), []
-    kept, notes = ["fp32"], []
+    reference = "fp32" if "fp32" in precisions else precisions[0]
+    untrainable: list[int] = []
+    notes: list[str] = []
     try:
-        reference = profiler.fwd_bwd_time("fp32", 1)
+        b, seconds = _first_trainable(profiler, reference, sizes, untrainable, notes)
+        kept = [reference]
         for p in precisions:
-            if p == "fp32":
+            if p == reference:
                 continue
-            seconds = profiler.fwd_bwd_time(p, 1)
-            if seconds > _SLOW_PRECISION * reference:
-                notes.append(_slow_note(p, seconds / reference, device_name))
+            if reference != "fp32":  # no fp32 to compare with: time decides later
+                kept.append(p)
+                continue
+            ratio = profiler.fwd_bwd_time(p, b) / seconds
+            if ratio > _SLOW_PRECISION:
+                notes.append(_slow_note(p, ratio, device_name))
             else:
                 kept.append(p)
     except torch.OutOfMemoryError:  # the device cannot hold even this: the profile decides
-        return tuple(precisions), []
-    return tuple(p for p in precisions if p in kept), notes
+        return tuple(precisions), tuple(untrainable), notes
+    return tuple(p for p in precisions if p in kept), tuple(untrainable), notes
+
+
+def _first_trainable(
+    profiler: Profiler,
+    precision: str,
+    sizes: Sequence[int],
+    untrainable: list[int],
+    notes: list[str],
+) -> tuple[int, float]:
+    """(size, seconds) of the smallest of ``sizes`` the model trains on, timed; the sizes
+    below it go into ``untrainable``, each with a note.
+
+    Raises:
+        ProfileError: the first few sizes (or all) fail: the model, not a size, is at fault.
+    """
+    first: ProfileError | None = None
+    for b in sizes[:_TRIED_SIZES]:
+        try:
+            return b, profiler.fwd_bwd_time(precision, b)
+        except ProfileError as exc:
+            first = first or exc
+            untrainable.append(b)
+            notes.append(_untrainable_note(b, exc))
+    assert first is not None
+    raise first
+
+
+def _untrainable_note(b: int, exc: ProfileError) -> str:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return f"micro-batch {b}: the model does not train on it ({cause}); not searched"
 
 
 def _slow_note(precision: str, ratio: float, device_name: str) -> str:
@@ -93,8 +137,10 @@ def time_profile(
             notes.append(_slow_note(p, times[p][b] / ref, device_name))
             del feasible[p], times[p]
     precision_profiles = {}
+    untrainable = list(draft.untrainable)
     for p, cap in feasible.items():
-        ladder = _time_ladder(profiler, p, _ladder(sizes, cap), times[p], notes)
+        allowed = [s for s in sizes if s not in untrainable]
+        ladder = _time_ladder(profiler, p, _ladder(allowed, cap), times[p], notes, untrainable)
         xs = tuple(sorted(times[p]))
         ckpt_points = (
             sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
@@ -106,7 +152,11 @@ def time_profile(
         precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
     weights = profiler.block_weights(reference, probe[reference]) if profiler.blocks else ()
     return dataclasses.replace(
-        draft, block_weights=weights, precisions=precision_profiles, notes=tuple(notes)
+        draft,
+        block_weights=weights,
+        precisions=precision_profiles,
+        notes=tuple(notes),
+        untrainable=tuple(sorted(untrainable)),
     )
 
 
@@ -116,10 +166,12 @@ def _time_ladder(
     ladder: list[int],
     times: dict[int, float],
     notes: list[str],
+    untrainable: list[int],
 ) -> list[int]:
     """Time forward+backward up the ladder into ``times``; returns the sizes timed.
 
-    An out-of-memory error past the first size ends the ladder there, with a note.
+    An out-of-memory error past the first size ends the ladder there, with a note; a
+    size the model fails on otherwise goes into ``untrainable``, with a note.
 
     Stops once the device is saturated (a doubling that no longer lowers the per-sample
     time by 3%, at a size whose pass takes over half a second) or a pass takes over 2 s.
@@ -131,6 +183,12 @@ def _time_ladder(
         if b not in times:
             try:
                 times[b] = profiler.fwd_bwd_time(precision, b)
+            except ProfileError as exc:
+                if not done:
+                    raise
+                untrainable.append(b)
+                notes.append(_untrainable_note(b, exc))
+                continue
             except torch.OutOfMemoryError:
                 if not done:
                     raise

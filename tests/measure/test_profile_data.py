@@ -27,5 +27,5 @@ def test_the_profile_survives_json_with_its_reserve_lines(gpt_profile) -> None:
     fp32 = dataclasses.replace(
         gpt_profile.precisions["fp32"], reserve=(Line(1.0, 2.0), Line(3.0, 0.0))
     )
-    profile = dataclasses.replace(gpt_profile, precisions={"fp32": fp32})
+    profile = dataclasses.replace(gpt_profile, precisions={"fp32": fp32}, untrainable=(1, 3))
     assert profile_from_json(profile_to_json(profile)) == profile

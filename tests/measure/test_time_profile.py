@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from autotune.errors import ProfileError
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._time_profile import fast_precisions, time_profile
@@ -70,8 +72,11 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
         return timed("fp32", b) * slowdown.get(precision, 1.0)
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
-    found, notes = fast_precisions(profiler, ("fp32", "bf16", "fp16"), device_name="cpu")
+    found, untrainable, notes = fast_precisions(
+        profiler, ("fp32", "bf16", "fp16"), (1, 2, 4), device_name="cpu"
+    )
     assert asked == [("fp32", 1), ("bf16", 1), ("fp16", 1)]  # one small pass each
+    assert untrainable == ()
     if kept is None:  # as fast as fp32 at 1: kept, for the time profile to judge
         assert found == ("fp32", "bf16", "fp16") and notes == []
     else:
@@ -79,8 +84,58 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
         assert len(notes) == 1 and notes[0].startswith("fp16: ") and "not searched" in notes[0]
 
 
-def test_without_fp32_or_with_one_precision_nothing_is_timed(setup, monkeypatch) -> None:
+def test_without_fp32_or_with_one_precision_one_pass_finds_the_smallest_size(
+    setup, monkeypatch
+) -> None:
     profiler, _ = setup
-    monkeypatch.setattr(profiler, "fwd_bwd_time", lambda *a, **k: pytest.fail("timed"))
-    assert fast_precisions(profiler, ("bf16", "fp16"), device_name="cpu") == (("bf16", "fp16"), [])
-    assert fast_precisions(profiler, ("fp32",), device_name="cpu") == (("fp32",), [])
+    timed = profiler.fwd_bwd_time
+    asked: list[tuple[str, int]] = []
+
+    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+        asked.append((precision, b))
+        return timed("fp32", b)
+
+    monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
+    found = fast_precisions(profiler, ("bf16", "fp16"), (2, 4), device_name="cpu")
+    assert found == (("bf16", "fp16"), (), []) and asked == [("bf16", 2)]
+    assert fast_precisions(profiler, ("fp32",), (3, 6), device_name="cpu") == (("fp32",), (), [])
+    assert asked == [("bf16", 2), ("fp32", 3)]  # the space's smallest size, never 1
+
+
+def test_a_size_the_model_cannot_train_on_is_left_out_not_fatal(setup, monkeypatch) -> None:
+    """The real pass fails at micro-batch 1 as BatchNorm does on one value per channel."""
+    profiler, draft = setup
+    model = profiler.model
+    forward = model.forward
+
+    def one_sample_fails(idx, targets=None):  # type: ignore[no-untyped-def]
+        if idx.shape[0] == 1:
+            raise ValueError("Expected more than 1 value per channel when training")
+        return forward(idx, targets)
+
+    monkeypatch.setattr(model, "forward", one_sample_fails)
+    precisions, untrainable, notes = fast_precisions(
+        profiler, ("fp32",), (1, 2, 4, 8), device_name="cpu"
+    )
+    assert precisions == ("fp32",) and untrainable == (1,)
+    assert len(notes) == 1 and notes[0].startswith("micro-batch 1: the model does not train")
+    assert "Expected more than 1 value per channel" in notes[0]
+
+    draft = dataclasses.replace(draft, untrainable=untrainable)
+    profile = time_profile(profiler, draft, {"fp32": 8}, (1, 2, 4, 8), device_name="cpu")
+    assert profile.untrainable == (1,)
+    assert 1 not in profile.precisions["fp32"].time.batch_sizes  # never timed
+
+
+def test_a_model_that_trains_on_no_size_is_a_profile_error(setup, monkeypatch) -> None:
+    profiler, _ = setup
+    calls: list[int] = []
+
+    def broken(idx, targets=None):  # type: ignore[no-untyped-def]
+        calls.append(idx.shape[0])
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(profiler.model, "forward", broken)
+    with pytest.raises(ProfileError, match="cut to 1 samples failed with RuntimeError: mat1"):
+        fast_precisions(profiler, ("fp32",), (1, 2, 4, 8, 16), device_name="cpu")
+    assert calls == [1, 2, 4]  # a few sizes, then the model is at fault, not a size
