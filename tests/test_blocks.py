@@ -126,6 +126,48 @@ class NoRepeats(nn.Module):
         self.fc = nn.Linear(4, 2)
 
 
+class Mixer(nn.Module):
+    """A Mamba-style layer: another class than Block, stacked with it in hybrid models."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.out_proj = nn.Linear(2 * dim, dim)
+
+
+class Projection(nn.Module):
+    """A thin wrapper around one Linear, like Segformer's per-stage MLPs."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cin, cout)
+        self.act = nn.GELU()
+
+
+class Resnets(nn.Module):
+    """A diffusers-style U-Net block: resnets and attentions run interleaved."""
+
+    def __init__(self, dim: int, attention: bool) -> None:
+        super().__init__()
+        if attention:
+            self.attentions = nn.ModuleList(Block(dim) for _ in range(2))
+        self.resnets = nn.ModuleList(Block(dim) for _ in range(2))
+
+
+class TinyUNet(nn.Module):
+    """Registers ``up_blocks`` before ``mid_block``, as diffusers does; the mid block runs first."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, dim, 3)
+        self.down_blocks = nn.ModuleList([Resnets(dim, True), Resnets(dim, False)])
+        self.up_blocks = nn.ModuleList()
+        self.mid_block = Resnets(dim, True)
+        self.up_blocks.extend([Resnets(dim, False), Resnets(dim, True)])
+        self.conv_out = nn.Conv2d(dim, 3, 3)
+
+
 def _layers(prefix: str, n: int) -> tuple[str, ...]:
     return tuple(f"{prefix}.{i}" for i in range(n))
 
@@ -238,6 +280,76 @@ def test_parameterless_children_break_runs() -> None:
     model = nn.Module()
     model.seq = nn.Sequential(nn.Dropout(), nn.Dropout(), Block(8), nn.Identity(), Block(8))
     assert find_blocks(model) == ("seq.2", "seq.4")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["ABAB", "AAAB" * 3, "AAABAAABAA", "AABA" * 2],
+    ids=["ABAB", "AAAB-AAAB-AAAB", "cut-short", "AABA-AABA"],
+)
+def test_classes_repeating_in_a_pattern_are_one_stack(pattern: str) -> None:
+    # Jamba-style hybrids: Mamba (A) and attention (B) layers alternate in one ModuleList
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block(8) if c == "B" else Mixer(8) for c in pattern)
+    assert find_blocks(model) == _layers("layers", len(pattern))
+
+
+def test_a_class_holding_most_layers_takes_the_others_between() -> None:
+    # Zamba2-style: hybrid layers placed irregularly among Mamba layers
+    pattern = "AABABAAABA"
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block(8) if c == "B" else Mixer(8) for c in pattern)
+    assert find_blocks(model) == _layers("layers", len(pattern))
+
+
+def test_other_layers_around_a_stack_are_left_out_or_runs_of_their_own() -> None:
+    # MobileNet-style: a stem and a last layer of another class around the stack
+    model = nn.Module()
+    model.features = nn.Sequential(Mixer(8), Block(8), Block(8), Block(8), Mixer(8))
+    assert find_blocks(model) == _layers("features", 5)[1:4]
+    # MobileViT-style: a run of one class before a stack of another: two runs
+    model.features = nn.Sequential(Mixer(8), Mixer(8), Block(8), Block(8), Block(8))
+    assert find_blocks(model) == _layers("features", 5)
+
+
+def test_two_layers_of_differing_classes_are_the_blocks() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(16, 8)
+    model.layers = nn.ModuleList([Mixer(8), Block(8)])
+    assert find_blocks(model) == ("layers.0", "layers.1")
+
+
+def test_one_layer_shared_by_every_depth_is_the_block() -> None:
+    # ALBERT-style: one layer group, called once per layer; no run anywhere
+    model = nn.Module()
+    model.embed = nn.Embedding(16, 8)
+    model.groups = nn.ModuleList([nn.ModuleList([Block(8)])])
+    assert find_blocks(model) == ("groups.0",)
+
+
+def test_projections_are_not_layers() -> None:
+    # Segformer-style: one projection per stage (a thin wrapper around an nn.Linear); their
+    # widths may chain by chance, as here, and they are still no stack
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block(8) for _ in range(2))
+    model.heads = nn.ModuleList([Projection(8, 32), Projection(32, 32), Projection(32, 32)])
+    assert find_blocks(model) == ("layers.0", "layers.1")
+    # wav2vec2-style: thin wrappers around convs are conv layers
+    model.convs = nn.ModuleList(nn.Sequential(nn.Conv1d(8, 8, 3), nn.GELU()) for _ in range(3))
+    assert find_blocks(model) == (*_layers("layers", 2), *_layers("convs", 3))
+
+
+def test_u_net_blocks_come_down_mid_up_in_the_order_they_run() -> None:
+    model = TinyUNet()
+    assert [name for name, _ in model.named_children()][1:4] == [
+        "down_blocks",
+        "up_blocks",
+        "mid_block",
+    ]
+    expected = ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1")
+    assert find_blocks(model) == expected
+    named = ["up_blocks.1.resnets.0", "mid_block", "down_blocks.0.attentions.1"]
+    assert resolve_blocks(model, named) == tuple(reversed(named))
 
 
 def test_no_repeated_layers_is_a_helpful_error() -> None:
@@ -430,6 +542,119 @@ def _swin() -> nn.Module:
     return transformers.SwinForImageClassification(config)
 
 
+_TINY_LM = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+}
+
+
+def _albert() -> nn.Module:
+    import transformers
+
+    config = transformers.AlbertConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=37,
+        num_hidden_layers=4,
+        embedding_size=16,
+        vocab_size=99,
+    )
+    return transformers.AlbertForMaskedLM(config)
+
+
+def _jamba(layers: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        config = transformers.JambaConfig(
+            **_TINY_LM,
+            num_hidden_layers=layers,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+        )
+        return transformers.JambaForCausalLM(config)
+
+    return build
+
+
+def _zamba() -> nn.Module:
+    import transformers
+
+    config = transformers.ZambaConfig(
+        **_TINY_LM,
+        num_hidden_layers=6,  # Mamba, Mamba, hybrid, Mamba, hybrid, Mamba: no period
+        attention_hidden_size=64,
+        attention_head_dim=32,
+        n_mamba_heads=2,
+        attn_layer_period=3,
+        attn_layer_offset=1,
+        mamba_d_state=4,
+        mamba_dt_rank=4,
+    )
+    return transformers.ZambaForCausalLM(config)
+
+
+def _zamba2() -> nn.Module:
+    import transformers
+
+    config = transformers.Zamba2Config(
+        **_TINY_LM,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=4,
+        n_mamba_heads=2,
+        mamba_ngroups=1,
+        num_mem_blocks=1,
+        adapter_rank=4,
+        chunk_size=8,
+    )
+    return transformers.Zamba2ForCausalLM(config)
+
+
+def _segformer() -> nn.Module:
+    import transformers
+
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 2],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        patch_sizes=[3, 3],
+        strides=[2, 2],
+        decoder_hidden_size=16,  # projections 8 -> 16 and 16 -> 16, as if they were a stack
+        num_labels=3,
+    )
+    return transformers.SegformerForSemanticSegmentation(config)
+
+
+def _hybrid(name: str, layers: int, **kwargs: object) -> Callable[[], nn.Module]:
+    """A hybrid (Mamba or linear attention, and attention) decoder of ``layers`` layers."""
+
+    def build() -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, f"{name}Config")(
+            **_TINY_LM, num_hidden_layers=layers, **kwargs
+        )
+        return getattr(transformers, f"{name}ForCausalLM")(config)
+
+    return build
+
+
+_MAMBA2 = {"mamba_n_heads": 2, "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 4}
+
+
 @pytest.mark.parametrize(
     ("build", "expected"),
     [
@@ -440,9 +665,9 @@ def _swin() -> nn.Module:
         (_t5, _layers("encoder.block", 2) + _layers("decoder.block", 2)),
         (_bart, _layers("model.encoder.layers", 2) + _layers("model.decoder.layers", 2)),
         (_whisper, _layers("model.encoder.layers", 2) + _layers("model.decoder.layers", 2)),
-        (
+        (  # registered text tower first, but runs the vision tower first
             _clip,
-            _layers("text_model.encoder.layers", 2) + _layers("vision_model.encoder.layers", 2),
+            _layers("vision_model.encoder.layers", 2) + _layers("text_model.encoder.layers", 2),
         ),
         (_mixtral, _layers("model.layers", 2)),  # each MoE layer is one block
         # staged vision models: the layers of every stage, a one-layer stage included
@@ -455,6 +680,57 @@ def _swin() -> nn.Module:
             ("convnext.encoder.stages.0.layers.0", *_layers("convnext.encoder.stages.1.layers", 2)),
         ),
         (_swin, (*_layers("swin.encoder.layers.0.blocks", 2), "swin.encoder.layers.1.blocks.0")),
+        # one layer group, shared: called once per layer (no run of layers anywhere)
+        (_albert, ("albert.encoder.albert_layer_groups.0",)),
+        # hybrids: Mamba and attention layers of differing classes in one ModuleList
+        (_jamba(4), _layers("model.layers", 4)),
+        (_jamba(2), _layers("model.layers", 2)),
+        (_zamba, _layers("model.layers", 6)),
+        (_zamba2, _layers("model.layers", 4)),  # not the adapters inside its hybrid layers
+        # hybrids whose layers are of one class
+        (
+            _hybrid("FalconH1", 3, **{**_MAMBA2, "mamba_d_ssm": 32, "mamba_d_head": 16}),
+            _layers("model.layers", 3),
+        ),
+        (_hybrid("Bamba", 4, attn_layer_indices=[1, 3], **_MAMBA2), _layers("model.layers", 4)),
+        (
+            _hybrid(
+                "GraniteMoeHybrid",
+                4,
+                layer_types=["mamba", "attention"] * 2,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                shared_intermediate_size=32,
+                **_MAMBA2,
+            ),
+            _layers("model.layers", 4),
+        ),
+        (
+            _hybrid("Lfm2", 4, layer_types=["conv", "full_attention"] * 2),
+            _layers("model.layers", 4),
+        ),
+        (
+            _hybrid(
+                "Qwen3Next",
+                4,
+                head_dim=16,
+                layer_types=["linear_attention"] * 3 + ["full_attention"],
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                linear_num_key_heads=2,
+                linear_num_value_heads=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                num_experts=2,
+                num_experts_per_tok=1,
+            ),
+            _layers("model.layers", 4),
+        ),
+        # the encoder's layers, not the decode head's per-stage projections
+        (
+            _segformer,
+            ("segformer.stages.0.blocks.0", *_layers("segformer.stages.1.blocks", 2)),
+        ),
     ],
     ids=[
         "gpt2",
@@ -469,6 +745,17 @@ def _swin() -> nn.Module:
         "resnet",
         "convnext",
         "swin",
+        "albert",
+        "jamba",
+        "jamba-2-layers",
+        "zamba",
+        "zamba2",
+        "falcon-h1",
+        "bamba",
+        "granite-moe-hybrid",
+        "lfm2",
+        "qwen3-next",
+        "segformer",
     ],
 )
 def test_hugging_face_models(build: Callable[[], nn.Module], expected: tuple[str, ...]) -> None:
@@ -476,6 +763,60 @@ def test_hugging_face_models(build: Callable[[], nn.Module], expected: tuple[str
     model = build()
     names = dict(model.named_modules())
     assert all(name in names for name in expected)  # the names really exist
+    assert find_blocks(model) == expected
+
+
+def _unet() -> nn.Module:
+    import diffusers
+
+    return diffusers.UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+        sample_size=16,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    )
+
+
+def _vae() -> nn.Module:
+    import diffusers
+
+    return diffusers.AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=32,
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        # diffusers registers mid_block after up_blocks; it runs between the two paths
+        (_unet, ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1")),
+        (
+            _vae,
+            (
+                *_layers("encoder.down_blocks", 2),
+                "encoder.mid_block",
+                "decoder.mid_block",  # a decoder's path starts at its middle
+                *_layers("decoder.up_blocks", 2),
+            ),
+        ),
+    ],
+    ids=["unet", "vae"],
+)
+def test_diffusers_u_nets_in_the_order_they_run(
+    build: Callable[[], nn.Module], expected: tuple[str, ...]
+) -> None:
+    pytest.importorskip("diffusers")
+    model = build()
+    names = dict(model.named_modules())
+    assert all(name in names for name in expected)
     assert find_blocks(model) == expected
 
 
