@@ -187,6 +187,39 @@ def test_activation_offload_moves_saved_tensors_to_the_host(model, sample) -> No
             assert peaks["kept"] - peaks[name] >= 0.9 * sum(moved.values())
 
 
+class GatedBlock(torch.nn.Module):
+    """Saves two strided views of one projection (a gated MLP's gate and up halves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Linear(32, 128)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # views of one storage, row stride 128
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_offloaded_views_come_back_as_the_same_views_of_one_storage_copy() -> None:
+    """A view restored as a contiguous copy would send backward down other kernels, which
+    round differently; and each view copied apart would move their storage twice."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(GatedBlock(), GatedBlock())
+    x = torch.randn(64, 32)
+    grads = []
+    for config in (TrainConfig(), TrainConfig(offload_activations=("0", "1"))):
+        work = copy.deepcopy(model)
+        with autotune.apply(work, config, device="cpu") as handle:
+            handle.backward(work(x).square().mean())
+            grads.append([p.grad.clone() for p in work.parameters()])
+            if config.offload_activations:
+                copies = handle.offloader.copies
+                # per block: the input x, the projection's storage once, silu(gate)*up's parts
+                assert all(64 * 128 * 4 in sizes for sizes in copies.values())
+                assert all(sizes.count(64 * 128 * 4) == 1 for sizes in copies.values())
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_bandwidth_probe_measures_both_directions() -> None:
     facts = measure_transfer(discover("cpu"), nbytes=8 * 2**20)
     assert facts.d2h_bytes_per_s > 1e7 and facts.h2d_bytes_per_s > 1e7

@@ -36,12 +36,29 @@ _IN_FLIGHT = 2
 
 
 @dataclass(eq=False)
-class _Packed:
-    """One saved tensor in host memory; ``restored`` is its device copy once back."""
+class _Moved:
+    """One storage's bytes in host memory; ``restored`` is its device copy once back."""
 
     host: torch.Tensor
-    call: _Call
     restored: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Packed:
+    """One saved tensor: a view (dtype, shape, strides, offset) of a moved storage."""
+
+    moved: _Moved
+    call: _Call
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def restored(self) -> torch.Tensor:
+        """The saved tensor, as it was, over its storage's device copy."""
+        assert self.moved.restored is not None
+        base = self.moved.restored.view(self.dtype)
+        return base.as_strided(self.shape, self.stride, self.offset)
 
 
 @dataclass(eq=False)
@@ -51,11 +68,11 @@ class _Call:
     seq: int
     block: str
     packed: list[weakref.ref[_Packed]] = field(default_factory=list)
-    seen: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _Packed]] = field(
+    seen: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _Moved]] = field(
         default_factory=dict
     )
-    """Saved tensor -> its copy; the storage is held weakly: a freed tensor's address may
-    be reused by a new tensor of the same shape within the block."""
+    """Saved storage -> its copy; the storage is held weakly: a freed storage's address may
+    be reused by a new one within the block."""
     restore_event: Any = None
     restored: bool = False
     started: bool = False
@@ -113,35 +130,44 @@ class ActivationOffloader:
                 self._in_flight.append(self._d2h.record_event())
 
     def _pack(self, call: _Call, t: torch.Tensor) -> Any:
-        """A tensor saved for backward: its host copy (started), or itself if it stays."""
+        """A tensor saved for backward: a view of its storage's host copy (started), or
+        itself if it stays.
+
+        The whole storage moves, once however many of its views are saved (q, k and v
+        split from one projection), and each comes back as the same view of it: the same
+        strides and offset, so backward runs the same kernels, and the device holds what
+        it would hold without offload.
+        """
         if not self._offloadable(t):
             return t
-        key = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            tuple(t.stride()),
-            t.dtype,
-            t._version,
-        )
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), t._version)
         hit = call.seen.get(key)
         if hit is not None and hit[0]() is not None:
-            return hit[1]  # the same tensor saved by several ops (e.g. q, k, v): one copy
-        host = host_empty(t, pinned=self.ops.pins)
+            moved = hit[1]
+        else:
+            moved = self._move(call, storage)
+            call.seen[key] = (weakref.ref(storage), moved)
+        offset = int(t.storage_offset())
+        packed = _Packed(moved, call, t.dtype, tuple(t.shape), t.stride(), offset)
+        call.packed.append(weakref.ref(packed))
+        return packed
+
+    def _move(self, call: _Call, storage: torch.UntypedStorage) -> _Moved:
+        """Start copying ``storage``'s bytes to the host."""
+        data = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        host = host_empty(data, pinned=self.ops.pins)
         if self.streams:
             assert self._d2h is not None
             self._d2h.wait_stream(self.ops.current_stream())
             with self.ops.use_stream(self._d2h):
-                host.copy_(t, non_blocking=True)
-            self.ops.record_stream(t, self._d2h)  # its memory is reused only after the copy
+                host.copy_(data, non_blocking=True)
+            self.ops.record_stream(data, self._d2h)  # its memory is reused only after the copy
         else:
-            host.copy_(t)
-        packed = _Packed(host, call)
-        call.packed.append(weakref.ref(packed))
-        call.seen[key] = (weakref.ref(t.untyped_storage()), packed)
+            host.copy_(data)
         self.moved_bytes[call.block] += host.nbytes
         self.copies[call.block].append(host.nbytes)
-        return packed
+        return _Moved(host)
 
     def host_bytes(self) -> int:
         """Host bytes the last forward call of every block holds, as allocated."""
@@ -159,34 +185,37 @@ class ActivationOffloader:
             self._prefetch_below(call)
         if self.streams and call.restore_event is not None:
             self.ops.current_stream().wait_event(call.restore_event)
-        assert packed.restored is not None
-        return packed.restored
+        return packed.restored()
 
     def _offloadable(self, t: torch.Tensor) -> bool:
         if t.device != self.device or t.layout != torch.strided or type(t) is not torch.Tensor:
             return False  # parameters (a subclass) and host tensors stay where they are
         if t.numel() * t.element_size() < _MIN_BYTES:
             return False
-        return t.untyped_storage().data_ptr() not in self._params
+        storage = t.untyped_storage()
+        if storage.nbytes() % t.element_size():
+            return False  # bytes another dtype laid out: not a view of this one's
+        return storage.data_ptr() not in self._params
 
     def _restore(self, call: _Call) -> None:
         """Copy a block call's tensors back to the device (on the copy stream on CUDA)."""
         call.restored = True
-        packs = [p for p in (r() for r in call.packed) if p is not None and p.restored is None]
+        packs = (p for p in (r() for r in call.packed) if p is not None)
+        moved = list({id(p.moved): p.moved for p in packs if p.moved.restored is None}.values())
         if self.streams:
             assert self._h2d is not None and self._d2h is not None
             self._h2d.wait_stream(self.ops.current_stream())
             self._h2d.wait_stream(self._d2h)  # the forward copies must have landed
-        for p in packs:
-            dev = torch.empty(p.host.shape, dtype=p.host.dtype, device=self.device)
+        for m in moved:
+            dev = torch.empty_like(m.host, device=self.device)
             if self.streams:
                 assert self._h2d is not None
                 with self.ops.use_stream(self._h2d):
-                    dev.copy_(p.host, non_blocking=True)
+                    dev.copy_(m.host, non_blocking=True)
                 self.ops.record_stream(dev, self._h2d)
             else:
-                dev.copy_(p.host)
-            p.restored = dev
+                dev.copy_(m.host)
+            m.restored = dev
         if self.streams:
             assert self._h2d is not None
             call.restore_event = self._h2d.record_event()

@@ -128,7 +128,10 @@ def test_an_encoder_decoder_checkpoints_with_its_gradients_unchanged(name: str) 
     blocks = autotune.find_blocks(model)
     assert any(b.startswith("decoder.") for b in blocks)
     grads = {}
-    for config in (TrainConfig(micro_batch_size=4), TrainConfig(micro_batch_size=4, checkpoint=blocks)):
+    for config in (
+        TrainConfig(micro_batch_size=4),
+        TrainConfig(micro_batch_size=4, checkpoint=blocks),
+    ):
         work = copy.deepcopy(model)
         torch.manual_seed(1)  # the same dropout masks: checkpoint replays the RNG
         with autotune.apply(work, config) as handle:
