@@ -119,8 +119,10 @@ def fit_phases(
 ) -> tuple[int, list[Phase]]:
     """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``.
 
-    Phases are matched by label; the sequence is the kept run's at ``b1``. A phase missing
-    from another run (data-dependent control flow) takes the kept run's values.
+    Phases are matched by label and, for a label seen more than once (a weight-shared
+    block called once per layer, ALBERT's), by its occurrence; the sequence is the kept
+    run's at ``b1``. A phase missing from another run (data-dependent control flow) takes
+    the kept run's values.
 
     Returns:
         The live bytes at step start, and the phases of micro-batches 1, 2 and the
@@ -129,17 +131,13 @@ def fit_phases(
     reference = runs1[0]
     base = reference[0].entry
 
-    def table(records: list[PhaseRecord]) -> dict[PhaseKey, PhaseRecord]:
-        out: dict[PhaseKey, PhaseRecord] = {}
-        for r in records:
-            out.setdefault(r.key, r)
-        return out
+    def table(records: list[PhaseRecord]) -> dict[tuple[PhaseKey, int], PhaseRecord]:
+        return dict(zip(_occurrences(records), records, strict=True))
 
     variants = range(len(runs1))
     tables = [[table(runs1[v]), table(runs2[v])] for v in variants]
     phases = []
-    for r in reference:
-        key = r.key
+    for r, key in zip(reference, _occurrences(reference), strict=True):
         lines_delta, lines_peak = [], []
         for v in variants:
             a = tables[v][0].get(key) or tables[0][0][key]
@@ -149,6 +147,16 @@ def fit_phases(
         # Only a block's own forward and backward are its; what happens between blocks
         # (e.g. autocast dropping cached weight casts when the forward ends) depends on
         # every block's choice, and the cost model interpolates it.
-        block = key.block if key.label in ("fwd", "bwd") else None
-        phases.append(Phase(key, block, tuple(lines_delta), tuple(lines_peak), r.grads))
+        block = r.key.block if r.key.label in ("fwd", "bwd") else None
+        phases.append(Phase(r.key, block, tuple(lines_delta), tuple(lines_peak), r.grads))
     return base, phases
+
+
+def _occurrences(records: Sequence[PhaseRecord]) -> list[tuple[PhaseKey, int]]:
+    """Each record's key and how many records before it had the same key."""
+    seen: dict[PhaseKey, int] = {}
+    out = []
+    for r in records:
+        out.append((r.key, seen.get(r.key, 0)))
+        seen[r.key] = out[-1][1] + 1
+    return out

@@ -537,7 +537,7 @@ CASES: list[Case] = [
     Case("roberta", "encoder", _masked("RobertaConfig", "RobertaForMaskedLM", pad_token_id=1), layers("roberta.encoder.layer"), 2),
     Case("distilbert", "encoder", distilbert, layers("distilbert.transformer.layer"), 2),
     Case("albert", "encoder", _masked("AlbertConfig", "AlbertForMaskedLM", embedding_size=16),
-         r"albert\.encoder\.albert_layer_groups\.0(\.albert_layers\.0)?", 1,
+         r"albert\.encoder\.albert_layer_groups\.0(\.albert_layers\.0)?", 1, tuned=True,
          note="one layer group, weight-shared, runs at every depth: a single block"),
     Case("electra", "encoder", _masked("ElectraConfig", "ElectraForMaskedLM", embedding_size=16), layers("electra.encoder.layer"), 2),
     Case("deberta-v2", "encoder", _masked("DebertaV2Config", "DebertaV2ForMaskedLM"), layers("deberta.encoder.layer"), 2),
