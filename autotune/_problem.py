@@ -14,7 +14,7 @@ from torch import nn
 
 from autotune._backend import backend_for
 from autotune._blocks import resolve_blocks
-from autotune.config import MAX_BATCH
+from autotune.config import BITSANDBYTES_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS
 from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
 from autotune.measure._devices import Target, budget_bytes, discover
 from autotune.plan._candidates import micro_batch_candidates
@@ -70,7 +70,8 @@ class Problem:
         optimizers = self.space.optimizers
         if cost.layout.parallel != "none":  # what data parallelism trains (see TrainConfig)
             offload_optimizer = offload_activations = False
-            optimizers = tuple(o for o in optimizers if o != "adamw8bit") or ("adamw",)
+            optimizers = tuple(o for o in optimizers if o not in BITSANDBYTES_OPTIMIZERS)
+            optimizers = optimizers or ("adamw",)
             if cost.layout.parallel == "fsdp":
                 precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
         return Planner(
@@ -116,6 +117,7 @@ def make_problem(
             build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
     target = discover(device)
     budget = budget_bytes(budget_gb, target)
+    space = _unpaged_off_cuda(space, target)
     if backend_for(target.device).host_is_device and any(space.offloads(target.device.type)):
         warnings.warn(
             f"offload saves nothing on {target.device}, where host memory is device memory; "
@@ -147,3 +149,20 @@ def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, .
     if not wanted:
         raise BudgetError(f"none of the precisions asked for runs on {target.name}.")
     return tuple(wanted)
+
+
+def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
+    """Off CUDA a paged optimizer is its unpaged twin (bitsandbytes pages through CUDA
+    unified memory only): tune the twin, and say so."""
+    paged = [o for o in space.optimizers if o in PAGED_OPTIMIZERS]
+    if not paged or target.device.type == "cuda":
+        return space
+    twins = ", ".join(f"{o} as {PAGED_OPTIMIZERS[o]}" for o in paged)
+    warnings.warn(
+        f"paged optimizers page their state through CUDA unified memory; on "
+        f"{target.device} bitsandbytes runs them unpaged: tuning {twins}.",
+        AutotuneWarning,
+        stacklevel=4,
+    )
+    names = dict.fromkeys(PAGED_OPTIMIZERS.get(o, o) for o in space.optimizers)
+    return dataclasses.replace(space, optimizers=tuple(names))

@@ -11,14 +11,35 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
-__all__ = ["ATTENTION", "MAX_BATCH", "OPTIMIZERS", "PARALLEL", "PRECISIONS", "TrainConfig"]
+__all__ = [
+    "ATTENTION",
+    "BITSANDBYTES_OPTIMIZERS",
+    "MAX_BATCH",
+    "OPTIMIZERS",
+    "PAGED_OPTIMIZERS",
+    "PARALLEL",
+    "PRECISIONS",
+    "TrainConfig",
+]
 
 MAX_BATCH = 2**31 - 1
 """The largest micro-batch size or accumulation count a config may hold."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Training precisions: fp32, bf16 autocast, fp16 autocast with a GradScaler."""
-OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "adafactor", "adamw8bit")
+OPTIMIZERS: tuple[str, ...] = (
+    "adamw",
+    "sgd",
+    "adafactor",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "paged_adamw",
+)
 """Optimizer names; :mod:`autotune.train._optimizers` builds them."""
+BITSANDBYTES_OPTIMIZERS: tuple[str, ...] = ("adamw8bit", "paged_adamw8bit", "paged_adamw")
+"""The optimizers bitsandbytes builds (no data parallelism)."""
+PAGED_OPTIMIZERS: dict[str, str] = {"paged_adamw8bit": "adamw8bit", "paged_adamw": "adamw"}
+"""Paged optimizers (their large states in CUDA unified memory), each with its unpaged
+twin of the same state size: off CUDA, bitsandbytes runs them unpaged."""
 ATTENTION: tuple[str, ...] = (
     "eager",
     "sdpa",
@@ -120,7 +141,7 @@ class TrainConfig:
             return
         unsupported = [
             (self.offload_activations, "activation offload"),
-            (self.optimizer == "adamw8bit", "the adamw8bit optimizer"),
+            (self.optimizer in BITSANDBYTES_OPTIMIZERS, f"the {self.optimizer} optimizer"),
             (self.precision == "fp16" and self.parallel == "fsdp", "fp16 (use bf16)"),
             (self.offload_optimizer and self.parallel == "ddp", "optimizer offload"),
         ]

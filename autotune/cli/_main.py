@@ -208,7 +208,9 @@ def _add_estimate(sub: Any) -> None:
     est.add_argument("--accum", type=positive_int, help="micro-batches per optimizer step")
     est.add_argument("--precision", choices=PRECISIONS)
     est.add_argument("--checkpoint", help="blocks to checkpoint: all, none, or a comma list")
-    est.add_argument("--optimizer", help="adamw, adamw8bit, adafactor or sgd")
+    est.add_argument(
+        "--optimizer", help="adamw, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd"
+    )
     est.add_argument(
         "--offload-activations", help="blocks to offload to the host: all, none, or a comma list"
     )

@@ -50,6 +50,10 @@ __all__ = [
 ]
 
 
+_ADAMW = ("adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw")
+"""AdamW, with torch's and bitsandbytes' default weight decay of 0.01."""
+
+
 def to_hf(result: TuneResult) -> Export:
     """Keyword arguments of ``transformers.TrainingArguments``.
 
@@ -92,7 +96,7 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
         "fp16": c.precision == "fp16",
         "optim": HF_OPTIM[c.optimizer],
     }
-    if c.optimizer in ("adamw", "adamw8bit"):
+    if c.optimizer in _ADAMW:
         settings["weight_decay"] = 0.01  # torch's and bitsandbytes' AdamW default, as tuned
     if c.optimizer == "sgd":
         settings["optim_args"] = "momentum=0.9"  # autotune's SGD keeps a momentum buffer
@@ -115,7 +119,7 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
 
 
 def _hf_notes(c: TrainConfig) -> tuple[str, ...]:
-    if c.optimizer not in ("adamw", "adamw8bit"):
+    if c.optimizer not in _ADAMW:
         return ()
     return (
         "weight_decay 0.01 is AdamW's default in torch, as tuned; the Trainer exempts "

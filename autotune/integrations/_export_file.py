@@ -59,13 +59,28 @@ HF_OPTIM = {
     "sgd": "sgd",
     "adafactor": "adafactor",
     "adamw8bit": "adamw_bnb_8bit",
+    "paged_adamw8bit": "paged_adamw_8bit",
+    "paged_adamw": "paged_adamw_32bit",
 }
+HF_OPTIM_TUNED = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "sgd": "sgd",
+    "adamw_bnb_8bit": "adamw8bit",
+    "adamw_8bit": "adamw8bit",
+    "paged_adamw_8bit": "paged_adamw8bit",
+    "paged_adamw_32bit": "paged_adamw",
+}
+"""A Hugging Face ``optim`` -> the autotune optimizer with its class and state (its
+``adafactor`` is transformers' own, not torch's, so it is not here)."""
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 TORCH_OPTIMIZER = {
     "adamw": "torch.optim.AdamW",
     "sgd": "torch.optim.SGD(momentum=0.9)",
     "adafactor": "torch.optim.Adafactor",
     "adamw8bit": "bitsandbytes.optim.AdamW8bit",
+    "paged_adamw8bit": "bitsandbytes.optim.PagedAdamW8bit",
+    "paged_adamw": "bitsandbytes.optim.PagedAdamW32bit",
 }
 
 

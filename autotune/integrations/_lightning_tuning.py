@@ -24,6 +24,9 @@ _OPTIMIZERS = {  # optimizer class name -> the autotune optimizer with the same 
     "SGD": "sgd",
     "Adafactor": "adafactor",
     "AdamW8bit": "adamw8bit",
+    "PagedAdamW8bit": "paged_adamw8bit",
+    "PagedAdamW": "paged_adamw",
+    "PagedAdamW32bit": "paged_adamw",
 }
 
 

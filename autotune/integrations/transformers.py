@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from autotune.config import PAGED_OPTIMIZERS
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._export import hf_settings
+from autotune.integrations._export_file import HF_OPTIM_TUNED
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
@@ -114,6 +116,11 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
         for k in keys
         if getattr(args, k) != settings[k]
     ]
+    optim = str(getattr(args.optim, "value", args.optim))
+    same = {result.config.optimizer, PAGED_OPTIMIZERS.get(result.config.optimizer)}
+    same |= {p for p, twin in PAGED_OPTIMIZERS.items() if twin == result.config.optimizer}
+    if HF_OPTIM_TUNED.get(optim) not in same:  # paged or not: the same states
+        differ.append(f"optim={optim!r} (tuned {settings['optim']!r})")
     if getattr(args, "gradient_checkpointing", False) or getattr(
         args, "activation_checkpointing", False
     ):

@@ -19,6 +19,7 @@ from autotune.measure._parameters import block_parameter_bytes, parameter_bytes,
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
 from autotune.measure._profiler import Profiler
 from autotune.train import _batch as batching
+from autotune.train._quantized import relink_copied
 
 __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 
@@ -26,7 +27,7 @@ __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A deep copy of ``model`` on ``device``: every measurement runs on one."""
     try:
-        work = copy.deepcopy(model)
+        work = relink_copied(copy.deepcopy(model))
     except Exception as exc:
         raise ProfileError(
             f"autotune measures a copy of the model, and copy.deepcopy failed: {exc}. "
@@ -82,9 +83,9 @@ def memory_profile(
     params = {id(p): p for p in profiler.model.parameters()}
     every, trainable = parameter_bytes(profiler.model)
     blocks = profiler.blocks
-    # An offloaded optimizer's master weights and gradient buffers, one host buffer each.
-    host = [p.untyped_storage().nbytes() for p in params.values()]
-    host += [p.untyped_storage().nbytes() for p in params.values() if p.requires_grad]
+    # An offloaded optimizer's master weights and gradient buffers, one host buffer each,
+    # of the trained parameters (a frozen one, a LoRA base, has neither).
+    host = [p.untyped_storage().nbytes() for p in params.values() if p.requires_grad] * 2
     profile = Profile(
         profiler.device.type,
         blocks,
@@ -111,7 +112,7 @@ def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> 
     residual stream). Nothing is added where bf16 was not profiled."""
     if "bf16" not in profile.precisions:
         return profile
-    inner = profiler.over(copy.deepcopy(profiler.model).to(torch.bfloat16))
+    inner = profiler.over(relink_copied(copy.deepcopy(profiler.model)).to(torch.bfloat16))
     try:
         for b1, b2 in ((2, 4), (1, 2)):
             try:

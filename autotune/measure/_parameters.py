@@ -1,6 +1,8 @@
 """What a model's parameters weigh: in all, per block, and per parameter for sharding.
 
-Read from the model wherever it lives (the device or the host); nothing runs.
+Read from the model wherever it lives (the device or the host); nothing runs. A quantized
+weight weighs its packed storage and its quantization state (see
+:mod:`autotune.train._quantized`), which is frozen.
 """
 
 from __future__ import annotations
@@ -9,22 +11,28 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from autotune.train._quantized import quantization_state
+
 __all__ = ["block_parameter_bytes", "parameter_bytes", "parameter_layout"]
 
 
 def parameter_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of every parameter, bytes of the trainable ones), each parameter once."""
+    """(bytes of every parameter with its quantization state, bytes of the trainable ones),
+    each storage once."""
     params = {id(p): p for p in model.parameters()}.values()
-    every = sum(p.untyped_storage().nbytes() for p in params)
-    return every, sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
+    return _bytes(model), sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
 
 
 def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int, ...]:
-    """Parameter bytes of each named block of ``model``."""
-    return tuple(
-        sum(p.untyped_storage().nbytes() for p in model.get_submodule(name).parameters())
-        for name in blocks
-    )
+    """Parameter bytes (quantization state included) of each named block of ``model``."""
+    return tuple(_bytes(model.get_submodule(name)) for name in blocks)
+
+
+def _bytes(module: nn.Module) -> int:
+    """Bytes of the parameters and quantization state of ``module``, each storage once."""
+    tensors = (*module.parameters(), *quantization_state(module))
+    storages = {id(s): s for s in (t.untyped_storage() for t in tensors)}
+    return sum(s.nbytes() for s in storages.values())
 
 
 def parameter_layout(

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from autotune._backend import backend_for
 from autotune.measure._profile_data import PhaseKey
 from autotune.train._host import in_host_memory, is_host_storage
+from autotune.train._quantized import quantization_state
 
 __all__ = ["LiveBytesTracker", "PhaseRecord", "state_tensors"]
 
@@ -159,9 +160,12 @@ class LiveBytesTracker(TorchDispatchMode):
 
 def _has_storage(t: torch.Tensor) -> bool:
     # Sparse, nested and other wrapper-subclass tensors have no plain storage; they are not
-    # counted. A DTensor (FSDP2's shards) counts its local tensor.
+    # counted. A DTensor (FSDP2's shards) counts its local tensor. A Parameter subclass
+    # that is no wrapper (bitsandbytes' Params4bit and Int8Params) has a plain storage.
     t = _local(t)
-    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    plain = type(t) is torch.Tensor or (
+        isinstance(t, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t)
+    )
     return plain and t.layout == torch.strided and not t.is_meta
 
 
@@ -185,6 +189,7 @@ def state_tensors(*objects: Any) -> list[torch.Tensor]:
                 if p.grad is not None:
                     out.append(p.grad)
             out.extend(obj.buffers())
+            out.extend(quantization_state(obj))  # a quantized weight's absmax, code, scales
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
                 out.extend(v for v in state.values() if isinstance(v, torch.Tensor))

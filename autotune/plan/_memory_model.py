@@ -82,10 +82,11 @@ class MemoryModel(ProfileView):
         """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
         if offload_optimizer and self.profile.host_is_device:
             # The CPU: state, gradients and the step's transient are the same bytes on the
-            # "host", plus the master weights (an offloaded block's host copies are in its
-            # measured variant already).
+            # "host", plus the master weights of the trained parameters (a frozen one, a
+            # LoRA base, has none; an offloaded block's host copies are in its measured
+            # variant already).
             device, live_peak, held = self.simulate(precision, optimizer, b, accum, mask)
-            masters = self.profile.param_bytes
+            masters = self.profile.grad_bytes
             return device + masters, live_peak + masters, held
         first, later = self._micro[precision]
         opt = self.profile.optimizers[optimizer]
@@ -201,7 +202,7 @@ class MemoryModel(ProfileView):
         prof = self.profile
         total = 0.0
         if offload_optimizer:
-            total += prof.host_param_bytes or prof.param_bytes + prof.grad_bytes
+            total += prof.host_param_bytes or 2 * prof.grad_bytes
             total += prof.optimizers[optimizer].state_bytes
         rounds = prof.transfer is not None and prof.transfer.rounds_host
         variant = prof.precisions[precision]

@@ -45,7 +45,7 @@ class TimeModel(ProfileView):
         # weights come up after the host step, before the next forward.
         _, bwd = self._block_seconds(precision, b)
         down = self.profile.grad_bytes / transfer.d2h_bytes_per_s
-        up = self.profile.param_bytes / transfer.h2d_bytes_per_s
+        up = self.profile.grad_bytes / transfer.h2d_bytes_per_s  # the trained weights
         return max(down - sum(bwd), 0.0) + opt.host_step_s + up
 
     def _block_seconds(self, precision: str, b: int) -> tuple[list[float], list[float]]:

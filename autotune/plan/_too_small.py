@@ -27,7 +27,9 @@ def too_small(
     config = planner.with_mask(p, o, b, h, planner.frugal_mask(p, o, b, h))
     _, parts = cost.memory(config)
     hints = ["raise budget_gb"]
-    light = [x for x in ("adamw8bit", "adafactor", "sgd") if x in space.optimizers]
+    light = [
+        x for x in ("adamw8bit", "paged_adamw8bit", "adafactor", "sgd") if x in space.optimizers
+    ]
     if parts.optimizer > parts.parameters / 2 and not light:
         hints.append(
             "allow a lighter optimizer, e.g. SearchSpace(optimizers=['adamw', 'adamw8bit']) "

@@ -60,12 +60,26 @@ def _rebuild(container: Any, items: list[Any]) -> Any:
 
 
 def _map(batch: Batch, fn: Callable[[Tensor], Tensor], min_ndim: int) -> Batch:
+    # A tensor that is several leaves (a causal LM's labels=input_ids) maps once, so that
+    # its leaves stay one tensor: resized, split or moved, it holds its bytes once.
+    done: dict[int, Tensor] = {}
+
+    def once(t: Tensor) -> Tensor:
+        out = done.get(id(t))
+        if out is None:
+            out = done[id(t)] = fn(t)
+        return out
+
+    return _walk(batch, once, min_ndim)
+
+
+def _walk(batch: Batch, fn: Callable[[Tensor], Tensor], min_ndim: int) -> Batch:
     if isinstance(batch, Tensor):
         return fn(batch) if batch.ndim >= min_ndim else batch
     if isinstance(batch, Mapping):
-        return _rebuild(batch, [_map(v, fn, min_ndim) for v in batch.values()])
+        return _rebuild(batch, [_walk(v, fn, min_ndim) for v in batch.values()])
     if isinstance(batch, (tuple, list)):
-        return _rebuild(batch, [_map(v, fn, min_ndim) for v in batch])
+        return _rebuild(batch, [_walk(v, fn, min_ndim) for v in batch])
     return batch
 
 
@@ -173,7 +187,8 @@ def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:
 
 def bytes_per_sample(batch: Batch, device: torch.device) -> float:
     """Bytes one sample of ``batch`` holds on ``device`` (0 where it lives elsewhere)."""
-    held = sum(t.numel() * t.element_size() for t in tensors_on(batch, device))
+    leaves = {id(t): t for t in tensors_on(batch, device)}.values()  # labels=input_ids: once
+    held = sum(t.numel() * t.element_size() for t in leaves)
     return held / batch_size(batch)
 
 

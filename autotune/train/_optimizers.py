@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autotune.config import OPTIMIZERS
+from autotune.config import BITSANDBYTES_OPTIMIZERS, OPTIMIZERS
 from autotune.errors import ConfigError
 
 __all__ = ["OptimizerSpec", "available", "build_optimizer"]
@@ -52,6 +52,30 @@ def _adamw8bit(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimiz
     return optimizer
 
 
+def _paged_adamw8bit(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    # What Hugging Face's optim="paged_adamw_8bit" builds: AdamW8bit whose states of
+    # parameters of 1e5 elements or more live in CUDA unified memory (paged to the host
+    # when the device is full). Off CUDA, its unpaged twin: the same state and math.
+    return _paged(params, lr, "PagedAdamW8bit", "AdamW8bit")
+
+
+def _paged_adamw(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    # Hugging Face's optim="paged_adamw_32bit": fp32 states, paged as above.
+    return _paged(params, lr, "PagedAdamW32bit", "AdamW32bit")
+
+
+def _paged(
+    params: Iterable[torch.Tensor], lr: float, paged: str, unpaged: str
+) -> torch.optim.Optimizer:
+    params = list(params)
+    # bitsandbytes pages through CUDA unified memory only (elsewhere it warns and runs
+    # unpaged): build the unpaged twin where the parameters are not on CUDA.
+    cuda = any(p.device.type == "cuda" for p in params)
+    build = getattr(_bitsandbytes().optim, paged if cuda else unpaged)
+    optimizer: torch.optim.Optimizer = build(params, lr=lr)
+    return optimizer
+
+
 def _bitsandbytes() -> Any:
     """Import bitsandbytes, or say how to install it."""
     # Its CPU backend logs a warning at import about optional 4-bit kernels we never use.
@@ -62,7 +86,8 @@ def _bitsandbytes() -> Any:
         import bitsandbytes
     except ImportError:
         raise ConfigError(
-            "optimizer adamw8bit needs bitsandbytes: pip install 'autotune[8bit]' "
+            "optimizers adamw8bit, paged_adamw8bit and paged_adamw need bitsandbytes: "
+            "pip install 'autotune[8bit]' "
             "(or pip install bitsandbytes)."
         ) from None
     finally:
@@ -72,7 +97,7 @@ def _bitsandbytes() -> Any:
 
 def available(name: str) -> bool:
     """Whether optimizer ``name`` can be built here (its optional library is installed)."""
-    if name != "adamw8bit":
+    if name not in BITSANDBYTES_OPTIMIZERS:
         return name in _SPECS
     try:
         _bitsandbytes()
@@ -87,6 +112,12 @@ _SPECS: dict[str, OptimizerSpec] = {
     "adafactor": OptimizerSpec(_adafactor, 0.5, "Adafactor, factored second moments"),
     "adamw8bit": OptimizerSpec(
         _adamw8bit, 2.0, "AdamW with 8-bit blockwise-quantised states (bitsandbytes)"
+    ),
+    "paged_adamw8bit": OptimizerSpec(
+        _paged_adamw8bit, 2.0, "adamw8bit with its states paged in CUDA unified memory"
+    ),
+    "paged_adamw": OptimizerSpec(
+        _paged_adamw, 8.0, "AdamW (bitsandbytes, fp32 states) paged in CUDA unified memory"
     ),
 }
 

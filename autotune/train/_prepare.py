@@ -16,9 +16,11 @@ from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
+from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._kv_cache import disable_kv_cache
 from autotune.train._loss import LossFn
 from autotune.train._parallel import check_group
+from autotune.train._quantized import model_tensors
 from autotune.train._runner import Runner
 
 __all__ = ["apply", "prepare"]
@@ -39,7 +41,9 @@ def prepare(
     The model is moved to the device, put in train mode, its checkpointed and offloaded
     blocks are wrapped (undone by ``runner.close()``), and a Hugging Face model's
     ``use_cache`` is turned off in every config it holds (a key/value cache is for
-    generation, not training).
+    generation, not training), and so is its own gradient checkpointing of every layer
+    (``gradient_checkpointing_enable()``, which peft's ``prepare_model_for_kbit_training``
+    calls): the config's checkpoint mask says which blocks recompute.
 
     Args:
         model: The model to train (modified in place).
@@ -63,6 +67,7 @@ def prepare(
     config, result, target, foreign = _setup(model, config, device, strict, "prepare")
     model.train()
     disable_kv_cache(model)  # prepare() owns the model for training: left off
+    disable_hf_checkpointing(model)  # the config's mask says what recomputes
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
@@ -94,8 +99,9 @@ def apply(
 
     The model is moved to the device, its blocks are checkpointed and offloaded exactly
     as the config says, and a Hugging Face model's ``use_cache`` is turned off in every
-    config it holds; ``handle.undo()`` takes the wrappers off and turns the caches back on
-    (the model stays on the device, its weights as trained). Its train/eval mode is left
+    config it holds, and so is its own gradient checkpointing of every layer;
+    ``handle.undo()`` takes the wrappers off and turns the caches and the checkpointing back
+    on (the model stays on the device, its weights as trained). Its train/eval mode is left
     as it is. The handle gives the loop the micro-batches with their loss weights, the
     autocast context, the GradScaler, the optimizer the config names (built on first use
     with ``lr``), the optimizer step (with clipping and a scheduler) and, given a
@@ -110,6 +116,7 @@ def apply(
         model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
     )
     handle.on_undo(disable_kv_cache(model))
+    handle.on_undo(disable_hf_checkpointing(model))
     _hold(handle, result, foreign)
     return handle
 
@@ -179,5 +186,5 @@ def _foreign_bytes(model: nn.Module, device: torch.device) -> int:
     ops = backend_for(device)
     if not ops.caching:
         return 0
-    own = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device == device}
+    own = {id(t): t for t in model_tensors(model) if t.device == device}
     return max(ops.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)

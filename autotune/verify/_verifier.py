@@ -28,6 +28,7 @@ from autotune.train import _batch as batching
 from autotune.train._loss import LossFn
 from autotune.train._parallel import agree_max, collective, gathered_tensors
 from autotune.train._prepare import prepare
+from autotune.train._quantized import relink_copied
 from autotune.train._runner import Runner
 
 __all__ = ["Verifier"]
@@ -85,7 +86,10 @@ class Verifier:
 
     def run(self, config: TrainConfig) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
-        batch = batching.resize(self.sample, config.effective_batch_size)
+        n = config.effective_batch_size
+        batch = batching.resize(self.sample, n)
+        if n < batching.batch_size(self.sample):  # views: they would hold the whole sample
+            batch = batching.map_tensors(batch, torch.clone)  # a loader's batch holds n rows
         runner: Runner | None = None
         error: str | None = None
         peak, step_s = 0, 0.0
@@ -121,7 +125,10 @@ class Verifier:
 
     def _prepare(self, config: TrainConfig) -> Runner:
         # Data parallelism wraps the model for good: a copy of it, each time.
-        model = self.model if config.parallel == "none" else copy.deepcopy(self.model)
+        if config.parallel == "none":
+            model = self.model
+        else:
+            model = relink_copied(copy.deepcopy(self.model))
         return prepare(
             model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )

@@ -1,0 +1,86 @@
+"""The bytes a quantized model holds beside its parameters and buffers.
+
+bitsandbytes' quantized layers keep their weights as ``Parameter`` subclasses with a
+plain storage (``Params4bit``: packed uint8; ``Int8Params``: int8), and the tensors that
+dequantize them outside both ``parameters()`` and ``buffers()``: a 4-bit weight's
+``quant_state`` (``absmax``, ``code``, ``offset`` and, with double quantization, the
+nested ``state2``'s ``absmax`` and ``code``), an 8-bit layer's row scales (``SCB``, moved
+from the weight to the layer's ``state`` by its first forward). They are memory the model
+holds for as long as it lives, like its parameters. Read by attribute name, so that
+bitsandbytes is never imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["model_tensors", "quantization_state", "relink_copied"]
+
+_QUANT_STATE = ("absmax", "code", "offset")
+_LT_STATE = ("CB", "SCB")
+
+
+def quantization_state(module: nn.Module) -> list[torch.Tensor]:
+    """The quantization-state tensors of ``module`` and its submodules, each storage once."""
+    out: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for t in _own_state(m):
+            out.setdefault(id(t.untyped_storage()), t)
+    return list(out.values())
+
+
+def model_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and quantization state of ``module``: what it holds, one tensor
+    per storage (an 8-bit layer's ``CB`` is its weight's storage)."""
+    out: dict[int, torch.Tensor] = {}
+    for t in (*module.parameters(), *module.buffers(), *quantization_state(module)):
+        out.setdefault(id(t.untyped_storage()), t)
+    return list(out.values())
+
+
+def relink_copied(model: nn.Module) -> nn.Module:
+    """``model``, a ``copy.deepcopy``, with each 4-bit layer's weight and quantization
+    state linked as in the original; returns it.
+
+    bitsandbytes' ``Params4bit.__deepcopy__`` ignores the memo: the copied weight gets a
+    quantization state of its own beside the one its copied layer holds (memory the
+    original does not hold), and its ``module`` is the original layer, not the copy's.
+    """
+    for m in model.modules():
+        w: Any = getattr(m, "weight", None)
+        state = getattr(w, "quant_state", None)
+        if state is None or not hasattr(m, "quant_state"):
+            continue
+        m.quant_state = state
+        if hasattr(w, "module"):
+            w.module = m
+    return model
+
+
+def _own_state(m: nn.Module) -> Iterator[torch.Tensor]:
+    for p in m.parameters(recurse=False):
+        yield from _quant_state(getattr(p, "quant_state", None))
+        yield from _tensors(p, _LT_STATE)
+    yield from _quant_state(getattr(m, "quant_state", None))  # Linear4bit's own reference
+    state = getattr(m, "state", None)  # Linear8bitLt's MatmulLtState
+    if state is not None and not isinstance(state, (dict, torch.Tensor)):
+        yield from _tensors(state, _LT_STATE)
+
+
+def _quant_state(qs: object) -> Iterator[torch.Tensor]:
+    for _ in range(4):  # a nested state (double quantization) holds one more level
+        if qs is None:
+            return
+        yield from _tensors(qs, _QUANT_STATE)
+        qs = getattr(qs, "state2", None)
+
+
+def _tensors(obj: object, names: tuple[str, ...]) -> Iterator[torch.Tensor]:
+    for name in names:
+        t = getattr(obj, name, None)
+        if isinstance(t, torch.Tensor):
+            yield t
