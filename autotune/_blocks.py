@@ -84,6 +84,7 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
     names = {name for run in _select(runs, _numel([model]), name_of) for name in run.names}
     if not names:
         names = _largest_container_children(model, [c for _, c in containers], name_of)
+    names = {called for name in names for called in _called(model, name)}
     order = _run_order(model)
     return tuple(sorted(names, key=order.__getitem__))
 
@@ -270,6 +271,20 @@ def _run_order(model: nn.Module) -> dict[str, tuple[float, ...]]:
     return keys
 
 
+def _called(model: nn.Module, name: str) -> list[str]:
+    """``name``, or for a container nobody calls (``nn.ModuleList``, ``nn.ModuleDict``: a
+    layer as ``[attention, feed-forward]``) its children with parameters, opened alike."""
+    module = model.get_submodule(name)
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [name]
+    return [
+        called
+        for child, m in module.named_children()
+        if _has_params(m)
+        for called in _called(model, _join(name, child))
+    ]
+
+
 def _parents(name: str) -> list[str]:
     """Qualified names of the modules enclosing ``name``, outermost first, root excluded."""
     parts = name.split(".")
@@ -295,6 +310,7 @@ def _projection(module: nn.Module) -> bool:
 
 
 def _join(prefix: str, name: str) -> str:
+    """The qualified name of child ``name`` of the module called ``prefix``."""
     return f"{prefix}.{name}" if prefix else name
 
 

@@ -324,7 +324,7 @@ def test_one_layer_shared_by_every_depth_is_the_block() -> None:
     model = nn.Module()
     model.embed = nn.Embedding(16, 8)
     model.groups = nn.ModuleList([nn.ModuleList([Block(8)])])
-    assert find_blocks(model) == ("groups.0",)
+    assert find_blocks(model) == ("groups.0.0",)  # the list is never called: its layer
 
 
 def test_projections_are_not_layers() -> None:
@@ -854,3 +854,18 @@ def test_resolve_rejects_the_root_and_a_bare_string() -> None:
         resolve_blocks(TinyGPT(), [""])
     with pytest.raises(BlockError, match=r"\['h\.0'\]"):
         resolve_blocks(TinyGPT(), "h.0")
+
+
+def test_a_layer_held_as_a_module_list_gives_its_called_parts() -> None:
+    """``layers[i] = ModuleList([attention, feed-forward])``, called part by part: a list is
+    never called, so checkpointing it would do nothing; its parts are the blocks."""
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.ModuleList([nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8))])
+                for _ in range(2)
+            )
+
+    assert find_blocks(Pair()) == ("layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1")

@@ -220,6 +220,37 @@ def test_offloaded_views_come_back_as_the_same_views_of_one_storage_copy() -> No
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
+class LastPosition(torch.nn.Module):
+    """Saves a small view of a large activation and of a buffer, and a lazy conjugate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(32, 512)
+        self.register_buffer("table", torch.randn(4096, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self.up(x)  # (64, 512): 128 KiB
+        last = wide[-8:] * x[-8:, :1]  # saves x's slice and an 8-row slice of ``wide``
+        z = torch.complex(last, last)
+        return (z.conj() * z).real.sum() * self.table[:8].sum()
+
+
+def test_a_small_view_moves_only_its_bytes_and_a_buffer_or_conjugate_stays() -> None:
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(LastPosition()), torch.randn(64, 32, requires_grad=True)
+    grads = []
+    for config in (TrainConfig(), TrainConfig(offload_activations=("0",))):
+        work = copy.deepcopy(model)
+        with autotune.apply(work, config, device="cpu") as handle:
+            handle.backward(work(x))
+            grads.append([p.grad.clone() for p in work.parameters()])
+            if config.offload_activations:
+                moved = handle.offloader.copies["0"]
+                assert 64 * 512 * 4 not in moved  # ``wide`` whole: 16 times the slice
+                assert sum(moved) < 64 * 512 * 4
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_bandwidth_probe_measures_both_directions() -> None:
     facts = measure_transfer(discover("cpu"), nbytes=8 * 2**20)
     assert facts.d2h_bytes_per_s > 1e7 and facts.h2d_bytes_per_s > 1e7

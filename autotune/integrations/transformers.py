@@ -117,9 +117,10 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
         if getattr(args, k) != settings[k]
     ]
     optim = str(getattr(args.optim, "value", args.optim))
-    same = {result.config.optimizer, PAGED_OPTIMIZERS.get(result.config.optimizer)}
-    same |= {p for p, twin in PAGED_OPTIMIZERS.items() if twin == result.config.optimizer}
-    if HF_OPTIM_TUNED.get(optim) not in same:  # paged or not: the same states
+    tuned = result.config.optimizer
+    same = {tuned, PAGED_OPTIMIZERS.get(tuned, tuned)}
+    same |= {p for p, twin in PAGED_OPTIMIZERS.items() if twin == tuned}
+    if HF_OPTIM_TUNED.get(optim, optim) not in same:  # paged or not: the same states
         differ.append(f"optim={optim!r} (tuned {settings['optim']!r})")
     if getattr(args, "gradient_checkpointing", False) or getattr(
         args, "activation_checkpointing", False

@@ -92,6 +92,7 @@ def _first_trainable(
 
 
 def _untrainable_note(b: int, exc: ProfileError) -> str:
+    """The note for a size the model failed on: the model's own error, in its words."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return f"micro-batch {b}: the model does not train on it ({cause}); not searched"
 
@@ -184,10 +185,11 @@ def _time_ladder(
             try:
                 times[b] = profiler.fwd_bwd_time(precision, b)
             except ProfileError as exc:
-                if not done:
-                    raise
-                untrainable.append(b)
-                notes.append(_untrainable_note(b, exc))
+                if not done or done[-1] != _previous_size(ladder, b):
+                    raise  # the first size, or two in a row: the model is at fault, not a size
+                if b not in untrainable:
+                    untrainable.append(b)
+                    notes.append(_untrainable_note(b, exc))
                 continue
             except torch.OutOfMemoryError:
                 if not done:
@@ -207,6 +209,12 @@ def _time_ladder(
             if times[b] / b > 0.97 * times[previous] / previous:
                 break
     return done
+
+
+def _previous_size(ladder: Sequence[int], b: int) -> int | None:
+    """The size before ``b`` on ``ladder``."""
+    i = list(ladder).index(b)
+    return ladder[i - 1] if i else None
 
 
 def _probe(profiler: Profiler, precision: str, b: int, sizes: Sequence[int]) -> tuple[int, float]:

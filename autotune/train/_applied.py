@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointError
 
 from autotune._backend import backend_for
 from autotune._device import resolve_device
@@ -26,7 +25,7 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train import _fallback
 from autotune.train._attention import attention_of, set_attention
-from autotune.train._checkpoint import check_blocks, recompute_error, remove_checkpointing
+from autotune.train._checkpoint import check_blocks, named_recompute_errors, remove_checkpointing
 from autotune.train._lengths import Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
@@ -160,13 +159,11 @@ class Applied:
         Raises:
             BlockError: a checkpointed block's recomputation differs from its forward.
         """
-        try:
+        with named_recompute_errors():
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
                 loss.backward()
-        except CheckpointError as exc:
-            raise recompute_error(exc) from exc
 
     def optimizer_step(
         self, *, max_grad_norm: float | None = None, scheduler: Scheduler | None = None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import CheckpointError
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autotune.config import TrainConfig
@@ -23,7 +23,7 @@ __all__ = [
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
-    "recompute_error",
+    "named_recompute_errors",
     "remove_checkpointing",
 ]
 
@@ -90,25 +90,44 @@ def remove_checkpointing(model: nn.Module) -> None:
             module.forward = previous
 
 
-# Keyword arguments through which Hugging Face layers read and write a key/value cache
-# (transformers 5 renamed ``past_key_values`` to ``cache``).
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+# Keyword arguments through which Hugging Face layers read and write a key/value cache;
+# ``cache`` (transformers 5's name) only where it holds a Hugging Face cache object, since
+# a block of one's own may take tables or memories under that name.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+_SNAPSHOT_NUMEL = 2**18
+"""Buffers up to this many elements are copied before a checkpointed forward, so that the
+recomputation reads them as the forward did; a larger one, changed in place, is read as
+the forward left it (kept small: the copies live until the block's backward)."""
+_MISMATCH = ("different number of tensors", "different metadata", "save more tensors")
+"""What torch's CheckpointError says when a recomputation saved other tensors."""
 
 _last_recomputed: list[str] = [""]
 """The block recomputed last: the one a CheckpointError raised in backward is about."""
 
 
-def recompute_error(exc: Exception) -> BlockError:
-    """The error to raise for a ``CheckpointError`` from backward: the block recomputed
-    last saved other tensors than its forward did."""
-    lines = str(exc).removeprefix("torch.utils.checkpoint: ").splitlines()
+@contextlib.contextmanager
+def named_recompute_errors() -> Iterator[None]:
+    """Around a backward: a ``CheckpointError`` saying the block recomputed last saved
+    other tensors than its forward did becomes a BlockError that names the block."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if not any(words in str(exc) for words in _MISMATCH):
+            raise
+        raise _recompute_error(exc) from exc
+
+
+def _recompute_error(exc: CheckpointError) -> BlockError:
+    """The BlockError for ``exc``: the block, torch's words, and what to do."""
+    text = str(exc)
+    lines = text.removeprefix("torch.utils.checkpoint: ").splitlines()
     detail = " ".join(line.strip() for line in lines[:3] if line.strip())
     return BlockError(
         f"block {_last_recomputed[0]!r} cannot be checkpointed: recomputed in backward, it "
-        f"saved other tensors than its forward did ({detail}). Its "
-        "forward depends on state it changes (a cache, a counter, a random choice outside "
-        "torch's generator). Tune without checkpointing it: name the blocks that can be "
-        "with SearchSpace(blocks=[...]), or SearchSpace(checkpointing=False)."
+        f"saved other tensors than its forward did ({detail}). Its forward depends on state "
+        "it changes (a cache, a counter, a random choice outside torch's generator). Tune "
+        "without checkpointing it: name the blocks that can be with SearchSpace(blocks=[...]), "
+        "or SearchSpace(checkpointing=False)."
     )
 
 
@@ -126,7 +145,9 @@ def _checkpointed_forward(
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
-    changed: list[nn.Module] = []
+        if hasattr(kwargs.get("cache"), "get_seq_length"):  # a Hugging Face Cache
+            kwargs["cache"] = None
+    changed: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
     calls = 0
 
     def run(*a: Any, **k: Any) -> Any:
@@ -134,9 +155,9 @@ def _checkpointed_forward(
         calls += 1
         if calls > 1:  # the recomputation in backward: it must leave the buffers alone
             _last_recomputed[0] = name
-            with _buffers_kept(changed):
+            with _buffers_as_before(changed):
                 return forward(*a, **k)
-        before = _buffer_versions(module)
+        before = _snapshot(module)
         out = forward(*a, **k)
         changed.extend(_changed_owners(module, before))
         return out
@@ -144,42 +165,63 @@ def _checkpointed_forward(
     return _checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _buffer_versions(module: nn.Module) -> dict[int, int]:
-    """The in-place version counter of each buffer of ``module``, by the buffer's id."""
-    return {id(b): b._version for b in module.buffers()}
+def _snapshot(module: nn.Module) -> dict[int, tuple[int, torch.Tensor | None]]:
+    """Each buffer of ``module`` by id: its in-place version, and a copy if it is small."""
+    return {
+        id(b): (b._version, b.clone() if b.numel() <= _SNAPSHOT_NUMEL else None)
+        for b in module.buffers()
+        if not b.is_inference()  # no version counter, and no in-place change outside one
+    }
 
 
-def _changed_owners(module: nn.Module, before: dict[int, int]) -> list[nn.Module]:
-    """The submodules of ``module`` whose forward changed their buffers in place.
+def _changed_owners(
+    module: nn.Module, before: dict[int, tuple[int, torch.Tensor | None]]
+) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+    """The submodules of ``module`` whose forward changed their buffers in place, each
+    with the values to recompute with: its buffers as they were before the forward (as
+    the forward left them where too large to copy).
 
     A kernel may update a buffer without bumping its version (BatchNorm's running
     statistics), so a module counts as a whole: one changed buffer (BatchNorm's
-    ``num_batches_tracked``) marks all of its buffers. Norm layers tracking statistics in
-    training mode count even where no counter moved (``momentum`` set, no counter).
+    ``num_batches_tracked``) marks all of its buffers. A norm layer tracking statistics
+    in training mode counts even where no counter moved (``momentum`` set, no counter).
     """
-    return [
-        owner
-        for owner in module.modules()
-        if any(before.get(id(b)) != b._version for b in owner._buffers.values() if b is not None)
-        or (isinstance(owner, _NormBase) and owner.training and owner.track_running_stats)
-    ]
+    out = []
+    for owner in module.modules():
+        buffers = {k: b for k, b in owner._buffers.items() if b is not None and id(b) in before}
+        moved = any(before[id(b)][0] != b._version for b in buffers.values())
+        stats = owner.training and getattr(owner, "track_running_stats", False) is True
+        if buffers and (moved or stats):
+            out.append((owner, {k: _before(b, before) for k, b in buffers.items()}))
+    return out
+
+
+def _before(
+    buffer: torch.Tensor, before: dict[int, tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """``buffer`` as it was before the forward, or as it is where it was too large to copy."""
+    copy = before[id(buffer)][1]
+    return buffer if copy is None else copy
 
 
 @contextlib.contextmanager
-def _buffers_kept(owners: Sequence[nn.Module]) -> Iterator[None]:
+def _buffers_as_before(
+    changed: Sequence[tuple[nn.Module, dict[str, torch.Tensor]]],
+) -> Iterator[None]:
     """Run the recomputation on copies of the buffers its forward changed in place.
 
     A block's forward may update state as it runs: BatchNorm's running statistics and
-    ``num_batches_tracked`` in training mode. Recomputed, it would update them a second
-    time, and the model would evaluate differently from one trained without
-    checkpointing. The recomputation gets copies (which its saved tensors may keep for
-    backward); the originals hold what the forward wrote, once.
+    ``num_batches_tracked`` in training mode, a moving average it reads and then updates.
+    Recomputed on the buffers themselves, it would update them a second time (the model
+    would evaluate differently from one trained without checkpointing) and read what the
+    forward wrote. The recomputation gets copies of them as they were before the forward
+    (its saved tensors may keep those for backward); the buffers hold what the forward
+    wrote, once.
     """
-    kept = [(owner, dict(owner._buffers)) for owner in owners]
-    for owner, buffers in kept:
-        for key, buffer in buffers.items():
-            if buffer is not None:
-                owner._buffers[key] = buffer.clone()
+    kept = [(owner, {k: owner._buffers[k] for k in values}) for owner, values in changed]
+    for owner, values in changed:
+        for key, value in values.items():
+            owner._buffers[key] = value.clone()
     try:
         yield
     finally:

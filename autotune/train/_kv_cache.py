@@ -39,16 +39,18 @@ def _configs(model: nn.Module) -> Iterator[object]:
     """Every config object held by a module of ``model`` (``module.config``) and, inside
     those, every nested config, each once."""
     seen: set[int] = set()
-    stack = [c for m in model.modules() if (c := getattr(m, "config", None)) is not None]
+    stack = [c for m in model.modules() if _is_config(c := getattr(m, "config", None))]
     while stack:
         config = stack.pop()
-        if id(config) in seen or not hasattr(config, "use_cache"):
+        if id(config) in seen:
             continue
         seen.add(id(config))
-        yield config
+        if hasattr(config, "use_cache"):  # a composite (Llava's) may not, its text part does
+            yield config
         stack.extend(v for v in vars(config).values() if _is_config(v))
 
 
 def _is_config(value: object) -> bool:
-    """A Hugging Face config: it has ``use_cache`` and serialises itself."""
-    return hasattr(value, "use_cache") and callable(getattr(value, "to_dict", None))
+    """A Hugging Face config: it serialises itself, and has a cache or sub-configs."""
+    parts = hasattr(value, "use_cache") or hasattr(value, "sub_configs")
+    return parts and callable(getattr(value, "to_dict", None))

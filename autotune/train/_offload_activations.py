@@ -98,7 +98,9 @@ class ActivationOffloader:
         self.streams = self.ops.streams  # copies on side streams, overlapping compute
         self._d2h = self.ops.new_stream() if self.streams else None
         self._h2d = self.ops.new_stream() if self.streams else None
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # Parameters and buffers stay on the device whatever is saved of them.
+        held = (*model.parameters(), *model.buffers())
+        self._resident = {t.untyped_storage().data_ptr() for t in held}
         self._calls: list[weakref.ref[_Call]] = []
         self._seq = itertools.count()
         self._in_flight: deque[Any] = deque()
@@ -133,29 +135,37 @@ class ActivationOffloader:
         """A tensor saved for backward: a view of its storage's host copy (started), or
         itself if it stays.
 
-        The whole storage moves, once however many of its views are saved (q, k and v
-        split from one projection), and each comes back as the same view of it: the same
-        strides and offset, so backward runs the same kernels, and the device holds what
-        it would hold without offload.
+        The storage moves (once, however many of its views are saved: q, k and v split
+        from one projection), and each view comes back as the same view of it: the same
+        strides, so backward runs the same kernels, and the device holds what it would
+        hold without offload. Where the view spans under half of a larger storage (the
+        last position of the logits), only the bytes it spans move.
         """
         if not self._offloadable(t):
             return t
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes(), t._version)
+        size = t.element_size()
+        first = int(t.storage_offset())
+        last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        start, stop = 0, storage.nbytes()
+        if 2 * (last + 1 - first) * size < stop:
+            start, stop = first * size, (last + 1) * size
+        key = (storage.data_ptr(), storage.nbytes(), t._version, start, stop)
         hit = call.seen.get(key)
         if hit is not None and hit[0]() is not None:
             moved = hit[1]
         else:
-            moved = self._move(call, storage)
+            moved = self._move(call, storage, start, stop)
             call.seen[key] = (weakref.ref(storage), moved)
-        offset = int(t.storage_offset())
+        offset = first - start // size
         packed = _Packed(moved, call, t.dtype, tuple(t.shape), t.stride(), offset)
         call.packed.append(weakref.ref(packed))
         return packed
 
-    def _move(self, call: _Call, storage: torch.UntypedStorage) -> _Moved:
-        """Start copying ``storage``'s bytes to the host."""
-        data = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+    def _move(self, call: _Call, storage: torch.UntypedStorage, start: int, stop: int) -> _Moved:
+        """Start copying bytes ``start`` to ``stop`` of ``storage`` to the host."""
+        whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        data = whole[start:stop]
         host = host_empty(data, pinned=self.ops.pins)
         if self.streams:
             assert self._d2h is not None
@@ -190,12 +200,12 @@ class ActivationOffloader:
     def _offloadable(self, t: torch.Tensor) -> bool:
         if t.device != self.device or t.layout != torch.strided or type(t) is not torch.Tensor:
             return False  # parameters (a subclass) and host tensors stay where they are
-        if t.numel() * t.element_size() < _MIN_BYTES:
-            return False
+        if t.numel() * t.element_size() < _MIN_BYTES or t.is_conj() or t.is_neg():
+            return False  # a lazy conjugate or negation is a flag a byte copy would drop
         storage = t.untyped_storage()
         if storage.nbytes() % t.element_size():
             return False  # bytes another dtype laid out: not a view of this one's
-        return storage.data_ptr() not in self._params
+        return storage.data_ptr() not in self._resident
 
     def _restore(self, call: _Call) -> None:
         """Copy a block call's tensors back to the device (on the copy stream on CUDA)."""

@@ -43,7 +43,8 @@ def prepare(
     ``use_cache`` is turned off in every config it holds (a key/value cache is for
     generation, not training), and so is its own gradient checkpointing of every layer
     (``gradient_checkpointing_enable()``, which peft's ``prepare_model_for_kbit_training``
-    calls): the config's checkpoint mask says which blocks recompute.
+    calls): the config's checkpoint mask says which blocks recompute. Both stay off after
+    ``runner.close()``; :func:`apply`'s ``undo()`` puts them back.
 
     Args:
         model: The model to train (modified in place).

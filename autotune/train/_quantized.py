@@ -62,6 +62,7 @@ def relink_copied(model: nn.Module) -> nn.Module:
 
 
 def _own_state(m: nn.Module) -> Iterator[torch.Tensor]:
+    """The quantization-state tensors ``m`` itself holds (not its submodules')."""
     for p in m.parameters(recurse=False):
         yield from _quant_state(getattr(p, "quant_state", None))
         yield from _tensors(p, _LT_STATE)
@@ -72,6 +73,7 @@ def _own_state(m: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def _quant_state(qs: object) -> Iterator[torch.Tensor]:
+    """The tensors of a 4-bit ``QuantState`` and of the states nested in it."""
     for _ in range(4):  # a nested state (double quantization) holds one more level
         if qs is None:
             return
@@ -80,6 +82,7 @@ def _quant_state(qs: object) -> Iterator[torch.Tensor]:
 
 
 def _tensors(obj: object, names: tuple[str, ...]) -> Iterator[torch.Tensor]:
+    """The attributes of ``obj`` called ``names`` that are tensors."""
     for name in names:
         t = getattr(obj, name, None)
         if isinstance(t, torch.Tensor):

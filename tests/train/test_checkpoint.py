@@ -152,3 +152,46 @@ def test_every_cache_in_the_model_is_off_while_applied_and_back_on_undo() -> Non
     with autotune.apply(model, TrainConfig()):
         assert not any(c.use_cache for c in configs)
     assert all(c.use_cache for c in configs)
+
+
+class MovingAverage(nn.Module):
+    """Reads a running average, then updates it (a VQ codebook's or a normalizer's way);
+    its other buffer is a table created under inference mode (no version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("average", torch.ones(8))
+        with torch.inference_mode():
+            self.register_buffer("table", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor, cache: dict[str, float] | None = None) -> torch.Tensor:
+        y = self.linear(x) + self.average + self.table * (cache or {}).get("scale", 1.0)
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * y.mean(0))
+        return y
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MovingAverage(), MovingAverage()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, cache={"scale": 3.0})  # a block's own argument, not a kv cache
+        return x
+
+
+def test_the_recomputation_reads_the_buffers_as_the_forward_did() -> None:
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 8)
+    results = []
+    for config in (TrainConfig(), TrainConfig(checkpoint=("layers.0", "layers.1"))):
+        work = copy.deepcopy(model)
+        with autotune.apply(work, config) as handle:
+            handle.backward(handle.model(x).square().sum())
+            results.append(([p.grad.clone() for p in work.parameters()], work.state_dict()))
+    (plain, plain_state), (checkpointed, state) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
