@@ -552,7 +552,7 @@ CASES: list[Case] = [
     Case("mbart", "seq2seq", _seq2seq("MBartConfig", "MBartForConditionalGeneration", _BART), _BART_BLOCKS, 4),
     Case("pegasus", "seq2seq", _seq2seq("PegasusConfig", "PegasusForConditionalGeneration", _BART), _BART_BLOCKS, 4),
     Case("marian", "seq2seq", _seq2seq("MarianConfig", "MarianMTModel", _BART), _BART_BLOCKS, 4),
-    Case("bert2bert", "seq2seq", bert2bert, layers("encoder.encoder.layer", "decoder.bert.encoder.layer"), 4),
+    Case("bert2bert", "seq2seq", bert2bert, layers("encoder.encoder.layer", "decoder.bert.encoder.layer"), 4, tuned=True),
     Case("whisper", "audio", whisper, _BART_BLOCKS, 4, tuned=True),
     # vision
     Case("vit", "vision", _image("ViTConfig", "ViTForImageClassification", **_VIT_SHAPE), layers("vit.layers"), 2, tuned=True),
