@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from autotune._files import write_atomic
 from autotune._plain import from_plain, to_plain
 from autotune._yaml import MAX_BYTES, read_yaml
 from autotune.config import TrainConfig
@@ -175,13 +176,17 @@ class TuneResult:
     """Schema version of the YAML file."""
 
     def save(self, path: str | Path) -> Path:
-        """Write the result as YAML and return the path."""
-        path = Path(path)
+        """Write the result as YAML and return the path.
+
+        The file is written whole or not at all: a process killed while saving leaves the
+        previous file as it was.
+
+        Raises:
+            ConfigError: the file cannot be written (says why).
+        """
         text = yaml.safe_dump(to_plain(self), sort_keys=False, default_flow_style=None)
-        path.write_text(
-            "# autotune result; train with autotune.prepare(model, autotune.load(path))\n" + text
-        )
-        return path
+        header = "# autotune result; train with autotune.prepare(model, autotune.load(path))\n"
+        return write_atomic(path, header + text)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain-data form written to YAML."""

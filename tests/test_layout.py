@@ -23,6 +23,7 @@ BASE = {
     "autotune.config",
     "autotune._plain",
     "autotune._yaml",
+    "autotune._files",
     "autotune.result",
     "autotune._format",
     "autotune.space",

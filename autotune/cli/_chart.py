@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import html
+import io
 import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from autotune._format import format_bytes
@@ -16,7 +16,7 @@ from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, TrialRecord, TuneResult
 
-__all__ = ["COLORS", "WIDTH", "pareto_front", "point", "records", "scatter", "write_png"]
+__all__ = ["COLORS", "WIDTH", "pareto_front", "point", "records", "render_png", "scatter"]
 
 WIDTH, _H = 680, 380
 _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 30, 20, 64
@@ -201,7 +201,7 @@ def _short(v: float) -> str:
     return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}" if v >= 10 else f"{v:.2f}"
 
 
-def write_png(result: TuneResult, path: Path) -> None:
+def render_png(result: TuneResult) -> bytes:
     """The scatter and the memory bars as a PNG, with matplotlib (no pyplot state)."""
     try:
         from matplotlib.figure import Figure
@@ -237,7 +237,9 @@ def write_png(result: TuneResult, path: Path) -> None:
     bars.axvline(result.budget_bytes / mib, color="#c00", linestyle="--")
     bars.set(xlabel="MiB at the predicted peak", yticks=[])
     bars.legend(ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.6))
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    return image.getvalue()
 
 
 def _esc(text: str) -> str:

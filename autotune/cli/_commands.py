@@ -7,9 +7,9 @@ import inspect
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from autotune._files import check_writable, write_atomic
 from autotune._format import format_bytes
 from autotune._plain import to_plain
 from autotune.cli._inputs import inputs
@@ -26,6 +26,7 @@ __all__ = ["estimate_command", "export_command", "report", "show", "tune"]
 def tune(args: argparse.Namespace) -> int:
     from autotune.tune import autotune  # torch and optuna load only for commands that tune
 
+    check_writable(args.output, "-o")  # before minutes of tuning, not after
     model, batch, loss = inputs(args)
     extra: dict[str, Any] = {}
     if args.study is not None:
@@ -170,7 +171,7 @@ def export_command(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(exported.text)
     else:
-        Path(args.output).write_text(exported.text)
+        write_atomic(args.output, exported.text)
         print(f"written to {args.output}")
     return 0
 

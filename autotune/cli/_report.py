@@ -13,8 +13,9 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
+from autotune._files import write_atomic
 from autotune._format import format_bytes
-from autotune.cli._chart import COLORS, WIDTH, point, records, scatter, write_png
+from autotune.cli._chart import COLORS, WIDTH, point, records, render_png, scatter
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, TuneResult
@@ -31,9 +32,9 @@ def write_report(result: TuneResult, path: str | Path) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".html", ".htm"):
-        path.write_text(render_html(result), encoding="utf-8")
+        write_atomic(path, render_html(result))
     elif suffix == ".png":
-        write_png(result, path)
+        write_atomic(path, render_png(result))
     else:
         raise ConfigError(f"cannot write a report as {path.name!r}: name it *.html or *.png.")
     return path

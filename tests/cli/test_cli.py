@@ -464,7 +464,7 @@ def test_a_file_that_cannot_be_written_is_one_line(capsys, tuned: Tuned, tmp_pat
     missing = tmp_path / "no" / "such" / "dir" / "x.yaml"
     code, _, err = run(capsys, "export", str(tuned.path), "--to", "hf", "-o", str(missing))
     assert code == 2
-    assert_one_error_line(err, str(missing), "No such file or directory")
+    assert_one_error_line(err, str(missing), "does not exist", "Create it first")
 
 
 def test_a_reader_that_leaves_early_is_not_an_error(tuned: Tuned) -> None:
