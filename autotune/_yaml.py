@@ -15,7 +15,7 @@ import yaml
 
 from autotune.errors import ConfigError
 
-__all__ = ["MAX_BYTES", "read_yaml"]
+__all__ = ["MAX_BYTES", "read_yaml", "too_large"]
 
 MAX_BYTES = 16 * 2**20
 """The largest file read; a tuned result with every trial is tens of kilobytes."""
@@ -47,19 +47,43 @@ class _Loader(yaml.SafeLoader):
         finally:
             self.depth -= 1
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A mapping, refused where a key repeats (YAML would keep the last value)."""
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    repeated = key in seen
+                except TypeError:  # unhashable: the constructor says so
+                    break
+                if repeated:
+                    raise ConfigError(
+                        f"line {key_node.start_mark.line + 1}: key {str(key)[:40]!r} is given "
+                        "twice; keep one (YAML would silently keep the last)."
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def too_large(source: str, size: int) -> ConfigError:
+    """The error for a file of ``size`` bytes, over what autotune reads."""
+    return ConfigError(
+        f"{source} is {size / 2**20:.1f} MiB; autotune files are far smaller "
+        f"(at most {MAX_BYTES // 2**20} MiB read). Is it the right file?"
+    )
+
 
 def read_yaml(text: str, source: str) -> Any:
     """Parse ``text`` (from ``source``, for messages) as plain YAML data.
 
     Raises:
-        ConfigError: the text is too large, not YAML, uses aliases, nests too deep or
-            holds a number Python will not convert.
+        ConfigError: the text is too large, not YAML, uses aliases, nests too deep,
+            repeats a key or holds a number Python will not convert.
     """
     if len(text) > MAX_BYTES:
-        raise ConfigError(
-            f"{source} is {len(text) / 2**20:.0f} MiB; autotune files are far smaller "
-            f"(at most {MAX_BYTES // 2**20} MiB read). Is it the right file?"
-        )
+        raise too_large(source, len(text))
     try:
         return yaml.load(text, Loader=_Loader)
     except ConfigError as exc:

@@ -15,7 +15,7 @@ import yaml
 
 from autotune._files import write_atomic
 from autotune._plain import from_plain, to_plain
-from autotune._yaml import MAX_BYTES, read_yaml
+from autotune._yaml import MAX_BYTES, read_yaml, too_large
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 
@@ -211,6 +211,8 @@ def load(path: str | Path) -> TuneResult:
     """
     path = Path(path)
     try:
+        if (size := path.stat().st_size) > MAX_BYTES:  # its size, not what would be read
+            raise too_large(str(path), size)
         with path.open(encoding="utf-8", errors="replace") as f:
             text = f.read(MAX_BYTES + 1)
     except OSError as exc:

@@ -155,6 +155,24 @@ def test_hostile_yaml_is_a_short_config_error(tmp_path, text: str, words: str) -
     assert len(str(caught.value)) < 400
 
 
+def test_a_key_given_twice_is_refused_not_last_one_wins(tmp_path) -> None:
+    path = make_result().save(tmp_path / "twice.yaml")
+    text = path.read_text()
+    assert text.count("  micro_batch_size:") >= 1
+    path.write_text(
+        text.replace("  micro_batch_size:", "  micro_batch_size: 3\n  micro_batch_size:", 1)
+    )
+    with pytest.raises(ConfigError, match=r"line \d+: key 'micro_batch_size' is given twice"):
+        autotune.load(path)
+
+
+def test_a_file_too_large_is_refused_with_its_own_size(tmp_path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"#" * (50 * 2**20))
+    with pytest.raises(ConfigError, match=r"big.yaml is 50.0 MiB; .*at most 16 MiB read"):
+        autotune.load(path)
+
+
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
