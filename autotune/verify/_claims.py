@@ -27,6 +27,7 @@ from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 
 from autotune.plan._search import quiet_optuna
+from autotune.verify._database import open_database
 
 __all__ = ["BEAT_S", "GRACE_S", "Claims", "job_id"]
 
@@ -130,7 +131,8 @@ def storage_of(storage: str | BaseStorage) -> BaseStorage:
     for attempt in range(5):
         try:
             with quiet_optuna():
-                return optuna.storages.get_storage(storage)
+                database = open_database(storage) if isinstance(storage, str) else None
+                return optuna.storages.get_storage(database or storage)
         except Exception as exc:
             if not type(exc).__module__.startswith("sqlalchemy") or attempt == 4:
                 raise
