@@ -27,6 +27,7 @@ from autotune.errors import (
     ConfigError,
     DistributedError,
     LossError,
+    NonFiniteError,
     ProfileError,
     VerificationError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "LengthRow",
     "LossError",
     "Measurement",
+    "NonFiniteError",
     "ProfileError",
     "Runner",
     "SearchSpace",

@@ -18,6 +18,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "LossError",
+    "NonFiniteError",
     "ProfileError",
     "VerificationError",
 ]
@@ -67,6 +68,11 @@ class BlockError(AutotuneError, ValueError):
 class DistributedError(AutotuneError, RuntimeError):
     """Data-parallel tuning or training cannot go on: no process group, one of another
     size than the config's, or a rank that failed or stopped answering."""
+
+
+class NonFiniteError(AutotuneError, FloatingPointError):
+    """A training step's loss or gradients are not finite (NaN or inf): the step was not
+    applied, the weights keep their last finite values, and the gradients are freed."""
 
 
 class ProfileError(AutotuneError):

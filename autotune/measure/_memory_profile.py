@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from autotune.errors import ProfileError
+from autotune.errors import NonFiniteError, ProfileError
 from autotune.measure._devices import Transfer
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
@@ -73,6 +73,8 @@ def memory_profile(
                 memory[p] = profiler.memory(p, optimizers[0], b1, b2, offload=transfer is not None)
             except torch.OutOfMemoryError:
                 notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+            except NonFiniteError:
+                notes.append(f"{p}: the loss is not finite on the sample batch; not searched")
         if memory:
             break
     if not memory:

@@ -186,11 +186,13 @@ class Applied:
         def run(opt: torch.optim.Optimizer) -> None:
             norm.append(apply_step(opt, self.scaler, max_grad_norm))
 
-        if self.host is not None:
-            self.host.step(run)
-        else:
-            run(optimizer)
-        self.zero_grad()
+        try:
+            if self.host is not None:
+                self.host.step(run)
+            else:
+                run(optimizer)
+        finally:
+            self.zero_grad()  # a step refused for non-finite gradients leaves none behind
         if scheduler is not None:
             if scheduler.optimizer is not optimizer:
                 # A fallback that moved the optimizer between host and device rebuilt it;

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autotune.config import TrainConfig
+from autotune.errors import NonFiniteError
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._applied import Applied
@@ -92,6 +93,12 @@ class Runner(Applied):
         for chunk, weight in self._chunks(batch):
             total += self.forward_backward(chunk, weight)
         self.optimizer_step(max_grad_norm=max_grad_norm, scheduler=scheduler)
+        if self.scaler is not None and not torch.isfinite(total):  # the scaler skipped it
+            raise NonFiniteError(
+                f"this step's loss is {total.item()}: fp16's GradScaler skipped the update, "
+                "so the weights keep their last finite values. Check this batch's inputs, "
+                "or lower the learning rate; catch autotune.NonFiniteError to go on."
+            )
         return total
 
     def forward_backward(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:

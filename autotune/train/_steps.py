@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from autotune.config import TrainConfig
+from autotune.errors import NonFiniteError
 
 __all__ = ["Scheduler", "apply_step", "make_scaler"]
 
@@ -27,12 +28,21 @@ def apply_step(
 ) -> torch.Tensor:
     """Step ``optimizer`` (through ``scaler`` for fp16), gradients kept.
 
+    Without a scaler, non-finite gradients raise :class:`NonFiniteError` before anything
+    changes (fp16's scaler skips such a step itself, and adapts its scale).
+
     With ``max_grad_norm``, the gradients of the optimizer's parameters are first
     unscaled and clipped to that total 2-norm, as ``torch.nn.utils.clip_grad_norm_`` does.
 
     Returns:
         The total norm before clipping (an empty tensor without ``max_grad_norm``).
     """
+    if scaler is None and not _finite(optimizer):
+        raise NonFiniteError(
+            "this step's gradients are not finite (NaN or inf), so it was not applied: the "
+            "weights keep their last finite values. Check this batch's loss and inputs, or "
+            "lower the learning rate; catch autotune.NonFiniteError to skip the batch."
+        )
     norm = torch.empty(0)
     if max_grad_norm is not None:
         if scaler is not None:
@@ -45,6 +55,15 @@ def apply_step(
     else:
         optimizer.step()
     return norm
+
+
+def _finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient of ``optimizer``'s parameters is finite (one sync)."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads or any(hasattr(g, "to_local") for g in grads):
+        return True  # none, or FSDP's shards: a rank alone must not refuse a step
+    flags = [torch.isfinite(g).all() for g in grads]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 def make_scaler(

@@ -21,6 +21,7 @@ from torch import nn
 
 from autotune._backend import backend_for
 from autotune.config import TrainConfig
+from autotune.errors import NonFiniteError
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.result import Measurement, TrialRecord
@@ -100,6 +101,8 @@ class Verifier:
                 peak, step_s = self._measure(runner, batch)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
+        except NonFiniteError as exc:  # e.g. fp16 overflowing in this model's forward
+            error = f"not finite: {str(exc).split(':')[0]}"
         finally:
             if runner is not None:
                 runner.close()  # gradients on both sides, offload hooks and pinned memory
