@@ -18,7 +18,6 @@ verification, on the whole sharded model, corrects.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from autotune.measure._profile_data import (
     Profile,
     TimeCurve,
 )
-from autotune.train._quantized import relink_copied
+from autotune.train._quantized import copy_model
 
 __all__ = ["MIN_BLOCKS", "Shallow", "deepen", "deepen_time", "shallow_copies", "whole_fits"]
 
@@ -84,7 +83,7 @@ class Shallow:
         n = len(self.layers)
         kept = (*range(depth - 1), n - 1)
         memo: dict[int, Any] = {id(self.layers[i]): None for i in range(n) if i not in kept}
-        shallow = relink_copied(copy.deepcopy(self.model, memo))
+        shallow = copy_model(self.model, memo)
         inner = shallow.get_submodule(self.parent)
         left = [m for m in inner._modules.values() if m is not None]
         inner._modules = {str(i): m for i, m in enumerate(left)}

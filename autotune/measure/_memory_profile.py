@@ -6,7 +6,6 @@ Cheap (a few tracked steps at micro-batch 2 and 4), and enough to decide what ca
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -19,7 +18,7 @@ from autotune.measure._parameters import block_parameter_bytes, parameter_bytes,
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
 from autotune.measure._profiler import Profiler
 from autotune.train import _batch as batching
-from autotune.train._quantized import relink_copied
+from autotune.train._quantized import copy_model
 
 __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 
@@ -27,7 +26,7 @@ __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A deep copy of ``model`` on ``device``: every measurement runs on one."""
     try:
-        work = relink_copied(copy.deepcopy(model))
+        work = copy_model(model)
     except Exception as exc:
         raise ProfileError(
             f"autotune measures a copy of the model, and copy.deepcopy failed: {exc}. "
@@ -114,7 +113,7 @@ def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> 
     residual stream). Nothing is added where bf16 was not profiled."""
     if "bf16" not in profile.precisions:
         return profile
-    inner = profiler.over(relink_copied(copy.deepcopy(profiler.model)).to(torch.bfloat16))
+    inner = profiler.over(copy_model(profiler.model).to(torch.bfloat16))
     try:
         for b1, b2 in ((2, 4), (1, 2)):
             try:

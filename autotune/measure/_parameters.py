@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from autotune.train._quantized import quantization_state
+from autotune.train._quantized import one_per_storage, quantization_state
 
 __all__ = ["block_parameter_bytes", "parameter_bytes", "parameter_layout"]
 
@@ -30,9 +30,8 @@ def block_parameter_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[int,
 
 def _bytes(module: nn.Module) -> int:
     """Bytes of the parameters and quantization state of ``module``, each storage once."""
-    tensors = (*module.parameters(), *quantization_state(module))
-    storages = {id(s): s for s in (t.untyped_storage() for t in tensors)}
-    return sum(s.nbytes() for s in storages.values())
+    tensors = one_per_storage((*module.parameters(), *quantization_state(module)))
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 def parameter_layout(

@@ -12,13 +12,14 @@ bitsandbytes is never imported here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["model_tensors", "quantization_state", "relink_copied"]
+__all__ = ["copy_model", "model_tensors", "one_per_storage", "quantization_state"]
 
 _QUANT_STATE = ("absmax", "code", "offset")
 _LT_STATE = ("CB", "SCB")
@@ -26,31 +27,33 @@ _LT_STATE = ("CB", "SCB")
 
 def quantization_state(module: nn.Module) -> list[torch.Tensor]:
     """The quantization-state tensors of ``module`` and its submodules, each storage once."""
-    out: dict[int, torch.Tensor] = {}
-    for m in module.modules():
-        for t in _own_state(m):
-            out.setdefault(id(t.untyped_storage()), t)
-    return list(out.values())
+    return one_per_storage(t for m in module.modules() for t in _own_state(m))
 
 
 def model_tensors(module: nn.Module) -> list[torch.Tensor]:
     """Parameters, buffers and quantization state of ``module``: what it holds, one tensor
     per storage (an 8-bit layer's ``CB`` is its weight's storage)."""
+    return one_per_storage((*module.parameters(), *module.buffers(), *quantization_state(module)))
+
+
+def one_per_storage(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The first of ``tensors`` on each storage, in order: a storage's bytes count once."""
     out: dict[int, torch.Tensor] = {}
-    for t in (*module.parameters(), *module.buffers(), *quantization_state(module)):
+    for t in tensors:
         out.setdefault(id(t.untyped_storage()), t)
     return list(out.values())
 
 
-def relink_copied(model: nn.Module) -> nn.Module:
-    """``model``, a ``copy.deepcopy``, with each 4-bit layer's weight and quantization
-    state linked as in the original; returns it.
+def copy_model(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """``copy.deepcopy(model, memo)``, each 4-bit layer's weight and quantization state
+    linked as in the original.
 
     bitsandbytes' ``Params4bit.__deepcopy__`` ignores the memo: the copied weight gets a
     quantization state of its own beside the one its copied layer holds (memory the
     original does not hold), and its ``module`` is the original layer, not the copy's.
     """
-    for m in model.modules():
+    copied: nn.Module = copy.deepcopy(model, memo)
+    for m in copied.modules():
         w: Any = getattr(m, "weight", None)
         state = getattr(w, "quant_state", None)
         if state is None or not hasattr(m, "quant_state"):
@@ -58,7 +61,7 @@ def relink_copied(model: nn.Module) -> nn.Module:
         m.quant_state = state
         if hasattr(w, "module"):
             w.module = m
-    return model
+    return copied
 
 
 def _own_state(m: nn.Module) -> Iterator[torch.Tensor]:

@@ -8,7 +8,6 @@ becomes the reason the configuration was rejected.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import logging
 import statistics
@@ -29,7 +28,7 @@ from autotune.train import _batch as batching
 from autotune.train._loss import LossFn
 from autotune.train._parallel import agree_max, collective, gathered_tensors
 from autotune.train._prepare import prepare
-from autotune.train._quantized import relink_copied
+from autotune.train._quantized import copy_model
 from autotune.train._runner import Runner
 
 __all__ = ["Verifier"]
@@ -128,10 +127,7 @@ class Verifier:
 
     def _prepare(self, config: TrainConfig) -> Runner:
         # Data parallelism wraps the model for good: a copy of it, each time.
-        if config.parallel == "none":
-            model = self.model
-        else:
-            model = relink_copied(copy.deepcopy(self.model))
+        model = self.model if config.parallel == "none" else copy_model(self.model)
         return prepare(
             model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )
