@@ -31,7 +31,9 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_ROOT), str(_ROOT / "tests"), str(_ROOT / "tests" / "models")]
 
-import conftest  # noqa: E402, F401  (declares torchvision's ops: transformers imports it)
+from torchvision_ops import declare_torchvision_ops  # noqa: E402
+
+declare_torchvision_ops()  # transformers imports torchvision: see tests/torchvision_ops.py
 import torch  # noqa: E402
 from matrix_checks import (  # noqa: E402
     BF16,

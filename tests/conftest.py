@@ -3,46 +3,18 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from torchvision_ops import declare_torchvision_ops
 
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.models import GPT, gpt_batch, tiny_gpt
 
-
-def _declare_torchvision_ops() -> None:
-    """Let torchvision import on a CPU build of torch.
-
-    The package index's torchvision wheels link CUDA torch: with a CPU torch their C++
-    ops do not load, and torchvision's import then fails registering fake kernels for
-    ``nms`` and ``qnms``. Classification models (torchvision's, timm's) never call those
-    detection ops, so declaring their schemas lets the import through; calling one raises
-    torch's own "no kernel" error.
-    """
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    library = next(Path(spec.submodule_search_locations[0]).glob("_C*.so"), None)
-    try:
-        if library is not None:
-            torch.ops.load_library(str(library))
-            return
-    except OSError:
-        pass
-    ops = torch.library.Library("torchvision", "DEF")
-    for op in ("nms", "qnms"):
-        ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _KEPT.append(ops)
-
-
-_KEPT: list[object] = []
-_declare_torchvision_ops()
+declare_torchvision_ops()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,8 +11,8 @@ Dropout is left as each config has it: checkpointing must replay the same random
 
 Importing this module imports transformers, timm, torchvision, diffusers and peft lazily,
 inside the builders; torchvision (also imported by transformers' image utilities) needs
-its ops declared first on a CPU build of torch: ``tests/conftest.py`` does that, and
-``benchmarks/matrix.py`` imports it before this module.
+its ops declared first on a CPU build of torch: ``tests/torchvision_ops.py`` does that,
+called by ``tests/conftest.py`` and by the ``benchmarks`` package.
 """
 
 from __future__ import annotations
