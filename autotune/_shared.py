@@ -18,14 +18,15 @@ from torch import nn
 
 from autotune import __version__
 from autotune._identity import fingerprint
+from autotune._plain import from_plain, to_plain
 from autotune._problem import Problem
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Profile
+from autotune.measure._profile_data import Profile, profile_from_json, profile_to_json
 from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate
 from autotune.result import Measurement, TrialRecord
 from autotune.verify._claims import job_id
-from autotune.verify._studies import StudyStore, resolve_storage
+from autotune.verify._studies import PROFILE_JOB, StudyStore, resolve_storage
 from autotune.verify._verifier import Verifier
 from autotune.verify._winner import Measure, settle
 
@@ -52,13 +53,8 @@ def open_store(
 
 def shared_profile(store: StudyStore, measure: Callable[[], Profile]) -> Profile:
     """The study's profile, measured here if no process has (or is measuring it)."""
-
-    def measure_and_save() -> Profile:
-        profile = measure()
-        store.save_profile(profile)
-        return profile
-
-    return store.once("profile", store.profile, measure_and_save)
+    text = store.once(PROFILE_JOB, lambda: profile_to_json(measure()), "profiling the model")
+    return profile_from_json(text)
 
 
 def shared_candidates(
@@ -66,14 +62,8 @@ def shared_candidates(
 ) -> list[Candidate]:
     """The study's candidates for these search ``knobs``, searched here if no process has."""
     job = job_id("search", *map(str, knobs))
-
-    def search_and_save() -> list[TrainConfig]:
-        configs = [c.config for c in search()]
-        store.save_configs(job, configs)
-        return configs
-
-    configs = store.once(job, lambda: store.configs(job), search_and_save)
-    return [Candidate(c, cost.predict(c)) for c in configs]
+    plain = store.once(job, lambda: [to_plain(c.config) for c in search()], "searching")
+    return [Candidate(c, cost.predict(c)) for c in (from_plain(TrainConfig, p) for p in plain)]
 
 
 def measure_with(verifier: Verifier, store: StudyStore | None) -> Measure:
@@ -82,13 +72,13 @@ def measure_with(verifier: Verifier, store: StudyStore | None) -> Measure:
     def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
         if store is None:
             return verifier.record(config, predicted)
-
-        def run() -> TrialRecord:
-            record = verifier.record(config, predicted)
-            store.save_record(record)
-            return record
-
-        return store.once(store.job_of("verify", config), lambda: store.record(config), run)
+        plain = store.once(
+            store.job_of("verify", config),
+            lambda: to_plain(verifier.record(config, predicted)),
+            f"verifying {config.describe()}",
+        )
+        record: TrialRecord = from_plain(TrialRecord, plain)
+        return record
 
     return measure
 
@@ -100,13 +90,9 @@ def shared_settle(
     set of records among the processes; a resumed run reads the timings it decided with."""
     if store is None:
         return settle(verifier, records)
-    job = store.job_of("settle", *(r.config for r in records))
-
-    def settle_and_save() -> bool:
-        for record in settle(verifier, records):
-            store.save_record(record)
-        store.set_flag(job)
-        return True
-
-    store.once(job, lambda: store.flag(job), settle_and_save)
-    return [store.record(r.config) or r for r in records]
+    plain = store.once(
+        store.job_of("settle", *(r.config for r in records)),
+        lambda: [to_plain(r) for r in settle(verifier, records)],
+        "re-timing the contenders",
+    )
+    return [from_plain(TrialRecord, p) for p in plain]

@@ -6,20 +6,22 @@ timings. Each of these is a job that one process owns at a time (see
 :mod:`autotune.verify._claims`): processes on one study profile once, search once, verify
 each candidate once and re-time once, and so all end with the same winner and the same
 fallbacks. A killed or interrupted process loses nothing: its job lapses and another
-process, or the next run, takes it over. Keys are short hashes: they do not grow with
+process, or the next run, takes it over; a paused one that wakes after that drops its
+own result for the one that counted. Keys are short hashes: they do not grow with
 the model (PostgreSQL's key column holds 512 characters).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import optuna
 from optuna.storages.journal import JournalFileBackend
@@ -27,17 +29,22 @@ from optuna.storages.journal import JournalFileBackend
 from autotune._plain import from_plain, to_plain
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.measure._profile_data import Profile, profile_from_json, profile_to_json
+from autotune.measure._profile_data import Profile, profile_from_json
 from autotune.plan._search import quiet_optuna
 from autotune.result import TrialRecord
-from autotune.verify._claims import Claims, job_id, storage_of
+from autotune.verify import _claims
+from autotune.verify._claims import NAME_ROOM, Claims, job_id, storage_of
 
-__all__ = ["StudyStore", "resolve_storage"]
-
-T = TypeVar("T")
+__all__ = ["PROFILE_JOB", "StudyStore", "resolve_storage"]
 
 POLL_S = 0.5
 """Seconds between two looks at a job another process owns."""
+PROFILE_JOB = "profile"
+"""The job that measures the study's profile."""
+_NAME_MAX = 512
+"""The longest study name Optuna's database schema holds."""
+
+log = logging.getLogger("autotune")
 
 
 def resolve_storage(url: str) -> str | optuna.storages.BaseStorage:
@@ -72,6 +79,12 @@ class StudyStore:
                 f"the storage {str(storage)[:60]!r} needs a database driver: {exc}. For "
                 "postgresql:// URLs: pip install 'autotune[postgres]'."
             ) from None
+        if len(name) > _NAME_MAX - NAME_ROOM:
+            raise ConfigError(
+                f"the study name is {len(name)} characters long; at most "
+                f"{_NAME_MAX - NAME_ROOM} fit (the database holds {_NAME_MAX} and autotune "
+                f"adds up to {NAME_ROOM} for the names of its jobs): pass a shorter study_name."
+            )
         self.name = name
         with quiet_optuna():
             self.study = optuna.create_study(
@@ -88,66 +101,52 @@ class StudyStore:
                 "differ); pass another study name, or the same model, budget and space."
             )
         self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.claims = Claims(self.storage, name, self.me)
+        self.claims = Claims(self.storage, name, self._id, self.me)
 
-    def once(self, job: str, done: Callable[[], T | None], do: Callable[[], T]) -> T:
-        """``job``'s result: read if done, else done here if no live process owns it, else
-        waited for (and taken over if its owner stops beating)."""
+    def once(self, job: str, do: Callable[[], Any], what: str) -> Any:
+        """``job``'s result (JSON-able): read if done, else done here if no live process
+        owns it, else waited for (and taken over if its owner goes silent). Every process
+        gets the same result: a late owner's is dropped (see :mod:`._claims`).
+
+        Args:
+            what: The job in words, for the message that says what a run waits for.
+        """
+        told: set[tuple[str, int]] = set()
         while True:
-            result = done()
+            result = self.claims.result(job)
             if result is not None:
                 return result
             owned = self.claims.claim(job)
             if owned is not None:
-                with owned:
-                    result = done()  # done between our look and our claim
-                    return result if result is not None else do()
+                with owned as claim:
+                    if self.claims.result(job) is None:  # done between our look and claim
+                        claim.commit(do())
+                continue
+            holder = self.claims.holder(job)
+            if holder is not None and (holder.machine, holder.pid) not in told:
+                told.add((holder.machine, holder.pid))
+                log.info(
+                    "waiting for process %d on %s, which is %s (taken over if it stays "
+                    "silent for %.0f s; it last answered %.0f s ago)",
+                    holder.pid,
+                    holder.machine.split("pid:")[0],
+                    what,
+                    _claims.GRACE_S,
+                    holder.silent_s,
+                )
             time.sleep(POLL_S)
 
     def profile(self) -> Profile | None:
-        text = self.study.user_attrs.get("autotune_profile")
+        """The study's measured profile (``None``: not yet)."""
+        text = self.claims.result(PROFILE_JOB)
         return None if text is None else profile_from_json(text)
 
-    def save_profile(self, profile: Profile) -> None:
-        self.study.set_user_attr("autotune_profile", profile_to_json(profile))
-
     def record(self, config: TrainConfig) -> TrialRecord | None:
-        data = self._attrs().get(self._key("verified", config))
+        """The study's verification of ``config`` (``None``: not yet)."""
+        data = self.claims.result(self.job_of("verify", config))
         return None if data is None else from_plain(TrialRecord, data)
-
-    def save_record(self, record: TrialRecord) -> None:
-        self.study.set_user_attr(self._key("verified", record.config), to_plain(record))
-
-    def records(self) -> list[TrialRecord]:
-        """Every verification outcome in the study, from any process."""
-        return [
-            from_plain(TrialRecord, v)
-            for k, v in self._attrs().items()
-            if k.startswith("verified:")
-        ]
-
-    def configs(self, job: str) -> list[TrainConfig] | None:
-        """The configs a job saved with :meth:`save_configs` (``None``: not yet)."""
-        data = self._attrs().get(f"configs:{job}")
-        return None if data is None else [from_plain(TrainConfig, c) for c in data]
-
-    def save_configs(self, job: str, configs: list[TrainConfig]) -> None:
-        self.study.set_user_attr(f"configs:{job}", [to_plain(c) for c in configs])
-
-    def flag(self, job: str) -> bool | None:
-        """``True`` once :meth:`set_flag` marked ``job`` done (``None``: not yet)."""
-        return True if self._attrs().get(f"done:{job}") else None
-
-    def set_flag(self, job: str) -> None:
-        self.study.set_user_attr(f"done:{job}", True)
 
     def job_of(self, kind: str, *configs: TrainConfig) -> str:
         """The job of ``kind`` over ``configs`` (a short hash)."""
         plain = [json.dumps(to_plain(c), sort_keys=True) for c in configs]
         return job_id(kind, *plain)
-
-    def _attrs(self) -> dict[str, Any]:
-        return self.storage.get_study_user_attrs(self._id)
-
-    def _key(self, kind: str, config: TrainConfig) -> str:
-        return f"{kind}:{self.job_of(kind, config)}"
