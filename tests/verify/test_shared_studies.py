@@ -198,9 +198,7 @@ def test_a_worker_paused_past_the_grace_period_ends_with_the_study_s_winner(
     # run after them, read the one that did.
     storage = fresh(kind, tmp_path, "pause")
     marker = tmp_path / "hang"
-    paused = start(
-        tmp_path, storage, HANG_AT="2", HANG_S="2", MARKER=str(marker), GRACE_S="1.5"
-    )
+    paused = start(tmp_path, storage, HANG_AT="2", HANG_S="2", MARKER=str(marker), GRACE_S="1.5")
     hung = wait_for(marker, paused)
     paused.send_signal(signal.SIGSTOP)
     try:
