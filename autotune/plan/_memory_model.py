@@ -1,7 +1,8 @@
 """Peak device memory of any configuration: the profiled phase timeline, replayed.
 
 Micro-batch 1, micro-batch 2 repeated ``grad_accum_steps - 1`` times, then the optimizer
-step, with the step's input batch held throughout where it lives on the device. Each
+step, with the step's input batch held throughout where it lives on the device, and
+after the step the next batch, which a loader makes while the last one is held. Each
 block's phases are taken from its kept, checkpointed or offloaded variant and each
 quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
 """
@@ -94,7 +95,8 @@ class MemoryModel(ProfileView):
         shares = self.variant_shares(mask)
         moved = self.profile.precisions[precision].moved
         start = float(self.profile.precisions[precision].base_bytes + state)
-        start += self.profile.input_bytes_per_sample * b * accum  # the step's batch
+        batch = self.profile.input_bytes_per_sample * b * accum
+        start += batch  # the step's batch, held through the step
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
         peak, live, grads = self._replay(
@@ -119,6 +121,9 @@ class MemoryModel(ProfileView):
             live -= self.profile.grad_bytes
         elif live + opt.step_peak_bytes > peak:
             peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
+        # Between steps a loader makes the next batch while this one is still held.
+        if start + batch > peak:
+            peak, grads = start + batch, 0
         live_peak = math.ceil(max(peak, start))
         return self.device_bytes(live_peak, precision, b, shares), live_peak, grads
 
@@ -225,8 +230,10 @@ class MemoryModel(ProfileView):
         device_peak, live_peak, grads = self.simulate(p, o, b, n, mask, config.offload_optimizer)
         prof = self.profile
         state = 0 if config.offload_optimizer else prof.optimizers[o].state_bytes
-        other = prof.precisions[p].base_bytes - prof.param_bytes
-        other += math.ceil(prof.input_bytes_per_sample * b * n)  # the batch, in "other"
+        batch = prof.input_bytes_per_sample * b * n
+        other = prof.precisions[p].base_bytes - prof.param_bytes + math.ceil(batch)
+        if live_peak <= math.ceil(prof.precisions[p].base_bytes + state + 2 * batch):
+            other += math.ceil(batch)  # the peak is the next batch made beside this one
         acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
         return device_peak, Breakdown(
             parameters=prof.param_bytes,

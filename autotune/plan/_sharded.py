@@ -85,7 +85,7 @@ def per_rank_peak(
         live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], n, every)
         step = 0 if offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
-    peak = max(peak, live + step)
+    peak = max(peak, live + step, batch)  # batch: a loader's next, made beside this one
     live_peak = math.ceil(start + peak)
     shares = (model.variant_shares(mask)[0], 0.0)
     return model.device_bytes(live_peak, p, b, shares), live_peak, parts

@@ -143,6 +143,7 @@ class Verifier:
             ) as reading:
                 runner.step(batch)  # warm-up: allocates optimizer state
                 times = self._timed_steps(runner, batch)
+                _next_batch(batch)
             return reading.peak_bytes, statistics.median(times)
         # CPU: the first step allocates the optimizer state under the guard, the second
         # is measured at steady state; the timed steps run without the tracker's overhead.
@@ -161,6 +162,7 @@ class Verifier:
                 resized=gathered_tensors(runner.model),
             ) as reading:
                 runner.step(batch)
+                _next_batch(batch)
             peak = max(peak, reading.peak_bytes)
         return peak, statistics.median(self._timed_steps(runner, batch))
 
@@ -225,3 +227,10 @@ class Verifier:
         gc.collect()
         self.ops.empty_cache()
         self.ops.empty_host_cache()  # pinned buffers of an offloading config, between configs
+
+
+def _next_batch(batch: Any) -> None:
+    """Make a batch like ``batch`` beside it and free it: a training loop's loader makes
+    the next step's batch while the last one is still held (``for batch in loader``)."""
+    made = batching.map_tensors(batch, torch.clone)
+    del made
