@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight
+        self.apply(self._init)
+        for block in self.blocks:  # GPT-2's: residual projections scaled by depth
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        """GPT-2's initialisation: a fresh model predicts near-uniformly (its loss starts
+        near ``ln(vocab_size)``), as a fresh language model should."""
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         pos = torch.arange(idx.shape[1], device=idx.device)
