@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from autotune.config import TrainConfig
-from autotune.errors import BudgetTooSmallError, ProfileError, VerificationError
+from autotune.errors import BatchError, BudgetTooSmallError, ProfileError, VerificationError
 from autotune.result import Spent, TuneResult
 from autotune.space import SearchSpace
 from autotune.train._attention import set_attention
@@ -42,7 +42,8 @@ def tune_attention(
 
     Raises:
         ConfigError: the model has no implementation to choose, or one is not installed.
-        BudgetTooSmallError, ProfileError, VerificationError: no implementation fits
+        BudgetTooSmallError, BatchError, ProfileError, VerificationError: no
+            implementation fits or runs
             (the first's error).
     """
     if not space.attention:
@@ -54,7 +55,7 @@ def tune_attention(
         try:
             log.info("tuning with attention %s", name)
             result = tune(model, sample, global_batch_size=global_batch_size, space=space)
-        except (BudgetTooSmallError, ProfileError, VerificationError) as exc:
+        except (BudgetTooSmallError, BatchError, ProfileError, VerificationError) as exc:
             log.info("attention %s: %s", name, str(exc).splitlines()[0])
             failed.append(exc)
             continue

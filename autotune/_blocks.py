@@ -248,8 +248,9 @@ def _largest_container_children(
         raise BlockError(
             f"found no repeated layers in {type(model).__name__}: no nn.ModuleList or "
             "nn.Sequential holds children with parameters. "
-            f"Name the blocks yourself with SearchSpace(blocks=[...]); its top-level "
-            f"children are: {top}."
+            f"Name the blocks yourself with SearchSpace(blocks=[...]) (its top-level "
+            f"children are: {top}), or tune without checkpointing and offload, which need "
+            "no blocks: SearchSpace(checkpointing=False)."
         )
     return names
 

@@ -80,9 +80,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2's: residual projections scaled by depth
-            for proj in (block.attn.proj, block.mlp[2]):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+        for name, param in self.named_parameters():  # GPT-2's: residual outputs by depth
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init(module: nn.Module) -> None:

@@ -359,6 +359,23 @@ def test_no_repeated_layers_is_a_helpful_error() -> None:
     assert "no repeated layers" in message
     assert "SearchSpace(blocks=[...])" in message
     assert "conv, fc" in message
+    assert "SearchSpace(checkpointing=False)" in message
+
+
+class Pooled(NoRepeats):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).mean(dim=(2, 3))).pow(2).mean()
+
+
+def test_the_space_the_error_suggests_tunes_such_a_model() -> None:
+    import autotune
+
+    model, batch = Pooled(), torch.randn(4, 3, 8, 8)
+    with pytest.raises(BlockError, match=r"SearchSpace\(checkpointing=False\)"):
+        autotune.autotune(model, batch, 0.01, device="cpu", global_batch_size=8)
+    space = autotune.SearchSpace(checkpointing=False)
+    result = autotune.autotune(model, batch, 0.01, device="cpu", global_batch_size=8, space=space)
+    assert result.config.checkpoint == () and result.measured.peak_bytes <= result.budget_bytes
 
 
 def test_find_blocks_leaves_the_model_as_it_was() -> None:

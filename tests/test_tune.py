@@ -236,6 +236,35 @@ def test_bad_global_batch(global_batch: object) -> None:
         )  # type: ignore[arg-type]
 
 
+def test_a_sample_batch_the_model_rejects_says_how_it_was_called() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))  # (x, y) and no loss_fn
+    with pytest.raises(BatchError, match="forward failed on the sample batch") as info:
+        autotune.autotune(model, batch, 1.0, device="cpu")
+    message = str(info.value)
+    assert "Sequential.forward(<tensor (1, 8) float32>, <tensor (1,) int64>)" in message
+    assert "pass loss_fn=" in message and "Sequential.forward() takes 2" in message
+    assert isinstance(info.value.__cause__, TypeError)  # the model's own error, kept
+
+
+def test_a_dict_batch_with_the_wrong_keys_names_them() -> None:
+    model = tiny_gpt(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    x, y = gpt_batch(model.config, 4)
+    with pytest.raises(BatchError, match=r"GPT.forward\(input_ids=, labels=\) with the dict"):
+        autotune.autotune(model, {"input_ids": x, "labels": y}, 1.0, device="cpu")
+
+
+def test_a_failing_loss_fn_is_a_loss_error() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def loss_fn(output, batch):  # type: ignore[no-untyped-def]
+        return nn.functional.cross_entropy(output, batch)  # batch, not batch[1]
+
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    with pytest.raises(LossError, match=r"loss_fn\(output, batch\) failed on the sample"):
+        autotune.autotune(model, batch, 1.0, device="cpu", loss_fn=loss_fn)
+
+
 def test_no_loss_derivable_says_to_pass_loss_fn() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(LossError, match="loss_fn=lambda output, batch"):

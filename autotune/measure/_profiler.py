@@ -22,14 +22,14 @@ from torch import nn
 
 from autotune._backend import backend_for
 from autotune.config import TrainConfig
-from autotune.errors import AutotuneError, ProfileError
+from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
 from autotune.measure._profile_data import Line, OptimizerProfile, Phase, PrecisionProfile
 from autotune.measure._timeline import fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.train import _batch as batching
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
-from autotune.train._loss import LossFn
+from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
 from autotune.train._prepare import prepare
 from autotune.train._runner import Runner
 
@@ -88,8 +88,9 @@ class Profiler:
         """Build a runner and take one step; user-model failures become ProfileError."""
         runner = self.runner(config)
         try:
-            with _model_errors(b):
-                runner.step(batching.resize(self.sample, b))
+            batch = batching.resize(self.sample, b)
+            with _model_errors(self.model, batch, self.loss_fn):
+                runner.step(batch)
         except BaseException:
             runner.close()
             raise
@@ -203,7 +204,7 @@ class Profiler:
             apply_checkpointing(self.model, self.blocks)
         chunk = batching.resize(self.sample, b)
         try:
-            with _model_errors(b):
+            with _model_errors(self.model, chunk, self.loss_fn):
                 first = self._timed(lambda: runner.forward_backward(chunk))
             repeats = self.repeats if first < 0.2 else 1
             times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
@@ -256,18 +257,34 @@ class Profiler:
 
 
 @contextlib.contextmanager
-def _model_errors(b: int) -> Iterator[None]:
-    """A failure of the user's model (not ours, not out of memory) as a ProfileError."""
+def _model_errors(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Iterator[None]:
+    """A failure of the user's model (not ours, not out of memory) as an AutotuneError: a
+    forward that rejects the sample batch is a BatchError that says how it was called, a
+    ``loss_fn`` that fails a LossError, anything else a ProfileError."""
     try:
         yield
     except (AutotuneError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
+        b = batching.batch_size(batch)
+        cut = f"cut to {b} sample{'s' if b != 1 else ''}"
+        failed = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        if raised_in(exc, call_model):
+            call = describe_call(model, batch, has_loss_fn=loss_fn is not None)
+            raise BatchError(
+                f"the model's forward failed on the sample batch ({cut}): {call}, and it "
+                f"raised {failed}. Pass a sample batch as the training loop will, one the "
+                "model's forward takes: a tensor is fed as model(batch), a dict as "
+                "model(**batch), a tuple or list as model(*batch)."
+            ) from exc
+        if loss_fn is not None and raised_in(exc, compute_loss):
+            raise LossError(
+                f"loss_fn(output, batch) failed on the sample batch ({cut}) "
+                f"with {failed}. It gets the model's output and the whole batch, and must "
+                "return a scalar tensor."
+            ) from exc
         raise ProfileError(
-            f"training the model on the sample batch cut to {b} samples failed with "
-            f"{type(exc).__name__}: {exc}. The batch is fed as model(batch) for a tensor, "
-            "model(**batch) for a dict, model(*batch) for a tuple (model(*batch[:-1]) when a "
-            "loss_fn is given)."
+            f"training the model on the sample batch cut to {b} samples failed with {failed}."
         ) from exc
 
 

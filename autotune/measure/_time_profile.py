@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from autotune.errors import ProfileError
+from autotune.errors import BatchError, ProfileError
 from autotune.measure._profile_data import Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
@@ -77,13 +77,14 @@ def _first_trainable(
     below it go into ``untrainable``, each with a note.
 
     Raises:
-        ProfileError: the first few sizes (or all) fail: the model, not a size, is at fault.
+        BatchError, ProfileError: the first few sizes (or all) fail: the model or the
+            sample batch, not a size, is at fault.
     """
-    first: ProfileError | None = None
+    first: ProfileError | BatchError | None = None
     for b in sizes[:_TRIED_SIZES]:
         try:
             return b, profiler.fwd_bwd_time(precision, b)
-        except ProfileError as exc:
+        except (ProfileError, BatchError) as exc:  # BatchNorm at 1 sample: its forward fails
             first = first or exc
             untrainable.append(b)
             notes.append(_untrainable_note(b, exc))
@@ -91,7 +92,7 @@ def _first_trainable(
     raise first
 
 
-def _untrainable_note(b: int, exc: ProfileError) -> str:
+def _untrainable_note(b: int, exc: ProfileError | BatchError) -> str:
     """The note for a size the model failed on: the model's own error, in its words."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return f"micro-batch {b}: the model does not train on it ({cause}); not searched"

@@ -21,7 +21,7 @@ from torch import nn
 
 from autotune.errors import LossError
 
-__all__ = ["LossFn", "call_model", "compute_loss"]
+__all__ = ["LossFn", "call_model", "compute_loss", "describe_call", "raised_in"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -66,6 +66,52 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         f"cannot derive a loss from the model's output, {_describe(output)}.{hint} "
         "Pass loss_fn=lambda output, batch: ... returning a scalar tensor."
     )
+
+
+def raised_in(exc: BaseException, function: Callable[..., Any]) -> bool:
+    """Whether ``exc`` was raised while ``function`` ran (it is in the traceback)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is function.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def describe_call(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> str:
+    """How :func:`call_model` calls ``model`` on ``batch``, in words, with what to pass."""
+    name = f"{type(model).__name__}.forward"
+    if isinstance(batch, Mapping):
+        keys = ", ".join(f"{k}=" for k in batch)
+        return (
+            f"autotune called {name}({keys}) with the dict's items as keyword arguments; "
+            "the sample batch's keys must be the names of forward's arguments"
+        )
+    if isinstance(batch, (tuple, list)):
+        args = batch[:-1] if has_loss_fn and len(batch) > 1 else batch
+        how = f"{name}({', '.join(_describe_short(a) for a in args)})"
+        if has_loss_fn and len(batch) > 1:
+            return (
+                f"autotune called {how}: the {type(batch).__name__}'s items but the last "
+                "(the target loss_fn reads), as positional arguments"
+            )
+        hint = ""
+        if len(batch) > 1:
+            hint = (
+                "; for an (inputs, target) batch pass loss_fn=lambda output, batch: ..., "
+                "and the model gets every item but the last"
+            )
+        return (
+            f"autotune called {how} with the {type(batch).__name__}'s items as positional "
+            f"arguments{hint}"
+        )
+    return f"autotune called {name}({_describe_short(batch)})"
+
+
+def _describe_short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}>"
+    return f"<{type(value).__name__}>"
 
 
 def _is_scalar(value: Any) -> bool:

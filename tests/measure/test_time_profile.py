@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from autotune.errors import ProfileError
+from autotune.errors import BatchError
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._time_profile import fast_precisions, time_profile
@@ -127,7 +127,7 @@ def test_a_size_the_model_cannot_train_on_is_left_out_not_fatal(setup, monkeypat
     assert 1 not in profile.precisions["fp32"].time.batch_sizes  # never timed
 
 
-def test_a_model_that_trains_on_no_size_is_a_profile_error(setup, monkeypatch) -> None:
+def test_a_model_that_trains_on_no_size_is_a_batch_error(setup, monkeypatch) -> None:
     profiler, _ = setup
     calls: list[int] = []
 
@@ -136,6 +136,6 @@ def test_a_model_that_trains_on_no_size_is_a_profile_error(setup, monkeypatch) -
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     monkeypatch.setattr(profiler.model, "forward", broken)
-    with pytest.raises(ProfileError, match="cut to 1 samples failed with RuntimeError: mat1"):
+    with pytest.raises(BatchError, match=r"forward failed on the sample batch \(cut to 1 sample\)"):
         fast_precisions(profiler, ("fp32",), (1, 2, 4, 8, 16), device_name="cpu")
     assert calls == [1, 2, 4]  # a few sizes, then the model is at fault, not a size
