@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 
 import autotune
-from autotune._format import format_bytes
 from autotune.models import gpt_batch, tiny_gpt
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def main() -> None:
@@ -48,8 +51,8 @@ def main() -> None:
     c, p, m = result.config, result.predicted, result.measured
     print(f"\nwinner: {c.describe()}  (tuned in {result.tuning_s:.1f} s)")
     print(
-        f"  peak     predicted {format_bytes(p.peak_bytes)}, "
-        f"measured {format_bytes(m.peak_bytes)}, budget {format_bytes(result.budget_bytes)}"
+        f"  peak     predicted {mib(p.peak_bytes)}, measured {mib(m.peak_bytes)}, "
+        f"budget {mib(result.budget_bytes)}"
     )
     print(f"  speed    predicted {p.samples_per_s:.0f}, measured {m.samples_per_s:.0f} samples/s")
     for i, f in enumerate(result.fallbacks, 1):

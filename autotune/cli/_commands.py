@@ -165,7 +165,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 def export_command(args: argparse.Namespace) -> int:
     from autotune.integrations._export import export
 
-    exported = export(load(args.path), args.to)
+    exported = export(load(args.path), args.to, path=args.path)
     for warning in exported.warnings:
         print(f"autotune: warning: {warning}", file=sys.stderr)
     if args.output is None:

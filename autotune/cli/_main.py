@@ -5,7 +5,7 @@
     autotune show tuned.yaml
     autotune estimate MODEL --batch BATCH [--config tuned.yaml] [--micro-batch 8 ...]
     autotune verify tuned.yaml MODEL --batch BATCH
-    autotune export tuned.yaml --to hf|lightning|deepspeed|accelerate [-o FILE]
+    autotune export tuned.yaml --to hf|lightning|deepspeed|accelerate|torchrun [-o FILE]
     autotune report tuned.yaml -o report.html
 
 MODEL, BATCH and LOSS name an object or a zero-argument factory, as
@@ -86,7 +86,12 @@ def _show_warning(
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: what was wrong and where help is, no usage block."""
+    """argparse with a one-line error: what was wrong and where help is, no usage block,
+    and no abbreviated options (``--budget 0.05`` is an error, not ``--budget-gb``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers are made here too
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"autotune: error: {message} (see {self.prog} --help)\n")

@@ -40,7 +40,7 @@ class Progress(logging.Handler):
 
     Every INFO record is a line. On a terminal a status line stays under them, redrawn:
     a bar over the pipeline's stages, the stage, how many configurations were verified,
-    and the best verified so far. A DEBUG record with ``trial`` and ``n_trials``
+    and the best verified so far (by its latest timing). A DEBUG record with ``trial`` and ``n_trials``
     attributes (``log.debug(..., extra={"trial": i, "n_trials": n})``) moves the bar
     through the search stage.
     """
@@ -60,8 +60,16 @@ class Progress(logging.Handler):
         self.stage, self.trial, self.n_trials = 0, 0, 0
         self.verified, self.fitted = 0, 0
         self.current = ""
-        self.best: tuple[float, str] | None = None
+        self.speeds: dict[str, float] = {}  # config -> its latest samples/s
         self._drawn = False
+
+    @property
+    def best(self) -> tuple[float, str] | None:
+        """The fastest configuration by its latest timing (re-timing may lower it)."""
+        if not self.speeds:
+            return None
+        config = max(self.speeds, key=lambda c: self.speeds[c])
+        return self.speeds[config], config
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -85,8 +93,9 @@ class Progress(logging.Handler):
             self.current, self.verified = str(args[0]), self.verified + 1
         elif msg.strip().startswith("measured") and args and isinstance(args[0], (int, float)):
             self.fitted += 1
-            if self.best is None or args[0] > self.best[0]:
-                self.best = (float(args[0]), self.current)
+            self.speeds[self.current] = float(args[0])
+        elif msg.startswith("re-timed") and len(args) >= 2 and isinstance(args[1], (int, float)):
+            self.speeds[str(args[0])] = float(args[1])
 
     def status(self) -> str:
         """The status line: bar, stage, verified count and the best so far."""

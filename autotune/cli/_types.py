@@ -1,7 +1,8 @@
 """Command-line values, checked where they are parsed: a bad one is one line, at once.
 
 ``--trials 0`` used to mean "the default" and ``--trials -5`` ran a search of nothing;
-``--budget-gb 24GB`` was argparse's usage block. Each type here says what it wants.
+``--budget-gb 24GB`` was argparse's usage block, and then meant 24 GiB. Each type here
+says what it wants and means what it is given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from autotune.config import MAX_BATCH
 
 __all__ = ["gib", "positive_int", "seconds"]
 
-_UNITS = {"": 1.0, "g": 1.0, "gb": 1.0, "gib": 1.0, "m": 2**-10, "mb": 2**-10, "mib": 2**-10}
+_UNITS = {
+    "": 1.0,
+    "gib": 1.0,
+    "mib": 2**-10,
+    "gb": 1e9 / 2**30,
+    "mb": 1e6 / 2**30,
+}
+"""GiB per unit: GiB and MiB are powers of two, GB and MB powers of ten; a bare number is
+GiB, as ``budget_gb`` is in the API."""
 _AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
@@ -43,13 +52,14 @@ def seconds(text: str) -> float:
 
 
 def gib(text: str) -> float:
-    """Device memory in GiB: ``24``, ``24GB``, ``24GiB`` or ``512MiB`` (GB means GiB, as
-    ``nvidia-smi`` and torch report memory)."""
+    """Device memory in GiB: ``24`` or ``24GiB`` (2**30 bytes each), ``512MiB``, or in
+    powers of ten ``24GB`` (10**9 bytes each) and ``500MB``: each spelling means exactly
+    what it says."""
     match = _AMOUNT.fullmatch(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(
-            f"expected GiB as 24, 24GB, 24GiB or 512MiB, got {text[:40]!r}"
+            f"expected a memory size as 24 or 24GiB (GiB), 512MiB, 24GB or 500MB, got {text[:40]!r}"
         )
     value = float(match.group(1)) * _UNITS[unit]
     if not (math.isfinite(value) and value > 0):

@@ -37,7 +37,7 @@ def verify(args: argparse.Namespace) -> int:
     import torch
 
     from autotune._backend import backend_for
-    from autotune._identity import differences
+    from autotune._identity import differences, fingerprint
     from autotune.measure._devices import discover
     from autotune.train._lengths import truncate
     from autotune.verify._verifier import Verifier
@@ -46,8 +46,15 @@ def verify(args: argparse.Namespace) -> int:
     model, batch, loss = inputs(args)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"MODEL must give a torch.nn.Module, got {type(model).__name__}.")
+    if fingerprint(model) != result.model.fingerprint:
+        raise ConfigError(
+            f"{args.path} was tuned for another model (a {result.model.class_name} of "
+            f"{result.model.n_parameters:,} parameters); this MODEL's structure differs, so "
+            "running its config would verify nothing about either. Pass the model it was "
+            "tuned on, or tune this one."
+        )
     target = discover(args.device or result.target.device)
-    for difference in differences(result, model, target.device):
+    for difference in differences(result, model, target.device):  # device, torch
         print(f"autotune: warning: {difference}", file=sys.stderr)
     runs = [_Run(r.length, r.config, r.predicted, r.measured) for r in result.by_length] or [
         _Run(None, result.config, result.predicted, result.measured)

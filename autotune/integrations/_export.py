@@ -273,12 +273,15 @@ TARGETS: tuple[str, ...] = tuple(_EXPORTERS)
 """The trainers :func:`export` writes settings for."""
 
 
-def export(result: TuneResult, target: str) -> Export:
-    """The settings of ``result.config`` for ``target`` (one of :data:`TARGETS`).
+def export(result: TuneResult, target: str, *, path: str = "tuned.yaml") -> Export:
+    """The settings of ``result.config`` for ``target`` (one of :data:`TARGETS`);
+    ``path`` is where the result is saved, for the settings that load it (torchrun's).
 
     Raises:
         ConfigError: ``target`` is unknown.
     """
     if target not in _EXPORTERS:
         raise ConfigError(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}.")
+    if target == "torchrun":
+        return to_torchrun(result, path)
     return _EXPORTERS[target](result)

@@ -18,13 +18,14 @@ from autotune.result import TuneResult
 __all__ = ["accelerate_parallel", "deepspeed_parallel", "launch_warnings", "to_torchrun"]
 
 
-def _torchrun_command(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
-    """The ``torchrun`` launch of ``result`` (its settings and what the script must do)."""
+def _torchrun_command(result: TuneResult, path: str) -> tuple[dict[str, Any], list[str]]:
+    """The ``torchrun`` launch of ``result``, read from ``path`` (its settings and what the
+    script must do)."""
     c = result.config
     command = f"torchrun --nproc-per-node {c.world_size} train.py"
     notes = [
         f"train.py: torch.distributed.init_process_group() (nccl on GPUs, gloo on CPUs), "
-        f"then runner = autotune.prepare(model, autotune.load('tuned.yaml')) and "
+        f"then runner = autotune.prepare(model, autotune.load({path!r})) and "
         f"runner.step(batch) with {c.effective_batch_size} samples per rank and step "
         f"(a DistributedSampler; global batch {c.global_batch_size})",
         "several machines: add --nnodes, --node-rank and --rdzv-endpoint; the ranks in all "
@@ -127,12 +128,12 @@ def launch_warnings(result: TuneResult, tool: str) -> list[str]:
     return out
 
 
-def to_torchrun(result: TuneResult) -> Export:
-    """The ``torchrun`` command line of a data-parallel result."""
+def to_torchrun(result: TuneResult, path: str = "tuned.yaml") -> Export:
+    """The ``torchrun`` command line of a data-parallel result, saved at ``path``."""
     if result.config.parallel == "none":
         raise ConfigError(
             "this result trains on one process; torchrun is for a result tuned with "
             "world_size (under torchrun, or planned with --world-size)."
         )
-    settings, notes = _torchrun_command(result)
+    settings, notes = _torchrun_command(result, path)
     return Export("torchrun", settings, (), (*origin(result, "torchrun command"), *notes))

@@ -33,6 +33,17 @@ def test_torchrun_launches_the_tuned_world_size() -> None:
         to_torchrun(result_for(TrainConfig()))
 
 
+def test_torchrun_loads_the_file_it_was_exported_from(tmp_path: Path, capsys) -> None:
+    from autotune.cli._main import main
+
+    out = export(result_for(FSDP), "torchrun", path="runs/fsdp-8.yaml")
+    assert "autotune.load('runs/fsdp-8.yaml')" in out.text and "tuned.yaml" not in out.text
+    saved = tmp_path / "fsdp-8.yaml"
+    result_for(FSDP).save(saved)
+    assert main(["export", str(saved), "--to", "torchrun"]) == 0
+    assert f"autotune.load({str(saved)!r})" in capsys.readouterr().out
+
+
 def test_accelerate_fsdp2_is_a_real_cluster_config(tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import ClusterConfig
 
