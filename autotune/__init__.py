@@ -37,6 +37,7 @@ from autotune.space import SearchSpace
 if TYPE_CHECKING:
     from autotune._blocks import find_blocks
     from autotune._estimate import estimate
+    from autotune._peak_memory import PeakReading, peak_memory
     from autotune.train._applied import Applied
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
@@ -59,6 +60,7 @@ __all__ = [
     "LossError",
     "Measurement",
     "NonFiniteError",
+    "PeakReading",
     "ProfileError",
     "Runner",
     "SearchSpace",
@@ -72,6 +74,7 @@ __all__ = [
     "estimate",
     "find_blocks",
     "load",
+    "peak_memory",
     "prepare",
 ]
 
@@ -80,6 +83,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Applied": "autotune.train._applied",
     "LengthBucketSampler": "autotune.train._sampler",
+    "PeakReading": "autotune._peak_memory",
+    "peak_memory": "autotune._peak_memory",
     "apply": "autotune.train._prepare",
     "autotune": "autotune.tune",
     "estimate": "autotune._estimate",

@@ -90,8 +90,8 @@ def test_training_on_fresh_batches_stays_within_the_budget(case: str) -> None:
     )
     work = copy.deepcopy(model)
 
-    def loader() -> Iterator[Any]:
-        for step in range(STEPS):
+    def loader(steps: int = STEPS) -> Iterator[Any]:
+        for step in range(steps):
             yield make_batch(model, 32, step + 1)
 
     with autotune.prepare(work, result, device="cpu", lr=1e-3) as runner:
@@ -100,6 +100,12 @@ def test_training_on_fresh_batches_stays_within_the_budget(case: str) -> None:
         with tracker:  # sees the batches being made, as they are in a training loop
             for batch in loader():
                 runner.step(batch)
+        # The public reading a user takes of their own loop: the same figure.
+        with autotune.peak_memory(runner) as reading:
+            for batch in loader(5):
+                runner.step(batch)
     # What training really held is what verification measured (so within the budget).
     assert tracker.peak <= result.measured.peak_bytes * 1.01, (tracker.peak, result.measured)
     assert tracker.peak <= result.budget_bytes
+    assert reading.peak_bytes == pytest.approx(tracker.peak, rel=1e-3)
+    assert reading.peak_bytes <= result.budget_bytes

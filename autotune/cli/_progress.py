@@ -40,9 +40,9 @@ class Progress(logging.Handler):
 
     Every INFO record is a line. On a terminal a status line stays under them, redrawn:
     a bar over the pipeline's stages, the stage, how many configurations were verified,
-    and the best verified so far (by its latest timing). A DEBUG record with ``trial`` and ``n_trials``
-    attributes (``log.debug(..., extra={"trial": i, "n_trials": n})``) moves the bar
-    through the search stage.
+    and the best verified so far (by its latest timing). A DEBUG record with ``trial``
+    and ``n_trials`` attributes (``log.debug(..., extra={"trial": i, "n_trials": n})``)
+    moves the bar through the search stage.
     """
 
     STAGES = ("starting", "profiling memory", "profiling time", "searching", "verifying")
