@@ -24,9 +24,9 @@ __all__ = ["estimate_command", "export_command", "report", "show", "tune"]
 
 
 def tune(args: argparse.Namespace) -> int:
+    check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
     from autotune.tune import autotune  # torch and optuna load only for commands that tune
 
-    check_writable(args.output, "-o")  # before minutes of tuning, not after
     model, batch, loss = inputs(args)
     extra: dict[str, Any] = {}
     if args.study is not None:
