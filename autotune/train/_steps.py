@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from autotune.config import TrainConfig
 from autotune.errors import NonFiniteError
@@ -58,12 +59,30 @@ def apply_step(
 
 
 def _finite(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every gradient of ``optimizer``'s parameters is finite (one sync)."""
+    """Whether every gradient of ``optimizer``'s parameters is finite (one sync).
+
+    FSDP's gradients are shards: a NaN may sit in one rank's shard only, and a rank alone
+    must not refuse a step the others take. Their verdicts are combined (one all-reduce of
+    a flag), so that every rank refuses the step or none does.
+    """
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if not grads or any(hasattr(g, "to_local") for g in grads):
-        return True  # none, or FSDP's shards: a rank alone must not refuse a step
-    flags = [torch.isfinite(g).all() for g in grads]
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+    sharded = any(hasattr(g, "to_local") for g in grads)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flags = [torch.isfinite(g).all() for g in local if g.numel()]
+    home = local[0].device if local else torch.device("cpu")
+    finite = (
+        torch.stack([f.to(home) for f in flags]).all()
+        if flags
+        else torch.ones((), dtype=torch.bool, device=home)
+    )
+    if sharded and dist.is_available() and dist.is_initialized():
+        # NCCL reduces CUDA tensors only; host shards (CPUOffloadPolicy) send their flag up.
+        nccl = "nccl" in str(dist.get_backend())
+        where = torch.device("cuda", torch.cuda.current_device()) if nccl else home
+        verdict = finite.to(where, torch.int32)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+        return bool(verdict)
+    return bool(finite)
 
 
 def make_scaler(

@@ -41,3 +41,12 @@ def test_every_rank_within_3_percent_and_same_losses_as_one_process(world: int) 
         # Ranks agree: same losses, same prediction.
         assert len({tuple(rows[i]["losses"]) for rows in results}) == 1
         assert len({rows[i]["predicted"] for rows in results}) == 1
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_a_nan_in_one_rank_s_gradients_is_refused_by_every_rank(parallel: str) -> None:
+    # Under FSDP the NaN sits in one rank's shard only: that rank alone must not refuse
+    # the step (the others would step, and the next collective would hang).
+    results = run(2, {"nonfinite": {"parallel": parallel}})
+    for rank, r in enumerate(results):
+        assert r == {"raised": True, "unchanged": True, "next_step_trained": True}, (rank, r)

@@ -189,6 +189,49 @@ def fallback(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def nonfinite(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """A NaN on one rank only: in its batch (DDP's all-reduce spreads it), or in its
+    gradient shard (FSDP: no collective does). Every rank refuses the step, or none."""
+    config = autotune.TrainConfig(micro_batch_size=4, parallel=job["parallel"], world_size=world)
+    model, loss_fn, data = model_and_data("mlp", 4 * world)
+    mine = rows(data, rank * 4, rank * 4 + 4)
+    handle = autotune.apply(model, config, lr=1e-3, device="cpu")
+    params = [p for p in handle.model.parameters() if p.requires_grad]
+    last = rank == world - 1
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def backward(batch: Any) -> None:
+        for chunk, weight in handle.micro_batches(batch):
+            with handle.autocast():
+                out = handle.parallel.module(chunk[0])  # DDP's wrapper under DDP
+                handle.backward(loss_fn(out, chunk) * weight)
+
+    backward(mine)
+    handle.optimizer_step()  # a finite step first: the optimizer state exists
+    before = [local(p).detach().clone() for p in params]
+    if job["parallel"] == "ddp":
+        x = mine[0].clone()
+        x[0, 0] = float("nan") if last else x[0, 0]
+        backward((x, mine[1]))
+    else:
+        backward(mine)
+        if last:
+            local(params[0].grad).view(-1)[0] = float("nan")
+    raised = False
+    try:
+        handle.optimizer_step()
+    except autotune.NonFiniteError:
+        raised = True
+    unchanged = all(torch.equal(local(p).detach(), b) for p, b in zip(params, before, strict=True))
+    backward(mine)
+    handle.optimizer_step()  # the next batch trains on every rank
+    moved = not all(torch.equal(local(p).detach(), b) for p, b in zip(params, before, strict=True))
+    handle.undo()
+    return {"raised": raised, "unchanged": unchanged, "next_step_trained": moved}
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -199,6 +242,8 @@ def main() -> None:
             out: Any = [case(spec, rank, world) for spec in job["cases"]]
         elif job.get("fallback"):
             out = fallback(rank, world)
+        elif "nonfinite" in job:
+            out = nonfinite(job["nonfinite"], rank, world)
         else:
             out = tune(job, rank, world)
         dist.barrier()  # every rank done with its collectives before the group goes
