@@ -37,6 +37,7 @@ from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train._applied import Applied
 from autotune.train._prepare import apply
+from autotune.train._steps import check_finite
 from autotune.tune import autotune
 
 __all__ = ["Autotune"]
@@ -183,6 +184,9 @@ class Autotune(pl.Callback):
     ) -> None:
         if self.ladder is not None:
             self.ladder.updating = True
+        # A non-finite step is refused (16-mixed's GradScaler skips those itself).
+        if not str(trainer.precision).startswith("16"):
+            check_finite(optimizer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove(trainer)

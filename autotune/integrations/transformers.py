@@ -32,6 +32,7 @@ from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._prepare import apply
+from autotune.train._steps import check_finite
 
 __all__ = ["AutotuneCallback", "training_arguments"]
 
@@ -90,6 +91,15 @@ class AutotuneCallback(TrainerCallback):
             len(c.offload_activations),
             len(self.result.model.blocks),
         )
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
+    ) -> None:
+        """Refuse a step whose gradients are not finite (fp16's GradScaler skips those
+        itself, and overflows are how it finds its scale)."""
+        optimizer = kwargs.get("optimizer")
+        if optimizer is not None and not args.fp16:
+            check_finite(optimizer)
 
     def on_train_end(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from autotune.config import TrainConfig
 from autotune.errors import NonFiniteError
 
-__all__ = ["Scheduler", "apply_step", "make_scaler"]
+__all__ = ["Scheduler", "apply_step", "check_finite", "make_scaler"]
 
 
 class Scheduler(Protocol):
@@ -38,12 +38,8 @@ def apply_step(
     Returns:
         The total norm before clipping (an empty tensor without ``max_grad_norm``).
     """
-    if scaler is None and not _finite(optimizer):
-        raise NonFiniteError(
-            "this step's gradients are not finite (NaN or inf), so it was not applied: the "
-            "weights keep their last finite values. Check this batch's loss and inputs, or "
-            "lower the learning rate; catch autotune.NonFiniteError to skip the batch."
-        )
+    if scaler is None:
+        check_finite(optimizer)
     norm = torch.empty(0)
     if max_grad_norm is not None:
         if scaler is not None:
@@ -56,6 +52,22 @@ def apply_step(
     else:
         optimizer.step()
     return norm
+
+
+def check_finite(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step whose gradients are not finite, before anything changes.
+
+    Raises:
+        NonFiniteError: a gradient of ``optimizer``'s parameters is NaN or inf; the
+            gradients are freed, the weights keep their last finite values.
+    """
+    if not _finite(optimizer):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            "this step's gradients are not finite (NaN or inf), so it was not applied: the "
+            "weights keep their last finite values. Check this batch's loss and inputs, or "
+            "lower the learning rate; catch autotune.NonFiniteError to skip the batch."
+        )
 
 
 def _finite(optimizer: torch.optim.Optimizer) -> bool:

@@ -13,7 +13,7 @@ from test_transformers import Rows
 from torch.utils.data import DataLoader
 
 from autotune import SearchSpace, TuneResult
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, NonFiniteError
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 
@@ -128,3 +128,36 @@ def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     module.train_dataloader = lambda: DataLoader(Rows(samples(8)), batch_size=2)  # type: ignore[method-assign]
     with pytest.raises(ConfigError, match="'batch_size'"):
         trainer_with(Autotune(1.0)).fit(module)
+
+
+def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
+    tuned: TuneResult,
+) -> None:
+    module = LitGPT(batch_size=MICRO)
+    poison, kept = [False], {}
+
+    class Poison(pl.Callback):  # from the second step on, NaN gradients
+        def on_train_batch_end(self, trainer, pl_module, *args):  # type: ignore[no-untyped-def]
+            if trainer.global_step == 1 and not poison[0]:
+                poison[0] = True
+                kept.update({k: v.clone() for k, v in module.state_dict().items()})
+
+    first = next(p for p in module.parameters() if p.requires_grad)
+    first.register_hook(lambda g: g * float("nan") if poison[0] else g)
+    from autotune._identity import fingerprint
+
+    # The result as tuned on this module: its blocks sit under the module's "model."
+    c, info = tuned.config, tuned.model
+    result = dataclasses.replace(
+        tuned,
+        config=c.replace(checkpoint=tuple(f"model.{b}" for b in c.checkpoint)),
+        model=dataclasses.replace(
+            info, fingerprint=fingerprint(module), blocks=tuple(f"model.{b}" for b in info.blocks)
+        ),
+        fallbacks=(),
+    )
+    trainer = trainer_with(Autotune.from_result(result), Poison())
+    with pytest.raises(NonFiniteError, match="weights keep their last finite values"):
+        trainer.fit(module)
+    assert trainer.global_step == 1
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in kept.items())

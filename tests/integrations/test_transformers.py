@@ -12,7 +12,7 @@ from conftest import MICRO, Recorder, fresh, gpt2, runner_replay, samples
 from torch.utils.data import Dataset
 
 from autotune import TrainConfig, TuneResult
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import AutotuneWarning, ConfigError, NonFiniteError
 
 transformers = pytest.importorskip("transformers")
 from autotune.integrations.transformers import (  # noqa: E402
@@ -145,3 +145,25 @@ def test_bad_results_are_refused(tmp_path) -> None:
         training_arguments(TrainConfig(), str(tmp_path))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="takes the TuneResult"):
         AutotuneCallback({"config": {}})  # type: ignore[arg-type]
+
+
+def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
+    tuned: TuneResult, tmp_path
+) -> None:
+    model = gpt2()
+    trainer = trainer_for(model, tuned, tmp_path)
+    poison, kept = [False], {}
+
+    class Poison(transformers.TrainerCallback):  # from the second step on, NaN gradients
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            poison[0] = True
+            kept.update({k: v.clone() for k, v in model.state_dict().items()})
+
+    first = next(p for p in model.parameters() if p.requires_grad)
+    first.register_hook(lambda g: g * float("nan") if poison[0] else g)
+    trainer.add_callback(Poison())
+    with pytest.raises(NonFiniteError, match="weights keep their last finite values"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items())
+    assert all(p.grad is None for p in model.parameters())
