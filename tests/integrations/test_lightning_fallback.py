@@ -81,7 +81,9 @@ def fit_squeezed(tuner: Autotune, budget: Callable[[TuneResult], int]) -> tuple[
         warnings.simplefilter("always")
         trainer_with(tuner, squeeze).fit(module)
     ours = [str(w.message) for w in caught if issubclass(w.category, AutotuneWarning)]
-    assert len(ours) == 1 and "the step's 2 batches run again with fallback" in ours[0], "\n".join(ours)
+    assert len(ours) == 1 and "the step's 2 batches run again with fallback" in ours[0], "\n".join(
+        ours
+    )
     assert module.trainer.global_step == STEPS
     assert squeeze.reading.peak_bytes <= squeeze.budget
     assert tuner.ladder is None and "training_step" not in vars(module)
