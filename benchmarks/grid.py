@@ -26,7 +26,15 @@ from autotune import Measurement, TrainConfig, TuneResult
 from autotune.train._loss import LossFn
 from autotune.verify._verifier import Verifier
 
-__all__ = ["SKIPPED", "Point", "Sweep", "grid_configs", "median_throughput", "sizes_for"]
+__all__ = [
+    "SKIPPED",
+    "Point",
+    "Sweep",
+    "grid_configs",
+    "hand_config",
+    "median_throughput",
+    "sizes_for",
+]
 
 SKIPPED = "skipped: dominated, the same micro-batch"
 
@@ -38,6 +46,27 @@ class Point:
     config: TrainConfig
     measured: Measurement | None
     error: str | None = None
+
+
+def hand_config(points: Sequence[Point], n_blocks: int) -> TrainConfig | None:
+    """What an expert sets by hand, taken from the measured grid: the user's optimizer on
+    the device, for each precision no checkpointing or every block checkpointed, each at
+    the largest micro-batch that fits; the fastest of those (as one who tried them all)."""
+    default = TrainConfig().optimizer
+    picks: dict[tuple[str, bool], Point] = {}
+    for p in points:
+        c = p.config
+        if p.measured is None or c.optimizer != default or c.offload_optimizer:
+            continue
+        if c.offload_activations or len(c.checkpoint) not in (0, n_blocks):
+            continue
+        key = (c.precision, bool(c.checkpoint))
+        if key not in picks or c.micro_batch_size > picks[key].config.micro_batch_size:
+            picks[key] = p
+    if not picks:
+        return None
+    best = max(picks.values(), key=lambda p: p.measured.samples_per_s if p.measured else 0.0)
+    return best.config
 
 
 def sizes_for(global_batch_size: int | None, *, ladder_max: int = 64) -> list[int]:

@@ -28,13 +28,14 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| case | budget | tuned config | predicted peak | measured peak | error "
         "| worst of verified trials | tuned / grid best (grid best) "
-        "| tuned / baseline (baseline: found -> run) | tuning s | violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tuned / baseline (baseline: found -> run) | tuned / hand (hand) | tuning s "
+        "| violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         budget = f"{r['budget']} {r['budget_bytes'] / _MIB:.1f} MiB"
         if r["error"]:
-            out.append(f"| {r['case']} | {budget} | error: {r['error']} |" + " - |" * 8)
+            out.append(f"| {r['case']} | {budget} | error: {r['error']} |" + " - |" * 9)
             continue
         tuned = r["details"]["tuned"]
         trials = r["trial_errors"]
@@ -51,6 +52,7 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
             f"| {worst_text} "
             f"| {_num(r['tuned_over_grid'])} ({r['grid_best']}) "
             f"| {_num(r['tuned_over_baseline'])} ({r['baseline_found']} -> {r['baseline']}) "
+            f"| {_num(r.get('tuned_over_hand'))} ({r.get('hand') or '-'}) "
             f"| {_num(r['tuning_s'], '.0f')} | {r['violations']} |"
         )
     return "\n".join(out)

@@ -42,7 +42,7 @@ from autotune.measure._devices import discover
 from benchmarks.baseline import BaselineResult, describe, find_batch_baseline
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for
-from benchmarks.grid import SKIPPED, Sweep, grid_configs, median_throughput
+from benchmarks.grid import SKIPPED, Sweep, grid_configs, hand_config, median_throughput
 from benchmarks.report import Row, format_table, short, summarise
 from benchmarks.tuning import fill_tuning, tune
 
@@ -144,7 +144,8 @@ def run_case(
         _log(
             f"  grid {row.grid_fit}/{row.grid_size} fit ({row.grid_skipped} dominated skipped), "
             f"best {row.grid_best}; tuned/grid {row.tuned_over_grid}, "
-            f"tuned/baseline {row.tuned_over_baseline}"
+            f"tuned/baseline {row.tuned_over_baseline}, tuned/hand {row.tuned_over_hand} "
+            f"(hand {row.hand})"
         )
         if device.type == "cuda":
             sweep = None
@@ -200,7 +201,10 @@ def _sweep(
         for p in points
     ]
     top = [p.config for p in fitting[:_TOP]]
-    finalists = list(dict.fromkeys([result.config, *([base] if base else []), *top]))
+    hand = hand_config(fitting, n)
+    row.hand = short(hand, n) if hand else None
+    others = [c for c in (base, hand) if c is not None]
+    finalists = list(dict.fromkeys([result.config, *others, *top]))
     final = sweep.remeasure(finalists, result.budget_bytes, rounds=rounds)
     medians = {c: median_throughput(runs) for c, runs in final.items()}
     row.final = {short(c, n): m for c, m in medians.items()}
@@ -209,6 +213,10 @@ def _sweep(
         for c, runs in final.items()
     }
     _fill_ratios(row, result, base, top, medians, final, n)
+    hand_median = medians.get(hand) if hand is not None else None
+    tuned = medians.get(result.config)
+    if tuned is not None and hand_median:
+        row.tuned_over_hand = tuned / hand_median
 
 
 def _fill_ratios(
