@@ -6,15 +6,17 @@ each rule on its own, on a SQLite storage, with the clock's grace shortened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import optuna
 import pytest
 from optuna.study import StudyDirection
 
 from autotune.verify import _claims
-from autotune.verify._claims import Claims, storage_of
+from autotune.verify._claims import Claim, Claims, storage_of
 
 
 @pytest.fixture
@@ -121,25 +123,10 @@ def test_a_committed_job_is_read_by_all_and_leaves_no_claims(storage) -> None:
     assert studies(storage) == ["s"]  # the claim and its commit marker are gone
 
 
-def test_a_paused_owner_whose_job_was_taken_over_drops_its_result(storage, monkeypatch) -> None:
-    monkeypatch.setattr(_claims, "GRACE_S", 0.3)
-    monkeypatch.setattr(_claims, "BEAT_S", 60.0)  # paused: it beats no more
-    a, b = of(storage, "a"), of(storage, "b")
-    late = a.claim("job")
-    assert late is not None
-    with late as paused:
-        time.sleep(0.5)
-        taken = b.claim("job")
-        assert taken is not None  # attempt 1
-        with taken as claim:
-            paused.commit("a's")  # a wakes first: slot 1 is b's claim, the commit fails
-            assert a.result("job") is None and b.result("job") is None
-            claim.commit("b's")
-    assert a.result("job") == b.result("job") == "b's"
-    assert studies(storage) == ["s"]
-
-
-def test_an_owner_that_commits_after_the_job_was_tidied_is_dropped(storage, monkeypatch) -> None:
+@contextlib.contextmanager
+def taken_over(storage, monkeypatch) -> Iterator[tuple[Claims, Claims, Claim, Claim]]:
+    """a owns the job and goes silent past the grace period (paused: it beats no more); b
+    takes it over. Yields a, b, a's claim (entered) and b's (attempt 1, to enter)."""
     monkeypatch.setattr(_claims, "GRACE_S", 0.3)
     monkeypatch.setattr(_claims, "BEAT_S", 60.0)
     a, b = of(storage, "a"), of(storage, "b")
@@ -149,6 +136,20 @@ def test_an_owner_that_commits_after_the_job_was_tidied_is_dropped(storage, monk
         time.sleep(0.5)
         taken = b.claim("job")
         assert taken is not None
+        yield a, b, paused, taken
+
+
+def test_a_paused_owner_whose_job_was_taken_over_drops_its_result(storage, monkeypatch) -> None:
+    with taken_over(storage, monkeypatch) as (a, b, paused, taken), taken as claim:
+        paused.commit("a's")  # a wakes first: slot 1 is b's claim, the commit fails
+        assert a.result("job") is None and b.result("job") is None
+        claim.commit("b's")
+    assert a.result("job") == b.result("job") == "b's"
+    assert studies(storage) == ["s"]
+
+
+def test_an_owner_that_commits_after_the_job_was_tidied_is_dropped(storage, monkeypatch) -> None:
+    with taken_over(storage, monkeypatch) as (a, b, paused, taken):
         with taken as claim:
             claim.commit("b's")  # published, every claim deleted: slot 1 is free again
         paused.commit("a's")  # its claim was deleted with the others: dropped
