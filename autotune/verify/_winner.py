@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 from collections.abc import Callable
 
@@ -16,24 +17,27 @@ from autotune.plan._planner import Candidate
 from autotune.result import Measurement, TrialRecord
 from autotune.verify._verifier import Verifier
 
-__all__ = ["Measure", "choose_winner", "fastest", "noise", "settle"]
+__all__ = ["Measure", "choose_winner", "fastest", "known_ahead", "noise", "settle"]
 
 log = logging.getLogger("autotune")
 
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
-_SAME_MEASURED = 0.01
-"""The least timing noise: measured throughputs within it are a tie, won by the simpler
-config. Kept small: every point of it is speed given up."""
-_MOST_NOISE = 0.03
-"""The most timing noise a tie may span, however noisy the re-timings were."""
+_LEAST_NOISE = 0.01
+"""The least relative noise of one timing assumed: leads smaller than a few times it are
+ties. Kept small: every point of a tie is speed given up for simplicity."""
+_MOST_NOISE = 0.04
+"""The most relative noise of one timing assumed, however noisy the re-timings were: the
+widest a tie may grow."""
+_PRIOR_NOISE = 0.03
+"""The noise of one timing assumed before any configuration was timed twice: a lead of
+up to 1.645 * 3% * sqrt(2) = 7% after one timing each is raced."""
+_CONFIDENCE = 1.645
+"""Standard errors a lead must exceed: one-sided 95% confidence that it is real."""
 
 _MODEL_SLACK = 0.15
 """How much better than its most optimistic calibration a candidate's speed may still turn
 out: the time model's error differs from config to config by up to about this much."""
-
-_BEHIND = 0.07
-"""A contender this far behind the leader's median after a round of re-timing is settled."""
 
 Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
 """Runs a config for real (or reads its outcome from a study); None: another process has it."""
@@ -109,19 +113,17 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
     gathered), precision, optimizer and checkpointing, micro-batches within a factor of 1.5."""
 
     def idea(c: TrainConfig) -> tuple[object, ...]:
-        return (c.parallel, bool(c.keep_gathered), c.precision, c.optimizer, bool(c.checkpoint))
+        wrapped = (bool(c.checkpoint), bool(c.selective_checkpoint))
+        return (c.parallel, bool(c.keep_gathered), c.precision, c.optimizer, wrapped)
 
     small, large = sorted((a.micro_batch_size, b.micro_batch_size))
     return idea(a) == idea(b) and large < 1.5 * small
 
 
 def fastest(records: list[TrialRecord]) -> TrialRecord:
-    """The record with the highest measured throughput; among those within the timing
-    noise of it, the simplest (fewest checkpointed or offloaded blocks, then the least
-    accumulation, then the smallest peak).
-
-    The noise is what the re-timings showed: the median half-spread of the re-timed
-    records' timings relative to their median, kept between 1% and 3%.
+    """The record with the highest measured throughput; among those it is not known to
+    beat (see :func:`known_ahead`), the simplest (fewest wrapped or offloaded blocks,
+    then the least accumulation, then the smallest peak).
 
     Raises:
         VerificationError: no configuration fitted.
@@ -133,69 +135,137 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    best = max(r.measured.samples_per_s for r in passed if r.measured is not None)
-    tie = noise(passed)
-    tied = [r for r in passed if r.measured and r.measured.samples_per_s >= (1 - tie) * best]
-    return min(tied, key=_simplicity)
+    best = max(passed, key=_measured_speed)
+    sigma = noise(passed)
+    tied = [r for r in passed if not known_ahead(best, r, sigma)]
+    chosen = min(tied, key=_simplicity)
+    if chosen is not best:
+        log.info(
+            "%s is within the timing noise of the fastest (%s, %.1f%% ahead, noise %.1f%% "
+            "per timing): the simpler config wins",
+            chosen.config.describe(),
+            best.config.describe(),
+            100 * (_measured_speed(best) / _measured_speed(chosen) - 1),
+            100 * sigma,
+        )
+    return chosen
 
 
 def noise(records: list[TrialRecord]) -> float:
-    """The timing noise the re-timed ``records`` showed (1% to 3%; 1% without re-timings)."""
-    spreads = [
-        (max(r.timings) - min(r.timings)) / 2 / statistics.median(r.timings)
-        for r in records
-        if len(r.timings) >= 2
-    ]
-    if not spreads:
-        return _SAME_MEASURED
-    return min(max(statistics.median(spreads), _SAME_MEASURED), _MOST_NOISE)
+    """The relative timing noise of one timing, pooled over the records timed more than
+    once (the spread of the logs of their timings about their means), kept between 1% and
+    4%; without re-timings, 3%."""
+    return _pooled([list(r.timings) for r in records if len(r.timings) >= 2])
+
+
+def _pooled(runs: list[list[float]]) -> float:
+    squares, freedom = 0.0, 0
+    for times in runs:
+        logs = [math.log(t) for t in times]
+        mean = statistics.fmean(logs)
+        squares += sum((x - mean) ** 2 for x in logs)
+        freedom += len(logs) - 1
+    if not freedom:
+        return _PRIOR_NOISE
+    return min(max(math.sqrt(squares / freedom), _LEAST_NOISE), _MOST_NOISE)
+
+
+def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float) -> bool:
+    """Whether ``a`` is faster than ``b`` with 95% confidence: its lead (a ratio of median
+    speeds, in logs) exceeds 1.645 standard errors of timings with relative noise
+    ``sigma``, each config timed as often as it was. A lead smaller than that is a tie."""
+    return _ahead(_measured_speed(a), _runs(a), _measured_speed(b), _runs(b), sigma)
+
+
+def _ahead(speed_a: float, n_a: int, speed_b: float, n_b: int, sigma: float) -> bool:
+    if speed_a <= 0 or speed_b <= 0:
+        return speed_a > speed_b
+    error = sigma * math.sqrt(1 / n_a + 1 / n_b)
+    return math.log(speed_a / speed_b) > _CONFIDENCE * error
+
+
+def _runs(r: TrialRecord) -> int:
+    return max(len(r.timings), 1)
+
+
+def _measured_speed(r: TrialRecord) -> float:
+    return r.measured.samples_per_s if r.measured is not None else 0.0
 
 
 def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
     c = r.config
-    wrapped = len(c.checkpoint) + len(c.offload_activations) + int(c.offload_optimizer)
+    wrapped = (
+        len(c.checkpoint)
+        + len(c.selective_checkpoint)
+        + len(c.offload_activations)
+        + int(c.offload_optimizer)
+    )
     return wrapped, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
 
 
 def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -> list[TrialRecord]:
-    """Time the close contenders again, interleaved, and keep the median of all timings.
+    """Time the contenders again, interleaved, until their order is known or they tie.
 
     One timing per candidate is at the mercy of whatever else the machine does for those
-    seconds; contenders within 15% of the fastest run up to ``rounds`` more times,
-    alternating, so that a slow spell hits them alike. After a round, a contender whose
-    median is more than 7% behind the leader's is settled (it cannot catch up within the
-    noise) and is not timed again. The figures that decide are logged.
+    seconds. A contender the leader is not known to beat (:func:`known_ahead`, at the
+    noise assumed before any re-timing) races it: both are timed again, alternating, so
+    that a slow spell hits them alike, up to ``rounds`` more times. After each round the
+    noise is estimated from the re-timings, the leader is the best median, and a
+    contender whose order against it is now known stops. One still racing after the last
+    round is a tie, which :func:`fastest` gives to the simpler config. Each record keeps
+    the median of its timings; the figures that decide are logged.
     """
     passed = [r for r in records if r.measured is not None]
     if len(passed) < 2:
         return records
-    best = max(r.measured.samples_per_s for r in passed if r.measured)
-    close = [r for r in passed if r.measured and r.measured.samples_per_s >= 0.85 * best]
-    if len(close) < 2:
-        return records
-    times = {r.config: [r.measured.step_s] for r in close if r.measured}
-    racing = [r.config for r in close]
+    times = {r.config: [r.measured.step_s] for r in passed if r.measured}
+    speed = {r.config: _measured_speed(r) for r in passed}
+    leader = max(speed, key=speed.__getitem__)
+    sigma = _PRIOR_NOISE
+    racing = [c for c in speed if c != leader and not _known(leader, c, speed, times, sigma)]
     for _ in range(rounds):
-        if len(racing) < 2:
+        if not racing:
             break
-        for c in racing:
+        for c in (leader, *racing):
             times[c].append(verifier.retime(c))
-        lead = max(_speed(c, times[c]) for c in racing)
-        racing = [c for c in racing if _speed(c, times[c]) >= (1 - _BEHIND) * lead]
+            speed[c] = _speed(c, times[c])
+        sigma = _pooled([ts for ts in times.values() if len(ts) >= 2])
+        timed = (leader, *racing)
+        leader = max(timed, key=speed.__getitem__)
+        racing = [c for c in timed if c != leader and not _known(leader, c, speed, times, sigma)]
     for c, ts in times.items():
-        speed = _speed(c, ts)
-        log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), speed, len(ts))
+        if len(ts) >= 2:
+            log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), speed[c], len(ts))
+    if racing:
+        log.info(
+            "tied within the timing noise (%.1f%% per timing) after %d rounds: %s",
+            100 * sigma,
+            rounds,
+            "; ".join(c.describe() for c in (leader, *racing)),
+        )
     out = []
     for r in records:
-        if r.config in times and r.measured is not None:
-            step = statistics.median(times[r.config])
-            n = r.config.effective_batch_size
+        ts = times.get(r.config, [])
+        if len(ts) >= 2 and r.measured is not None:
+            step = statistics.median(ts)
+            n = r.config.global_batch_size
             measured = dataclasses.replace(r.measured, step_s=step, samples_per_s=n / step)
-            r = dataclasses.replace(r, measured=measured, timings=tuple(times[r.config]))
+            r = dataclasses.replace(r, measured=measured, timings=tuple(ts))
         out.append(r)
     return out
 
 
+def _known(
+    a: TrainConfig,
+    b: TrainConfig,
+    speed: dict[TrainConfig, float],
+    times: dict[TrainConfig, list[float]],
+    sigma: float,
+) -> bool:
+    """Whether ``a`` is known to be ahead of ``b`` from their timings so far."""
+    return _ahead(speed[a], len(times[a]), speed[b], len(times[b]), sigma)
+
+
 def _speed(config: TrainConfig, step_times: list[float]) -> float:
-    """Samples per second at the median of ``step_times``."""
-    return config.effective_batch_size / statistics.median(step_times)
+    """Samples per second (over every rank) at the median of ``step_times``."""
+    return config.global_batch_size / statistics.median(step_times)
