@@ -65,7 +65,8 @@ def estimate(
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     batching.batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
-    names = _blocks(model, blocks, (*config.checkpoint, *config.offload_activations))
+    wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
+    names = _blocks(model, blocks, wrapped)
     ops = backend_for(target.device)
     foreign = ops.reserved()
     offloads = bool(config.offload_activations or config.offload_optimizer)
@@ -85,6 +86,7 @@ def estimate(
                 device_name=target.name,
                 context_bytes=target.context_bytes,
                 transfer=offload_facts,
+                selective=bool(config.selective_checkpoint),
             )
             if config.parallel == "fsdp":
                 profile = sharded_precisions(profiler, profile, config.optimizer)

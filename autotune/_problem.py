@@ -82,6 +82,7 @@ class Problem:
             global_batch_size=self.global_batch_size,
             limit=self.limit,
             checkpointing=self.space.checkpointing,
+            selective=self.space.selective_checkpointing,
             offload_optimizer=(False, True) if offload_optimizer and cost.can_offload else (False,),
             offload_activations=offload_activations and cost.can_offload,
         )

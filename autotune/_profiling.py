@@ -119,6 +119,7 @@ def _memory(
         device_name=problem.target.name,
         context_bytes=problem.target.context_bytes,
         transfer=measure_transfer(problem.target) if problem.offload else None,
+        selective=problem.space.selective_checkpointing,
     )
     if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])

@@ -50,6 +50,8 @@ ATTENTION: tuple[str, ...] = (
 """Attention implementations a Hugging Face model may run (its ``attn_implementation``)."""
 PARALLEL: tuple[str, ...] = ("none", "ddp", "fsdp")
 """Data parallelism over ``world_size`` ranks: none, DDP (replicated), FSDP2 (sharded)."""
+_BLOCK_CHOICES = ("checkpoint", "selective_checkpoint", "offload_activations")
+"""The fields that name blocks, each block in one at most (unnamed: kept)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,11 @@ class TrainConfig:
     """``fp32``; ``bf16`` (autocast); or ``fp16`` (autocast with a GradScaler)."""
     checkpoint: tuple[str, ...] = ()
     """Blocks (qualified module names) whose activations are recomputed in backward."""
+    selective_checkpoint: tuple[str, ...] = ()
+    """Blocks checkpointed selectively: the outputs of their expensive ops (matrix
+    products, convolutions, attention) are kept, the cheap ops (norms, activations,
+    dropout, casts) recomputed in backward. Memory between keeping a block and
+    checkpointing it, less recomputation than checkpointing it."""
     offload_activations: tuple[str, ...] = ()
     """Blocks whose saved activations go to pinned host memory."""
     optimizer: str = "adamw"
@@ -98,19 +105,21 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             got = str(self.optimizer)[:40]
             raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {got!r}.")
-        for name in ("checkpoint", "offload_activations"):
+        for name in _BLOCK_CHOICES:
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(
                     f"{name} must be a list of block names, got {type(value).__name__}."
                 )
             object.__setattr__(self, name, tuple(value))
-        both = set(self.checkpoint) & set(self.offload_activations)
-        if both:
-            raise ConfigError(
-                f"blocks {sorted(both)} are both checkpointed and offloaded; "
-                "a block is kept, checkpointed or offloaded, not two of these."
-            )
+        for i, first in enumerate(_BLOCK_CHOICES):
+            for second in _BLOCK_CHOICES[i + 1 :]:
+                both = set(getattr(self, first)) & set(getattr(self, second))
+                if both:
+                    raise ConfigError(
+                        f"blocks {sorted(both)} are in both {first} and {second}; a block is "
+                        "kept, checkpointed, checkpointed selectively or offloaded, one of these."
+                    )
         if self.attention is not None and self.attention not in ATTENTION:
             got = str(self.attention)[:40]
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {got!r}.")
@@ -181,6 +190,8 @@ class TrainConfig:
             f"checkpoint={len(self.checkpoint)}",
             self.optimizer,
         ]
+        if self.selective_checkpoint:
+            parts.insert(4, f"selective={len(self.selective_checkpoint)}")
         if self.offload_activations:
             parts.append(f"offload_act={len(self.offload_activations)}")
         if self.offload_optimizer:

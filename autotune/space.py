@@ -34,6 +34,9 @@ class SearchSpace:
     """Optimizers to consider; the first is the user's, the rest are opt-in swaps."""
     checkpointing: bool = True
     """Whether blocks may be checkpointed."""
+    selective_checkpointing: bool = True
+    """Whether blocks may also be checkpointed selectively (their matrix products,
+    convolutions and attention kept, the cheap ops recomputed); needs ``checkpointing``."""
     offload_optimizer: bool | None = None
     """Whether the optimizer may live on the host; ``None``: on CUDA yes, on CPU no (the
     host is the device there, so offload saves nothing)."""
@@ -79,6 +82,9 @@ class SearchSpace:
                     f"SearchSpace.micro_batch_sizes must be positive integers, got {sizes}."
                 )
             object.__setattr__(self, "micro_batch_sizes", sizes)
+        for name in ("checkpointing", "selective_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SearchSpace.{name} must be True or False.")
         for name in ("offload_optimizer", "offload_activations"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"SearchSpace.{name} must be True, False or None.")

@@ -43,6 +43,7 @@ from matrix_checks import (  # noqa: E402
     CHECKS,
     ESTIMATE,
     OFFLOAD,
+    SELECTIVE,
     Outcome,
     run_case,
 )
@@ -52,6 +53,7 @@ _COLUMNS = (
     (BLOCKS, "blocks ok"),
     (CHECKPOINT, "ckpt grads ok"),
     (OFFLOAD, "offload grads ok"),
+    (SELECTIVE, "selective grads ok"),
     (BF16, "bf16 ckpt ok"),
     (BUFFERS, "buffers ok"),
     (ESTIMATE, "estimate ok"),

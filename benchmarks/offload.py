@@ -31,7 +31,7 @@ from autotune.measure._devices import discover, measure_transfer
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.plan._cost import CostModel
+from autotune.plan._cost import CHECKPOINT, CostModel
 from autotune.verify._verifier import Verifier
 
 
@@ -93,7 +93,7 @@ def _with_time(profile, model, sample, device, precision, b):
     )
     sizes = sorted({max(1, b // 2), b})
     times = tuple(profiler.fwd_bwd_time(precision, s) for s in sizes)
-    ratio = profiler.fwd_bwd_time(precision, b, checkpoint_all=True) / times[-1] - 1
+    ratio = profiler.fwd_bwd_time(precision, b, every=CHECKPOINT) / times[-1] - 1
     curve = TimeCurve(tuple(sizes), times, (b,), (ratio,))
     weights = profiler.block_weights(precision, b)
     optimizers = {

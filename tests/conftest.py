@@ -67,12 +67,18 @@ def gpt3_sample(gpt3_model: GPT) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
-    """A memory profile (no time curves) of :func:`gpt3_model`: fp32/bf16, adamw/sgd."""
+    """A memory profile (no time curves) of :func:`gpt3_model`: fp32/bf16, adamw/sgd,
+    with the selectively checkpointed variant."""
     work = copy.deepcopy(gpt3_model)
     blocks = tuple(f"blocks.{i}" for i in range(len(work.blocks)))
     profiler = Profiler(work, gpt3_sample, blocks, device=torch.device("cpu"), loss_fn=None)
     profile, _ = memory_profile(
-        profiler, ("fp32", "bf16"), ("adamw", "sgd"), device_name="cpu", context_bytes=0
+        profiler,
+        ("fp32", "bf16"),
+        ("adamw", "sgd"),
+        device_name="cpu",
+        context_bytes=0,
+        selective=True,
     )
     return profile
 

@@ -48,7 +48,12 @@ def test_defaults_are_the_safe_baseline() -> None:
         ({"precision": "fp8"}, "precision must be one of fp32, bf16, fp16"),
         ({"optimizer": "lion"}, "optimizer must be one of"),
         ({"checkpoint": "h.0"}, "checkpoint must be a list of block names"),
-        ({"checkpoint": ("a",), "offload_activations": ("a",)}, "both checkpointed and offloaded"),
+        ({"checkpoint": ("a",), "offload_activations": ("a",)}, "both checkpoint and offload"),
+        (
+            {"checkpoint": ("a", "b"), "selective_checkpoint": ("b",)},
+            r"\['b'\] are in both checkpoint and selective_checkpoint",
+        ),
+        ({"selective_checkpoint": "h.0"}, "selective_checkpoint must be a list of block names"),
     ],
 )
 def test_invalid_knobs_say_what_is_wrong(kwargs: dict[str, object], words: str) -> None:

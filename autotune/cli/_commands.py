@@ -75,6 +75,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         "offload_optimizer": offload,
         "offload_activations": offload,
         "checkpointing": not args.no_checkpointing,
+        "selective_checkpointing": not args.no_selective_checkpointing,
     }
     if args.precisions:
         knobs["precisions"] = _names(args.precisions)
@@ -123,6 +124,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     }
     if args.checkpoint is not None:
         knobs["checkpoint"] = _checkpoint(args.checkpoint, model, blocks)
+    if args.selective_checkpoint is not None:
+        knobs["selective_checkpoint"] = _checkpoint(args.selective_checkpoint, model, blocks)
     if args.offload_activations is not None:
         knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
     if args.offload_optimizer:
@@ -144,6 +147,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         return 0
     print(f"config       {config.describe()} (effective batch {config.effective_batch_size})")
     print(f"checkpoint   {', '.join(config.checkpoint) or 'none'}")
+    if config.selective_checkpoint:
+        print(f"selective    {', '.join(config.selective_checkpoint)}")
     if config.offload_activations or config.offload_optimizer:
         print(f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}", end="")
         print(", optimizer on the host" if config.offload_optimizer else "")
@@ -190,7 +195,8 @@ def _describe(result: TuneResult) -> str:
     lines = [
         f"config      {c.describe()}",
         f"            effective batch {c.effective_batch_size}{per_rank}; checkpoint: "
-        + (", ".join(c.checkpoint) or "none"),
+        + (", ".join(c.checkpoint) or "none")
+        + (f"; selectively: {', '.join(c.selective_checkpoint)}" if c.selective_checkpoint else ""),
         f"budget      {format_bytes(result.budget_bytes)} on {result.target.name} "
         f"({result.target.device})",
         f"peak        predicted {format_bytes(p.peak_bytes)}, "

@@ -150,6 +150,11 @@ def _add_tune(sub: Any) -> None:
     )
     tune.add_argument("--no-checkpointing", action="store_true", help="never checkpoint a block")
     tune.add_argument(
+        "--no-selective-checkpointing",
+        action="store_true",
+        help="checkpoint blocks whole only, never keeping their matrix products",
+    )
+    tune.add_argument(
         "--offload",
         choices=("auto", "on", "off"),
         default="auto",
@@ -213,6 +218,10 @@ def _add_estimate(sub: Any) -> None:
     est.add_argument("--accum", type=positive_int, help="micro-batches per optimizer step")
     est.add_argument("--precision", choices=PRECISIONS)
     est.add_argument("--checkpoint", help="blocks to checkpoint: all, none, or a comma list")
+    est.add_argument(
+        "--selective-checkpoint",
+        help="blocks to checkpoint selectively (matrix products kept): all, none, or a list",
+    )
     est.add_argument(
         "--optimizer", help="adamw, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd"
     )

@@ -79,6 +79,7 @@ svg text { font: 11px system-ui, sans-serif; fill: #333; }
 .chosen { fill: #f0a500; stroke: #222; stroke-width: 1.5; }
 .rejected { stroke: #c00; stroke-width: 2; }
 .checkpointed { color: #c44e52; } .kept { color: #55a868; } .offloaded { color: #8172b2; }
+.selective { color: #dd8452; }
 """.strip()
 
 
@@ -146,15 +147,23 @@ def _blocks(config: TrainConfig, blocks: Sequence[str]) -> str:
         state = (
             "checkpointed"
             if name in config.checkpoint
+            else "selective"
+            if name in config.selective_checkpoint
             else "offloaded"
             if name in config.offload_activations
             else "kept"
         )
         rows.append((f"<code>{_esc(name)}</code>", f"<span class='{state}'>{state}</span>"))
-    n = len(config.checkpoint)
+    n, k = len(config.checkpoint), len(config.selective_checkpoint)
+    selective = (
+        f" {k} recompute only their cheap ops, keeping the outputs of their matrix products, "
+        "convolutions and attention (selective);"
+        if k
+        else ""
+    )
     return (
         f"<p>{n} of {len(blocks)} blocks recompute their activations in backward "
-        "(checkpointed); kept blocks hold theirs until backward.</p>"
+        f"(checkpointed);{selective} kept blocks hold theirs until backward.</p>"
         + _table(("block", "activations"), rows)
     )
 

@@ -73,6 +73,7 @@ def to_hf(result: TuneResult) -> Export:
         f"{knob} ({', '.join(blocks)})"
         for knob, blocks in (
             ("checkpoint", c.checkpoint),
+            ("selective_checkpoint", c.selective_checkpoint),
             ("offload_activations", c.offload_activations),
         )
         if blocks
@@ -180,7 +181,7 @@ def to_deepspeed(result: TuneResult) -> Export:
     }
     if c.offload_optimizer and c.optimizer != "adamw":
         settings["zero_allow_untested_optimizer"] = True
-    wrapped = (*c.checkpoint, *c.offload_activations)
+    wrapped = (*c.checkpoint, *c.selective_checkpoint, *c.offload_activations)
     if wrapped:
         settings["activation_checkpointing"] = {
             "partition_activations": False,
@@ -198,6 +199,13 @@ def to_deepspeed(result: TuneResult) -> Export:
             "deepspeed.ops.adam.DeepSpeedCPUAdam for adamw."
         )
     warnings += partial_mask(result, "DeepSpeed activation checkpointing")
+    if c.selective_checkpoint:
+        warnings.append(
+            f"selective_checkpoint ({', '.join(c.selective_checkpoint)}): DeepSpeed's "
+            "activation checkpointing recomputes a whole layer; autotune kept these blocks' "
+            "matrix products and attention and recomputed only the cheap ops (less memory "
+            "than tuned and slower): autotune.apply(model, result) does exactly that."
+        )
     if c.offload_activations:
         warnings.append(
             f"offload_activations ({', '.join(c.offload_activations)}): DeepSpeed's "
@@ -252,7 +260,7 @@ def to_accelerate(result: TuneResult) -> Export:
         )
     if c.parallel != "none":
         warnings += accelerate_parallel(result, settings)
-    elif c.checkpoint:
+    elif c.checkpoint or c.selective_checkpoint:
         warnings += checkpoint_in_code(result, "accelerate has no activation checkpointing setting")
     if c.offload_activations:
         warnings.append(lost_offload_activations(c, "accelerate"))

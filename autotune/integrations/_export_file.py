@@ -117,14 +117,23 @@ def partial_mask(result: TuneResult, setting: str) -> list[str]:
 
 
 def checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
-    ckpt = result.config.checkpoint
-    if not ckpt:
-        return []
-    return [
-        f"checkpoint: {why}: autotune.apply(model, result) checkpoints exactly "
-        f"{', '.join(ckpt)} (or wrap them in torch.utils.checkpoint.checkpoint(block, x, "
-        "use_reentrant=False) yourself)."
-    ]
+    """Warnings for the checkpointed blocks a setting cannot name: apply() wraps them."""
+    c = result.config
+    out = []
+    if c.checkpoint:
+        out.append(
+            f"checkpoint: {why}: autotune.apply(model, result) checkpoints exactly "
+            f"{', '.join(c.checkpoint)} (or wrap them in torch.utils.checkpoint.checkpoint("
+            "block, x, use_reentrant=False) yourself)."
+        )
+    if c.selective_checkpoint:
+        out.append(
+            f"selective_checkpoint: {why}: autotune.apply(model, result) checkpoints "
+            f"{', '.join(c.selective_checkpoint)} selectively, their matrix products, "
+            "convolutions and attention kept (torch.utils.checkpoint.checkpoint with "
+            "context_fn=create_selective_checkpoint_contexts(policy))."
+        )
+    return out
 
 
 def optimizer_in_code(c: TrainConfig, how: str) -> str:

@@ -52,7 +52,7 @@ def accelerate_parallel(result: TuneResult, settings: dict[str, Any]) -> list[st
         "fsdp_offload_params": c.offload_optimizer,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": False,
-        "fsdp_activation_checkpointing": bool(c.checkpoint),
+        "fsdp_activation_checkpointing": bool(c.checkpoint or c.selective_checkpoint),
     }
     settings["fsdp_config"] = fsdp
     warnings = []
@@ -66,6 +66,12 @@ def accelerate_parallel(result: TuneResult, settings: dict[str, Any]) -> list[st
             f"keep_gathered ({', '.join(c.keep_gathered)}): accelerate reshards every unit "
             "or none; this file reshards every unit (less memory than tuned, an all-gather "
             "more): autotune.prepare(model, result) keeps exactly these gathered."
+        )
+    if c.selective_checkpoint:
+        warnings.append(
+            f"selective_checkpoint ({', '.join(c.selective_checkpoint)}): accelerate's "
+            "fsdp_activation_checkpointing recomputes whole units; autotune recomputes only "
+            "these blocks' cheap ops: autotune.prepare(model, result) does exactly that."
         )
     ckpt = c.checkpoint
     if ckpt and set(ckpt) != set(result.model.blocks):

@@ -149,14 +149,16 @@ class Autotune(pl.Callback):
             self.ladder = Ladder(trainer, self.handle)
         log.info(
             "autotune: %s=%s (was %s), accumulate_grad_batches=%d, precision %s, "
-            "%d of %d blocks checkpointed; predicted peak %.1f MiB, %.1f samples/s",
+            "%d of %d blocks checkpointed (%d selectively); predicted peak %.1f MiB, "
+            "%.1f samples/s",
             self.batch_arg_name,
             c.micro_batch_size,
             before,
             c.grad_accum_steps,
             c.precision,
-            len(c.checkpoint),
+            len(c.checkpoint) + len(c.selective_checkpoint),
             len(result.model.blocks),
+            len(c.selective_checkpoint),
             result.predicted.peak_bytes / 2**20,
             result.measured.samples_per_s,
         )

@@ -85,9 +85,10 @@ class AutotuneCallback(TrainerCallback):
         self.handle = apply(model, per_process(self.result, "the Trainer"), device=device)
         c = self.result.config
         log.info(
-            "autotune: %s; checkpointed %d and offloaded %d of %d blocks",
+            "autotune: %s; checkpointed %d (%d selectively) and offloaded %d of %d blocks",
             c.describe(),
-            len(c.checkpoint),
+            len(c.checkpoint) + len(c.selective_checkpoint),
+            len(c.selective_checkpoint),
             len(c.offload_activations),
             len(self.result.model.blocks),
         )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from autotune.errors import NonFiniteError, ProfileError
+from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._devices import Transfer
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
@@ -43,13 +43,14 @@ def memory_profile(
     device_name: str,
     context_bytes: int,
     transfer: Transfer | None = None,
+    selective: bool = False,
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
     Optimizers are measured at micro-batch 2, precisions at 2 and 4; at 1 and 2 when
     the device cannot hold those. A precision that runs out of device memory is left out.
     With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
-    host step are measured too.
+    host step are measured too; with ``selective``, the selectively checkpointed variant.
 
     Raises:
         ProfileError: nothing fits the device.
@@ -69,7 +70,20 @@ def memory_profile(
             continue
         for p in precisions:
             try:
-                memory[p] = profiler.memory(p, optimizers[0], b1, b2, offload=transfer is not None)
+                try:
+                    memory[p] = profiler.memory(
+                        p, optimizers[0], b1, b2, offload=transfer is not None, selective=selective
+                    )
+                except BlockError as exc:
+                    if not selective:
+                        raise
+                    # A block that cannot be checkpointed selectively (an op changes a kept
+                    # output in place): the other choices stay, for every precision.
+                    notes.append(f"selective checkpointing: not searched, {_why(exc)}")
+                    selective = False
+                    memory[p] = profiler.memory(
+                        p, optimizers[0], b1, b2, offload=transfer is not None
+                    )
             except torch.OutOfMemoryError:
                 notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
             except NonFiniteError:
@@ -106,6 +120,11 @@ def memory_profile(
     return profile, notes
 
 
+def _why(exc: BlockError) -> str:
+    """The first sentence of ``exc``: which block, and why it was refused."""
+    return str(exc).split(". ")[0]
+
+
 def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> Profile:
     """``profile`` with the bf16 timeline of the parameters themselves in bf16, as FSDP2's
     ``MixedPrecisionPolicy`` computes: the activations differ from autocast's over fp32
@@ -117,7 +136,8 @@ def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> 
     try:
         for b1, b2 in ((2, 4), (1, 2)):
             try:
-                timeline = inner.memory("bf16", optimizer, b1, b2)
+                selective = profile.precisions["bf16"].selective
+                timeline = inner.memory("bf16", optimizer, b1, b2, selective=selective)
                 return dataclasses.replace(profile, sharded={"bf16": timeline})
             except torch.OutOfMemoryError:
                 continue

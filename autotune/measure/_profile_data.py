@@ -18,6 +18,10 @@ from typing import Any, NamedTuple
 from autotune.measure._devices import Transfer
 
 __all__ = [
+    "CHECKPOINT",
+    "KEEP",
+    "OFFLOAD",
+    "SELECTIVE",
     "Collectives",
     "Line",
     "OptimizerProfile",
@@ -29,6 +33,11 @@ __all__ = [
     "profile_from_json",
     "profile_to_json",
 ]
+
+
+KEEP, CHECKPOINT, OFFLOAD, SELECTIVE = 0, 1, 2, 3
+"""A block's choices, and the index of each one's variant in a phase's lines: keep its
+activations, recompute them, send them to the host, or recompute only its cheap ops."""
 
 
 class PhaseKey(NamedTuple):
@@ -92,14 +101,18 @@ class Collectives:
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of a micro-batch: kept (index 0), checkpointed (1), offloaded (2) variants.
+    """One phase of a micro-batch: its kept, checkpointed, offloaded and selectively
+    checkpointed variants, indexed by :data:`KEEP`, :data:`CHECKPOINT`, :data:`OFFLOAD`
+    and :data:`SELECTIVE`.
 
-    The offloaded variant is present only when offload was profiled.
+    Lines for a choice that was not profiled (offload off the GPU, selective
+    checkpointing where not searched) are the kept run's, or absent past the last one
+    profiled; :class:`PrecisionProfile` says which were.
     """
 
     key: PhaseKey
     block: int | None
-    """The block whose choice (kept, checkpointed, offloaded) changes this phase, or ``None``."""
+    """The block whose choice (kept, checkpointed, ...) changes this phase, or ``None``."""
     delta: tuple[Line, ...]
     peak: tuple[Line, ...]
     grads: int
@@ -115,6 +128,9 @@ class TimeCurve:
     ckpt_batch_sizes: tuple[int, ...] = ()
     ckpt_ratio: tuple[float, ...] = ()
     """Extra time with every block checkpointed, as a fraction of ``seconds``."""
+    selective_ratio: tuple[float, ...] = ()
+    """Extra time with every block checkpointed selectively, at ``ckpt_batch_sizes``, as
+    a fraction of ``seconds`` (empty: not profiled)."""
 
     def fwd_bwd(self, b: int) -> float:
         """Interpolated piecewise-linearly; past the ends, at the nearest end's per-sample cost."""
@@ -129,18 +145,26 @@ class TimeCurve:
 
     def recompute(self, b: int) -> float:
         """Extra seconds of one micro-batch when every block is checkpointed."""
-        if not self.ckpt_batch_sizes:
+        return self._extra(b, self.ckpt_ratio)
+
+    def selective(self, b: int) -> float:
+        """Extra seconds of one micro-batch when every block is checkpointed selectively."""
+        return self._extra(b, self.selective_ratio)
+
+    def _extra(self, b: int, ratios: Sequence[float]) -> float:
+        """``ratios`` (at ``ckpt_batch_sizes``) interpolated in log size, times the pass."""
+        if not self.ckpt_batch_sizes or not ratios:
             return 0.0
         xs = [math.log(x) for x in self.ckpt_batch_sizes]
         x = math.log(b)
         if x <= xs[0] or len(xs) == 1:
-            ratio = self.ckpt_ratio[0]
+            ratio = ratios[0]
         elif x >= xs[-1]:
-            ratio = self.ckpt_ratio[-1]
+            ratio = ratios[-1]
         else:
             i = bisect.bisect_left(xs, x)
             w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            ratio = self.ckpt_ratio[i - 1] + w * (self.ckpt_ratio[i] - self.ckpt_ratio[i - 1])
+            ratio = ratios[i - 1] + w * (ratios[i] - ratios[i - 1])
         return max(ratio, 0.0) * self.fwd_bwd(b)
 
 
@@ -155,13 +179,15 @@ class PrecisionProfile:
     """Micro-batch 1 (gradients being created), then 2 (gradients accumulating)."""
     time: TimeCurve | None = None
     reserve: tuple[Line, ...] = ()
-    """A caching allocator's (CUDA's) reserved peak beyond the live peak, per variant (kept,
-    checkpointed, offloaded), fitted over the profiled micro-batch sizes (empty: none)."""
+    """A caching allocator's (CUDA's) reserved peak beyond the live peak, per variant (as
+    a phase's lines), fitted over the profiled micro-batch sizes (empty: none)."""
     moved: tuple[Line, ...] = ()
     """Bytes each block's forward sends to the host when offloaded (empty: not profiled)."""
     copies: tuple[tuple[Line, ...], ...] = ()
     """The bytes of each host copy an offloaded block's forward makes, per block: the host
     allocator takes each one rounded (empty: not profiled)."""
+    selective: bool = False
+    """Whether the selectively checkpointed variant was profiled."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +284,7 @@ def profile_from_json(text: str) -> Profile:
             lines(p["reserve"]),
             lines(p["moved"]),
             tuple(lines(c) for c in p["copies"]),
+            p.get("selective", False),
         )
 
     return Profile(

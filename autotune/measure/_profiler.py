@@ -1,7 +1,8 @@
 """The profiler: single measurements of a model on the target device.
 
 Per precision: a phase-labelled memory timeline (see :mod:`autotune.measure._timeline`)
-at two micro-batch sizes, kept, checkpointed and offloaded, and forward+backward times.
+at two micro-batch sizes, kept, checkpointed, offloaded and checkpointed selectively, and
+forward+backward times.
 Per optimizer: state bytes, the step's transient peak and its time, on the device and on
 the host. Everything runs on a copy of the user's model that the caller owns; the
 routines that assemble a :class:`~autotune.measure._profile_data.Profile` from these are
@@ -24,7 +25,16 @@ from autotune._backend import backend_for
 from autotune.config import TrainConfig
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
-from autotune.measure._profile_data import Line, OptimizerProfile, Phase, PrecisionProfile
+from autotune.measure._profile_data import (
+    CHECKPOINT,
+    KEEP,
+    OFFLOAD,
+    SELECTIVE,
+    Line,
+    OptimizerProfile,
+    Phase,
+    PrecisionProfile,
+)
 from autotune.measure._timeline import fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.train import _batch as batching
@@ -137,28 +147,40 @@ class Profiler:
         return statistics.median(times)
 
     def memory(
-        self, precision: str, optimizer: str, b1: int, b2: int, *, offload: bool = False
+        self,
+        precision: str,
+        optimizer: str,
+        b1: int,
+        b2: int,
+        *,
+        offload: bool = False,
+        selective: bool = False,
     ) -> PrecisionProfile:
         """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``.
 
-        Variants: every block kept, every block checkpointed, and (``offload``) every block
-        offloaded, with the bytes each block sends to the host.
+        Variants: every block kept, every block checkpointed, (``offload``) every block
+        offloaded, with the bytes each block sends to the host, and (``selective``) every
+        block checkpointed selectively. A variant not run takes the kept run's lines.
         """
         runner = self.first_step(
             TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
         )
+        variants = [KEEP, CHECKPOINT] if self.blocks else [KEEP]
+        if self.blocks and offload:
+            variants.append(OFFLOAD)
+        if self.blocks and selective:
+            variants.append(SELECTIVE)
         with runner:
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runs = {}
             moved: dict[int, list[int]] = {}
             copies: dict[int, list[list[int]]] = {}
             beyond: dict[int, list[tuple[int, float]]] = {}
-            variants = 3 if offload and self.blocks else 2
-            for variant in range(variants):
+            for variant in variants:
                 remove_checkpointing(self.model)
-                if variant == 1:
-                    apply_checkpointing(self.model, self.blocks)
-                elif variant == 2:
+                if variant in (CHECKPOINT, SELECTIVE):
+                    apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
+                elif variant == OFFLOAD:
                     apply_offloading(self.model, self.blocks, runner.offloader)
                 for b in (b1, b2):
                     if self.ops.caching:  # start from no cached blocks, as verify does
@@ -166,7 +188,7 @@ class Profiler:
                     runs[b, variant] = records = tracked_step(
                         runner, batching.resize(self.sample, b), self.modules
                     )
-                    if variant == 2:
+                    if variant == OFFLOAD:
                         moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
                         copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
                     if self.ops.caching:
@@ -174,14 +196,19 @@ class Profiler:
                         reserved = self.ops.max_reserved() - self.foreign_bytes
                         live = max(r.peak for r in records)
                         beyond.setdefault(variant, []).append((b, float(reserved - live)))
+        # Every index up to the last variant run; one not run reads as the kept run.
+        indices = range(max(variants) + 1)
         base, phases = fit_phases(
-            b1, [runs[b1, v] for v in range(variants)], b2, [runs[b2, v] for v in range(variants)]
+            b1,
+            [runs.get((b1, v), runs[b1, KEEP]) for v in indices],
+            b2,
+            [runs.get((b2, v), runs[b2, KEEP]) for v in indices],
         )
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key.micro in (1, 2))
         lines: tuple[Line, ...] = ()
         sizes: tuple[tuple[Line, ...], ...] = ()
-        if variants == 3:
+        if OFFLOAD in variants:
             lines = tuple(
                 Line.through(b1, m1, b2, m2) for m1, m2 in zip(moved[b1], moved[b2], strict=True)
             )
@@ -192,16 +219,23 @@ class Profiler:
             micro = tuple(_own_backward(ph, lines) for ph in micro)
         # What the allocator reserves beyond the live bytes: rounding and segments (a
         # constant) and fragmentation that grows with the activations (the slope).
-        reserve = tuple(Line.rising(beyond[v]) for v in sorted(beyond))
+        reserve = tuple(Line.rising(beyond.get(v, beyond[KEEP])) for v in indices if beyond)
         return PrecisionProfile(
-            precision, base - state, micro, reserve=reserve, moved=lines, copies=sizes
+            precision,
+            base - state,
+            micro,
+            reserve=reserve,
+            moved=lines,
+            copies=sizes,
+            selective=SELECTIVE in variants,
         )
 
-    def fwd_bwd_time(self, precision: str, b: int, *, checkpoint_all: bool = False) -> float:
-        """Median seconds of one micro-batch's forward+backward at size ``b``."""
+    def fwd_bwd_time(self, precision: str, b: int, *, every: int = KEEP) -> float:
+        """Median seconds of one micro-batch's forward+backward at size ``b``, with every
+        block kept, checkpointed (``every=CHECKPOINT``) or checkpointed selectively."""
         runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
-        if checkpoint_all:
-            apply_checkpointing(self.model, self.blocks)
+        if every in (CHECKPOINT, SELECTIVE):
+            apply_checkpointing(self.model, self.blocks, selective=every == SELECTIVE)
         chunk = batching.resize(self.sample, b)
         try:
             with _model_errors(self.model, chunk, self.loss_fn):
@@ -305,7 +339,7 @@ def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
     (the prefetch; for the top block also itself). The cost model adds the restores the
     actual choice of offloaded blocks triggers, so they are taken out of the measurement.
     """
-    if phase.block is None or phase.key.label != "bwd" or len(phase.delta) < 3:
+    if phase.block is None or phase.key.label != "bwd":
         return phase
     k = phase.block
     extra = Line(0.0, 0.0)
@@ -313,6 +347,8 @@ def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
         extra = extra + moved[k - 1]
     if k == len(moved) - 1:
         extra = extra + moved[k]
-    delta = (*phase.delta[:2], phase.delta[2] - extra)
-    peak = (*phase.peak[:2], phase.peak[2] - extra)
-    return dataclasses.replace(phase, delta=delta, peak=peak)
+
+    def own(lines: tuple[Line, ...]) -> tuple[Line, ...]:
+        return tuple(line - extra if v == OFFLOAD else line for v, line in enumerate(lines))
+
+    return dataclasses.replace(phase, delta=own(phase.delta), peak=own(phase.peak))

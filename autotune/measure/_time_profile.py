@@ -3,7 +3,8 @@
 Only what can fit is timed: the caller passes, per precision, the largest micro-batch
 the memory profile says fits. A precision much slower than fp32 at the same micro-batch
 cannot win and is dropped (with a note); the others are timed up a ladder of sizes until
-the device saturates, and with every block checkpointed at two of those sizes.
+the device saturates, and with every block checkpointed (and checkpointed selectively,
+where that was profiled) at two of those sizes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from autotune.errors import BatchError, ProfileError
-from autotune.measure._profile_data import Profile, TimeCurve
+from autotune.measure._profile_data import CHECKPOINT, SELECTIVE, Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
 __all__ = ["fast_precisions", "time_profile"]
@@ -148,9 +149,14 @@ def time_profile(
             sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
         )
         ratios = tuple(
-            profiler.fwd_bwd_time(p, b, checkpoint_all=True) / times[p][b] - 1 for b in ckpt_points
+            profiler.fwd_bwd_time(p, b, every=CHECKPOINT) / times[p][b] - 1 for b in ckpt_points
         )
-        curve = TimeCurve(xs, tuple(times[p][x] for x in xs), tuple(ckpt_points), ratios)
+        selective: tuple[float, ...] = ()
+        if draft.precisions[p].selective:
+            selective = tuple(
+                profiler.fwd_bwd_time(p, b, every=SELECTIVE) / times[p][b] - 1 for b in ckpt_points
+            )
+        curve = TimeCurve(xs, tuple(times[p][x] for x in xs), tuple(ckpt_points), ratios, selective)
         precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
     weights = profiler.block_weights(reference, probe[reference]) if profiler.blocks else ()
     return dataclasses.replace(

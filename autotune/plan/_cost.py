@@ -3,13 +3,14 @@ the cheapest block choices that fit a limit.
 
 A prediction costs tens of microseconds, so a study can try thousands. Memory comes from
 :mod:`~autotune.plan._memory_model`, time from :mod:`~autotune.plan._time_model`; the
-per-block choice (kept, checkpointed or offloaded) is an exact knapsack over both.
+per-block choice (kept, checkpointed, checkpointed selectively or offloaded) is an exact
+knapsack over both.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig
@@ -17,12 +18,12 @@ from autotune.measure._profile_data import Profile
 from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
 from autotune.plan._layout import Layout
-from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, Mask, MemoryModel
+from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Mask, MemoryModel
 from autotune.plan._sharded import per_rank_peak, sharded_memory
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 
-__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "CostModel", "Mask", "Prediction"]
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "CostModel", "Mask", "Prediction"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,14 @@ class CostModel(MemoryModel, TimeModel):
             len(p.moved) == self.n_blocks for p in self.profile.precisions.values()
         )
 
+    def can_select(self, precision: str) -> bool:
+        """Whether blocks may be checkpointed selectively at ``precision``: its variant
+        profiled, in memory and in time, and one process or DDP (FSDP2's replay does not
+        model it yet)."""
+        prof = self.profile.precisions[precision]
+        timed = prof.time is not None and bool(prof.time.selective_ratio)
+        return prof.selective and timed and self.layout.parallel != "fsdp"
+
     def plan(
         self,
         precision: str,
@@ -78,12 +87,14 @@ class CostModel(MemoryModel, TimeModel):
         *,
         offload_optimizer: bool = False,
         offload_activations: bool = False,
+        selective: bool = True,
     ) -> Mask | None:
         """The mask of least added time whose peak fits ``limit``, or None.
 
-        Each block is kept, checkpointed or (``offload_activations``) offloaded: an exact
-        multiple-choice knapsack over the Pareto frontier of (bytes saved, seconds added),
-        checked against the simulated peak and tightened until it fits.
+        Each block is kept, checkpointed, (``selective``, where profiled) checkpointed
+        selectively or (``offload_activations``) offloaded: an exact multiple-choice
+        knapsack over the Pareto frontier of (bytes saved, seconds added), checked against
+        the simulated peak and tightened until it fits.
         """
         return self._plan(
             precision,
@@ -93,6 +104,7 @@ class CostModel(MemoryModel, TimeModel):
             limit,
             offload_optimizer,
             offload_activations and self.can_offload,
+            selective and self.can_select(precision),
         )
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
@@ -105,6 +117,7 @@ class CostModel(MemoryModel, TimeModel):
         limit: int,
         offload_optimizer: bool,
         offload_activations: bool,
+        selective: bool,
     ) -> Mask | None:
         def peak(mask: Mask) -> int:
             return self.peak(
@@ -117,37 +130,46 @@ class CostModel(MemoryModel, TimeModel):
             return none
         if not self.n_blocks:
             return None
-        options = self._options(precision, b, offload_activations)
+        options = self._options(precision, b, offload_activations, selective)
         frugal: Mask = tuple(_most_saving(o) for o in options)
         if peak(frugal) > limit:
             full: Mask = (CHECKPOINT,) * self.n_blocks
             return full if frugal != full and peak(full) <= limit else None
+        found = frugal
         for _ in range(16):
             mask = min_cost_choice(options, need)
             if mask is None:
-                return frugal
+                break
             over = peak(mask) - limit
             if over <= 0:
-                return mask
+                found = mask
+                break
             need += over
-        return frugal
+        return _relaxed(found, options, lambda m: peak(m) <= limit)
 
-    def _options(self, precision: str, b: int, offload: bool) -> list[list[tuple[float, float]]]:
-        """Per block: (bytes saved through the forward, seconds added) of each choice."""
+    def _options(
+        self, precision: str, b: int, offload: bool, selective: bool
+    ) -> list[list[tuple[float, float]]]:
+        """Per block: (bytes saved through the forward, seconds added) of each choice, at
+        the index of its mask value; a choice not allowed saves nothing."""
         prof = self.profile.precisions[precision]
         curve = prof.time
         recompute = curve.recompute(b) if curve is not None else 0.0
-        saved = [[0.0, 0.0, 0.0] for _ in range(self.n_blocks)]
+        partial = curve.selective(b) if curve is not None else 0.0
+        saved = [[0.0] * (SELECTIVE + 1) for _ in range(self.n_blocks)]
         for ph in prof.phases:
             if ph.key.micro == 1 and ph.block is not None and ph.key.label == "fwd":
                 for v in range(1, len(ph.delta)):
-                    saved[ph.block][v] += ph.delta[0](b) - ph.delta[v](b)
+                    saved[ph.block][v] += ph.delta[KEEP](b) - ph.delta[v](b)
         out = []
         for i in range(self.n_blocks):
             weight = self.profile.block_weights[i]
-            choices = [(0.0, 0.0), (saved[i][1], weight * recompute)]
-            if offload:
-                choices.append((saved[i][2], self.offload_cost(precision, b, i)))
+            choices = [(0.0, 0.0), (saved[i][CHECKPOINT], weight * recompute)]
+            if offload or selective:
+                off = self.offload_cost(precision, b, i) if offload else 0.0
+                choices.append((saved[i][OFFLOAD] if offload else 0.0, off))
+            if selective:
+                choices.append((saved[i][SELECTIVE], weight * partial))
             out.append(choices)
         return out
 
@@ -167,7 +189,7 @@ class CostModel(MemoryModel, TimeModel):
             config.optimizer,
             config.micro_batch_size,
             config.grad_accum_steps,
-            self.mask_of(config.checkpoint, config.offload_activations),
+            self.config_mask(config),
             offload_optimizer=config.offload_optimizer,
         )
         if config.parallel == "fsdp":  # the optimizer steps a shard
@@ -175,6 +197,35 @@ class CostModel(MemoryModel, TimeModel):
         comm = comm_seconds(self.profile, config)
         step = parallel_step_s(step, comm or 0.0, self.profile.device_type)
         return Prediction(Measurement(peak, step, config.global_batch_size / step), breakdown)
+
+
+def _relaxed(
+    mask: Mask, options: Sequence[Sequence[tuple[float, float]]], fits: Callable[[Mask], bool]
+) -> Mask:
+    """``mask`` with blocks moved to cheaper choices while it still fits.
+
+    The knapsack counts what a block's choice saves through the forward, but the peak
+    need not fall by as much: the last block's backward comes first, so checkpointing it
+    recomputes its activations almost at once. Where the knapsack paid for savings that
+    did not lower the peak, a block can go back to a cheaper choice; each block in turn,
+    dearest first, takes the cheapest allowed choice that still fits, until none moves.
+    """
+    out = list(mask)
+    moved = True
+    while moved:
+        moved = False
+        for i in sorted(range(len(out)), key=lambda i: -options[i][out[i]][1]):
+            cheaper = sorted(
+                (cost, v)
+                for v, (gain, cost) in enumerate(options[i])
+                if (v == KEEP or gain > 0) and cost < options[i][out[i]][1]
+            )
+            for _, v in cheaper:
+                trial = (*out[:i], v, *out[i + 1 :])
+                if fits(trial):
+                    out[i], moved = v, True
+                    break
+    return tuple(out)
 
 
 def _most_saving(choices: Sequence[tuple[float, float]]) -> int:

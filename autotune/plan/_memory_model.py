@@ -14,16 +14,25 @@ from collections.abc import Sequence
 
 from autotune._backend import pinned_bytes
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Line, Phase, Profile
+from autotune.measure._profile_data import (
+    CHECKPOINT,
+    KEEP,
+    OFFLOAD,
+    SELECTIVE,
+    Line,
+    Phase,
+    Profile,
+)
 from autotune.result import Breakdown
 
-__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "Mask", "MemoryModel", "ProfileView"]
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
 
 Mask = tuple[int, ...]
-"""Per block: KEEP, CHECKPOINT or OFFLOAD (a bool mask reads as kept/checkpointed)."""
+"""Per block: KEEP, CHECKPOINT, OFFLOAD or SELECTIVE (a bool mask reads as kept or
+checkpointed)."""
 
-KEEP, CHECKPOINT, OFFLOAD = 0, 1, 2
-"""A block's choice in a mask: keep its activations, recompute them, or send them to the host."""
+WRAPPED = (CHECKPOINT, OFFLOAD, SELECTIVE)
+"""The choices other than keeping, in the order of :meth:`MemoryModel.variant_shares`."""
 
 
 class ProfileView:
@@ -35,14 +44,21 @@ class ProfileView:
         self._index = {name: i for i, name in enumerate(profile.blocks)}
         self._shares = profile.block_shares()
 
-    def mask_of(self, checkpoint: Sequence[str], offload: Sequence[str] = ()) -> Mask:
-        """The mask of checkpointed and offloaded block names."""
+    def mask_of(
+        self, checkpoint: Sequence[str], offload: Sequence[str] = (), selective: Sequence[str] = ()
+    ) -> Mask:
+        """The mask of checkpointed, offloaded and selectively checkpointed block names."""
         out = [KEEP] * self.n_blocks
-        for name in checkpoint:
-            out[self._index[name]] = CHECKPOINT
-        for name in offload:
-            out[self._index[name]] = OFFLOAD
+        for names, choice in ((checkpoint, CHECKPOINT), (offload, OFFLOAD), (selective, SELECTIVE)):
+            for name in names:
+                out[self._index[name]] = choice
         return tuple(out)
+
+    def config_mask(self, config: TrainConfig) -> Mask:
+        """The mask of ``config``'s block choices."""
+        return self.mask_of(
+            config.checkpoint, config.offload_activations, config.selective_checkpoint
+        )
 
 
 class MemoryModel(ProfileView):
@@ -127,11 +143,12 @@ class MemoryModel(ProfileView):
         live_peak = math.ceil(max(peak, start))
         return self.device_bytes(live_peak, precision, b, shares), live_peak, grads
 
-    def variant_shares(self, mask: Mask) -> tuple[float, float]:
-        """Parameter shares of the checkpointed and of the offloaded blocks."""
-        ckpt = sum(w for w, m in zip(self._shares, mask, strict=True) if m == CHECKPOINT)
-        off = sum(w for w, m in zip(self._shares, mask, strict=True) if m == OFFLOAD)
-        return ckpt, off
+    def variant_shares(self, mask: Mask) -> tuple[float, ...]:
+        """Parameter shares of the blocks of each choice of :data:`WRAPPED` (checkpointed,
+        offloaded, selectively checkpointed)."""
+        return tuple(
+            sum(w for w, m in zip(self._shares, mask, strict=True) if m == v) for v in WRAPPED
+        )
 
     @staticmethod
     def _replay(
@@ -139,7 +156,7 @@ class MemoryModel(ProfileView):
         live: float,
         b: int,
         mask: Mask,
-        shares: tuple[float, float],
+        shares: tuple[float, ...],
         moved: Sequence[Line],
         release: Sequence[int] | None,
     ) -> tuple[float, float, int]:
@@ -160,28 +177,24 @@ class MemoryModel(ProfileView):
                 if v == OFFLOAD and ph.key.label == "bwd":
                     live += _restores(ph.block, offloaded, moved, b)
                 rise, delta = ph.peak[v](b), ph.delta[v](b)
-            else:  # between blocks: in proportion to the checkpointed and offloaded shares
-                rise, delta = ph.peak[0](b), ph.delta[0](b)
-                for share, v in zip(shares, (CHECKPOINT, OFFLOAD), strict=True):
-                    if share:
-                        rise += share * (ph.peak[v](b) - ph.peak[0](b))
-                        delta += share * (ph.delta[v](b) - ph.delta[0](b))
+            else:  # between blocks: in proportion to each choice's share of the blocks
+                rise, delta = between(ph, b, shares)
             if live + rise > peak:
                 peak, grads = live + rise, ph.grads - freed
             live += delta
         return peak, live, grads
 
     def device_bytes(
-        self, live_bytes: int, precision: str, b: int, shares: tuple[float, float]
+        self, live_bytes: int, precision: str, b: int, shares: tuple[float, ...]
     ) -> int:
         """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
-        beyond them at micro-batch ``b`` (each variant's fit, weighted by the checkpointed
-        and offloaded ``shares`` as between blocks), and the context."""
+        beyond them at micro-batch ``b`` (each variant's fit, weighted by the ``shares`` of
+        :meth:`variant_shares` as between blocks), and the context."""
         reserve = self.profile.precisions[precision].reserve
         beyond = 0.0
         if reserve:
             beyond = reserve[0](b)
-            for share, v in zip(shares, (CHECKPOINT, OFFLOAD), strict=True):
+            for share, v in zip(shares, WRAPPED, strict=True):
                 if share and v < len(reserve):
                     beyond += share * (reserve[v](b) - reserve[0](b))
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
@@ -226,7 +239,7 @@ class MemoryModel(ProfileView):
             config.precision,
             config.optimizer,
         )
-        mask = self.mask_of(config.checkpoint, config.offload_activations)
+        mask = self.config_mask(config)
         device_peak, live_peak, grads = self.simulate(p, o, b, n, mask, config.offload_optimizer)
         prof = self.profile
         state = 0 if config.offload_optimizer else prof.optimizers[o].state_bytes
@@ -242,6 +255,19 @@ class MemoryModel(ProfileView):
             activations=acts,
             other=device_peak - prof.param_bytes - grads - state - acts,
         )
+
+
+def between(ph: Phase, b: int, shares: tuple[float, ...]) -> tuple[float, float]:
+    """(rise, delta) of a phase between blocks at micro-batch ``b``: the kept run's, moved
+    toward each choice's run in proportion to its ``shares`` of the blocks (what happens
+    between blocks depends on every block's choice, e.g. autocast dropping its weight
+    casts when the forward ends)."""
+    rise, delta = ph.peak[KEEP](b), ph.delta[KEEP](b)
+    for share, v in zip(shares, WRAPPED, strict=True):
+        if share:
+            rise += share * (ph.peak[v](b) - ph.peak[KEEP](b))
+            delta += share * (ph.delta[v](b) - ph.delta[KEEP](b))
+    return rise, delta
 
 
 def _released(phases: Sequence[Phase]) -> list[int]:

@@ -2,8 +2,8 @@
 
 For one setting of the sampled knobs (micro-batch size, precision, optimizer, optimizer
 placement) the planner derives the rest: accumulation from the global batch, and each
-block's choice (kept, checkpointed or offloaded) solved exactly by the cost model's
-knapsack, so that a search never samples block masks.
+block's choice (kept, checkpointed, checkpointed selectively or offloaded) solved exactly
+by the cost model's knapsack, so that a search never samples block masks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig
-from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, CostModel, Mask, Prediction
+from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, CostModel, Mask, Prediction
 
 __all__ = ["Candidate", "Planner"]
 
@@ -48,6 +48,8 @@ class Planner:
     """Peak device bytes a configuration may predict."""
     checkpointing: bool = True
     """Whether blocks may be checkpointed."""
+    selective: bool = True
+    """Whether blocks may be checkpointed selectively (where the profile has it)."""
     offload_optimizer: Sequence[bool] = (False,)
     """Optimizer placements to consider (``False``: on the device)."""
     offload_activations: bool = False
@@ -71,6 +73,7 @@ class Planner:
                 self.limit,
                 offload_optimizer=offload,
                 offload_activations=acts and self.offload_activations,
+                selective=self.selective,
             )
         none = (KEEP,) * self.cost.n_blocks
         fits = self.cost.peak(precision, optimizer, b, n, none, offload_optimizer=offload)
@@ -103,12 +106,17 @@ class Planner:
     ) -> TrainConfig:
         """The configuration of these knobs with block choices ``mask``."""
         blocks = self.cost.profile.blocks
+
+        def named(choice: int) -> tuple[str, ...]:
+            return tuple(n for n, m in zip(blocks, mask, strict=True) if m == choice)
+
         config = TrainConfig(
             micro_batch_size=b,
             grad_accum_steps=self.accum(b),
             precision=precision,
-            checkpoint=tuple(n for n, m in zip(blocks, mask, strict=True) if m == CHECKPOINT),
-            offload_activations=tuple(n for n, m in zip(blocks, mask, strict=True) if m == OFFLOAD),
+            checkpoint=named(CHECKPOINT),
+            selective_checkpoint=named(SELECTIVE),
+            offload_activations=named(OFFLOAD),
             optimizer=optimizer,
             offload_optimizer=offload,
         )

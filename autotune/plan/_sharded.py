@@ -31,7 +31,7 @@ import math
 from autotune.config import TrainConfig
 from autotune.measure._profile_data import Phase
 from autotune.plan._layout import Layout, Units
-from autotune.plan._memory_model import CHECKPOINT, Mask, MemoryModel
+from autotune.plan._memory_model import CHECKPOINT, SELECTIVE, Mask, MemoryModel, between
 from autotune.result import Breakdown
 
 __all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
@@ -40,7 +40,7 @@ __all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
 def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dict[str, int]]:
     """(device peak bytes, live peak bytes, what holds them) of one rank of ``config``."""
     c = config
-    mask = model.mask_of(c.checkpoint)
+    mask = model.config_mask(c)
     knobs = (c.precision, c.optimizer, c.micro_batch_size, c.grad_accum_steps, mask)
     return per_rank_peak(model, Layout.of(c), *knobs, offload_optimizer=c.offload_optimizer)
 
@@ -87,8 +87,7 @@ def per_rank_peak(
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
     peak = max(peak, live + step, batch)  # batch: a loader's next, made beside this one
     live_peak = math.ceil(start + peak)
-    shares = (model.variant_shares(mask)[0], 0.0)
-    return model.device_bytes(live_peak, p, b, shares), live_peak, parts
+    return model.device_bytes(live_peak, p, b, model.variant_shares(mask)), live_peak, parts
 
 
 def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakdown]:
@@ -109,16 +108,11 @@ def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakd
 
 
 def _rise_delta(ph: Phase, mask: Mask, b: int, model: MemoryModel) -> tuple[float, float]:
-    """A phase's peak above its entry and its net change, kept or checkpointed as masked."""
+    """A phase's peak above its entry and its net change, each block's variant as masked."""
     if ph.block is not None:
         v = int(mask[ph.block])
         return ph.peak[v](b), ph.delta[v](b)
-    share = model.variant_shares(mask)[0]
-    rise, delta = ph.peak[0](b), ph.delta[0](b)
-    if share:
-        rise += share * (ph.peak[CHECKPOINT](b) - ph.peak[0](b))
-        delta += share * (ph.delta[CHECKPOINT](b) - ph.delta[0](b))
-    return rise, delta
+    return between(ph, b, model.variant_shares(mask))
 
 
 def _ddp(
@@ -159,7 +153,9 @@ class _Fsdp:
         # until the forward ends (and again while it recomputes). FSDP's bf16 parameters
         # are that copy. ``casts``: the timeline is such an autocast's.
         self.casts = [units.grad_full[i] if casts else 0 for i in range(self.k)]
-        self.released = sum(c for c, m in zip(self.casts, mask, strict=True) if m == CHECKPOINT)
+        # Recomputed blocks (selectively too: a cast is a cheap op) drop their copies early.
+        recomputed = (CHECKPOINT, SELECTIVE)
+        self.released = sum(c for c, m in zip(self.casts, mask, strict=True) if m in recomputed)
 
     def replay(
         self, phases: list[Phase], accum: int, every: tuple[Phase, ...]
@@ -193,7 +189,7 @@ class _Fsdp:
                 cast = self.casts[ph.block]
                 if ph.key.label == "fwd":
                     rise, delta = rise - cast, delta - cast
-                elif self.mask[ph.block] == CHECKPOINT:  # backward: recomputed, no copy
+                elif self.mask[ph.block] in (CHECKPOINT, SELECTIVE):  # backward: recomputed
                     rise -= cast
                 else:  # backward: the single process frees its copy
                     delta += cast

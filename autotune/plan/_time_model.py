@@ -1,13 +1,14 @@
 """Step time of any configuration: measured forward+backward curves, recompute, the
 optimizer step, and the copies of offload that compute does not hide.
 
-``accum * (fwd_bwd(b) + recompute(b) * share of checkpointed blocks + offload stall)
-+ optimizer step``. Pure arithmetic over the profile.
+``accum * (fwd_bwd(b) + recompute(b) * share of checkpointed blocks + selective(b) *
+share of selectively checkpointed blocks + offload stall) + optimizer step``. Pure
+arithmetic over the profile.
 """
 
 from __future__ import annotations
 
-from autotune.plan._memory_model import CHECKPOINT, OFFLOAD, Mask, ProfileView
+from autotune.plan._memory_model import CHECKPOINT, OFFLOAD, SELECTIVE, Mask, ProfileView
 
 __all__ = ["TimeModel"]
 
@@ -28,10 +29,10 @@ class TimeModel(ProfileView):
         """Predicted seconds of one optimizer step."""
         curve = self.profile.precisions[precision].time
         assert curve is not None, f"precision {precision} has no time profile"
-        share = sum(
-            w for w, m in zip(self.profile.block_weights, mask, strict=True) if m == CHECKPOINT
-        )
-        micro = curve.fwd_bwd(b) + share * curve.recompute(b)
+        weights = self.profile.block_weights
+        full = sum(w for w, m in zip(weights, mask, strict=True) if m == CHECKPOINT)
+        selective = sum(w for w, m in zip(weights, mask, strict=True) if m == SELECTIVE)
+        micro = curve.fwd_bwd(b) + full * curve.recompute(b) + selective * curve.selective(b)
         if OFFLOAD in mask:
             micro += self._offload_stall(precision, b, mask)
         return accum * micro + self._optimizer_s(precision, optimizer, b, offload_optimizer)
@@ -55,6 +56,14 @@ class TimeModel(ProfileView):
         fwd = [w * forward for w in self.profile.block_weights]
         return fwd, [2.0 * f for f in fwd]  # a backward costs about two forwards
 
+    def _recomputed(self, precision: str, b: int, mask: Mask) -> list[float]:
+        """Seconds each block recomputes in its backward at micro-batch ``b``."""
+        curve = self.profile.precisions[precision].time
+        if curve is None:
+            return [0.0] * self.n_blocks
+        per = {CHECKPOINT: curve.recompute(b), SELECTIVE: curve.selective(b)}
+        return [w * per.get(m, 0.0) for w, m in zip(self.profile.block_weights, mask, strict=True)]
+
     def _offload_stall(self, precision: str, b: int, mask: Mask) -> float:
         """Seconds the compute waits for copies in one micro-batch (two-stream pipeline).
 
@@ -67,6 +76,7 @@ class TimeModel(ProfileView):
         assert transfer is not None
         moved = self.profile.precisions[precision].moved
         fwd, bwd = self._block_seconds(precision, b)
+        again = self._recomputed(precision, b, mask)
         size = [max(moved[i](b), 0.0) if m == OFFLOAD else 0.0 for i, m in enumerate(mask)]
         clock = copy = 0.0
         done: dict[int, float] = {}
@@ -92,11 +102,8 @@ class TimeModel(ProfileView):
                     up = max(up, clock, copy) + size[j] / transfer.h2d_bytes_per_s
                     ready[j] = up
                 clock = max(clock, ready[i])
-            clock += bwd[i] + (fwd[i] if mask[i] == CHECKPOINT else 0.0)
-        busy = (
-            sum(fwd) + sum(bwd) + sum(f for f, m in zip(fwd, mask, strict=True) if m == CHECKPOINT)
-        )
-        return max(clock - busy, 0.0)
+            clock += bwd[i] + again[i]
+        return max(clock - sum(fwd) - sum(bwd) - sum(again), 0.0)
 
     def offload_cost(self, precision: str, b: int, i: int) -> float:
         """Seconds offloading block ``i`` alone adds: its copies not hidden by its compute."""

@@ -1,5 +1,6 @@
-"""Wrapping blocks: checkpointed ones recompute their activations in backward, offloaded
-ones send them to the host. A block's ``forward`` is replaced on the instance and put
+"""Wrapping blocks: checkpointed ones recompute their activations in backward (selectively
+checkpointed ones only their cheap ops: :mod:`~autotune.train._selective`), offloaded ones
+send them to the host. A block's ``forward`` is replaced on the instance and put
 back by :func:`remove_checkpointing`, which leaves the model as it was.
 """
 
@@ -12,12 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointError
+from torch.utils.checkpoint import CheckpointError, noop_context_fn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autotune.config import TrainConfig
 from autotune.errors import BlockError
 from autotune.train._offload_activations import ActivationOffloader
+from autotune.train._selective import selective_contexts
 
 __all__ = [
     "apply_checkpointing",
@@ -30,14 +32,17 @@ __all__ = [
 _ORIGINAL = "_autotune_original_forward"
 
 
-def apply_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
-    """Recompute the activations of the named blocks in backward (non-reentrant checkpoint).
+def apply_checkpointing(model: nn.Module, names: Sequence[str], *, selective: bool = False) -> None:
+    """Recompute the activations of the named blocks in backward (non-reentrant checkpoint);
+    ``selective``: only those of their cheap ops, the expensive ops' outputs kept.
 
     Raises:
         BlockError: a name is not a submodule of ``model``; then no block is wrapped.
     """
+    context = selective_contexts if selective else noop_context_fn
     for name, module in zip(names, _resolve(model, names, "checkpoints"), strict=True):
-        _wrap(module, functools.partial(_checkpointed_forward, name, module, module.forward))
+        forward = functools.partial(_checkpointed_forward, name, module, module.forward, context)
+        _wrap(module, forward)
 
 
 def apply_offloading(
@@ -55,6 +60,7 @@ def apply_offloading(
 def check_blocks(model: nn.Module, config: TrainConfig) -> None:
     """Raise :class:`BlockError` if ``config`` names a block ``model`` does not have."""
     _resolve(model, config.checkpoint, "checkpoints")
+    _resolve(model, config.selective_checkpoint, "checkpoints")
     _resolve(model, config.offload_activations, "offloads")
 
 
@@ -100,6 +106,10 @@ recomputation reads them as the forward did; a larger one, changed in place, is 
 the forward left it (kept small: the copies live until the block's backward)."""
 _MISMATCH = ("different number of tensors", "different metadata", "save more tensors")
 """What torch's CheckpointError says when a recomputation saved other tensors."""
+_SELECTIVE_MISMATCH = "encountered during backward but not found in storage"
+"""What selective checkpointing's RuntimeError says when a recomputation ran other ops."""
+_KEPT_CHANGED = "cached during selective activation checkpoint has been mutated"
+"""What it says when an op changed a kept output in place after it was kept."""
 
 _last_recomputed: list[str] = [""]
 """The block recomputed last: the one a CheckpointError raised in backward is about."""
@@ -115,9 +125,26 @@ def named_recompute_errors() -> Iterator[None]:
         if not any(words in str(exc) for words in _MISMATCH):
             raise
         raise _recompute_error(exc) from exc
+    except RuntimeError as exc:
+        if _KEPT_CHANGED in str(exc):
+            raise _kept_changed_error() from exc
+        if _SELECTIVE_MISMATCH not in str(exc):
+            raise
+        raise _recompute_error(exc) from exc
 
 
-def _recompute_error(exc: CheckpointError) -> BlockError:
+def _kept_changed_error() -> BlockError:
+    return BlockError(
+        f"block {_last_recomputed[0]!r} cannot be checkpointed selectively: an op of its "
+        "forward changes the output of a matrix product or convolution in place after "
+        "selective checkpointing kept it (an activation with inplace=True right after a "
+        "convolution, say), so the kept output is no longer what backward needs. Checkpoint "
+        "it whole instead (checkpoint, not selective_checkpoint), or tune with "
+        "SearchSpace(selective_checkpointing=False)."
+    )
+
+
+def _recompute_error(exc: RuntimeError) -> BlockError:
     """The BlockError for ``exc``: the block, torch's words, and what to do."""
     text = str(exc)
     lines = text.removeprefix("torch.utils.checkpoint: ").splitlines()
@@ -132,7 +159,7 @@ def _recompute_error(exc: CheckpointError) -> BlockError:
 
 
 def _checkpointed_forward(
-    name: str, module: nn.Module, forward: Any, *args: Any, **kwargs: Any
+    name: str, module: nn.Module, forward: Any, context: Any, *args: Any, **kwargs: Any
 ) -> Any:
     if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
         return forward(*args, **kwargs)
@@ -155,14 +182,36 @@ def _checkpointed_forward(
         calls += 1
         if calls > 1:  # the recomputation in backward: it must leave the buffers alone
             _last_recomputed[0] = name
-            with _buffers_as_before(changed):
+            with _buffers_as_before(changed), _casts_every_time(context):
                 return forward(*a, **k)
         before = _snapshot(module)
-        out = forward(*a, **k)
+        with _casts_every_time(context):
+            out = forward(*a, **k)
         changed.extend(_changed_owners(module, before))
         return out
 
-    return _checkpoint(run, *args, use_reentrant=False, **kwargs)
+    return _checkpoint(run, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+@contextlib.contextmanager
+def _casts_every_time(context: Any) -> Iterator[None]:
+    """Inside a selectively checkpointed block, autocast casts a weight at each use.
+
+    Selective checkpointing matches the recomputation's ops one by one against the
+    forward's. Autocast caches a weight's cast for the rest of the forward, so a block
+    called again in the same forward (ALBERT's one shared layer) skips the cast, while
+    its recomputation in backward, under an autocast of its own, makes it: an op the
+    forward never ran. Without the cache both run the same casts.
+    """
+    if context is not selective_contexts:
+        yield
+        return
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
 
 
 def _snapshot(module: nn.Module) -> dict[int, tuple[int, torch.Tensor | None]]:

@@ -95,7 +95,8 @@ def switch(applied: Applied, config: TrainConfig) -> None:
 
 def wrap(applied: Applied, config: TrainConfig) -> None:
     """The model-side knobs of ``config`` on ``applied.model``: its blocks checkpointed
-    and offloaded, its attention implementation (put back by ``applied.undo()``)."""
+    (fully or selectively) and offloaded, its attention implementation (put back by
+    ``applied.undo()``)."""
     model = applied.model
     if config.attention is not None and config.attention != attention_of(model):
         put_back = set_attention(model, config.attention)  # first: it may refuse
@@ -104,6 +105,7 @@ def wrap(applied: Applied, config: TrainConfig) -> None:
             applied.on_undo(put_back)
     remove_checkpointing(model)
     apply_checkpointing(model, config.checkpoint)
+    apply_checkpointing(model, config.selective_checkpoint, selective=True)
     apply_offloading(model, config.offload_activations, applied.offloader)
 
 

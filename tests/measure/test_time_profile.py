@@ -33,10 +33,10 @@ def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, lim
     profiler, draft = setup
     timed = profiler.fwd_bwd_time
 
-    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
-        if b >= limit and not checkpoint_all:
+    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
+        if b >= limit and not every:
             raise torch.OutOfMemoryError("CUDA out of memory. (injected: a shared device)")
-        return timed(precision, b, checkpoint_all=checkpoint_all)
+        return timed(precision, b, every=every)
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
     profile = time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
@@ -48,7 +48,7 @@ def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, lim
 def test_an_oom_at_the_first_size_is_not_hidden(setup, monkeypatch) -> None:
     profiler, draft = setup
 
-    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
         raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
@@ -67,7 +67,7 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
     timed = profiler.fwd_bwd_time
     asked: list[tuple[str, int]] = []
 
-    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
         asked.append((precision, b))
         return timed("fp32", b) * slowdown.get(precision, 1.0)
 
@@ -91,7 +91,7 @@ def test_without_fp32_or_with_one_precision_one_pass_finds_the_smallest_size(
     timed = profiler.fwd_bwd_time
     asked: list[tuple[str, int]] = []
 
-    def fwd_bwd_time(precision: str, b: int, *, checkpoint_all: bool = False) -> float:
+    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
         asked.append((precision, b))
         return timed("fp32", b)
 

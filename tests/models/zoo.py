@@ -55,6 +55,8 @@ class Case:
         n_blocks: How many blocks ``find_blocks`` must return (``None``: at least 2).
         tuned: Also tuned end to end (a slow test): a few per family.
         note: What to know about the case when reading its result.
+        selective: Whether its blocks can be checkpointed selectively; ``False``: an op
+            changes a kept output in place, and autotune must refuse with a BlockError.
     """
 
     name: str
@@ -64,6 +66,7 @@ class Case:
     n_blocks: int | None
     tuned: bool = False
     note: str = ""
+    selective: bool = True
 
     @property
     def requires(self) -> tuple[str, ...]:
@@ -578,8 +581,8 @@ CASES: list[Case] = [
          note="BatchNorm; not tuned: its peak is AdamW's step (11M parameters), which no checkpoint lowers"),
     Case("timm-vit-tiny", "timm", _timm("vit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=4), layers("blocks"), 4, tuned=True),
     Case("timm-convnext-atto", "timm", _timm("convnext_atto"), layers(*(f"stages.{i}.blocks" for i in range(4))), 12),
-    Case("timm-efficientnet-b0", "timm", _timm("efficientnet_b0"), layers(*(f"blocks.{i}" for i in range(7))), 16, note="BatchNorm"),
-    Case("timm-mobilenetv3", "timm", _timm("mobilenetv3_small_100"), layers(*(f"blocks.{i}" for i in range(6))), 12, note="BatchNorm"),
+    Case("timm-efficientnet-b0", "timm", _timm("efficientnet_b0"), layers(*(f"blocks.{i}" for i in range(7))), 16, note="BatchNorm; squeeze-excite's ReLU(inplace=True) after a convolution", selective=False),
+    Case("timm-mobilenetv3", "timm", _timm("mobilenetv3_small_100"), layers(*(f"blocks.{i}" for i in range(6))), 12, note="BatchNorm; squeeze-excite's ReLU(inplace=True) after a convolution", selective=False),
     Case("torchvision-resnet18", "torchvision", torchvision_resnet18, layers(*(f"layer{i}" for i in range(1, 5))), 8, note="BatchNorm"),
     Case("unet2d-condition", "diffusers", unet, r"(down_blocks|up_blocks)\.\d+(\..+)?|mid_block(\..+)?", None,
          note="no single stack: the down, mid and up blocks or layers inside them, in forward order"),

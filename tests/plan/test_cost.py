@@ -14,7 +14,7 @@ import torch
 
 from autotune.config import TrainConfig
 from autotune.measure._profile_data import TimeCurve
-from autotune.plan._cost import CostModel
+from autotune.plan._cost import CHECKPOINT, KEEP, SELECTIVE, CostModel
 from autotune.plan._knapsack import min_cost_cover as _min_cost_cover
 from autotune.verify._verifier import Verifier
 
@@ -36,32 +36,42 @@ def assert_close_bytes(predicted: int, measured: int, rel: float = 0.01) -> None
 
 
 @pytest.mark.parametrize(
-    ("b", "accum", "precision", "mask", "optimizer"),
+    ("b", "accum", "precision", "mask", "optimizer", "selective"),
     [
-        (1, 1, "fp32", (), "adamw"),
-        (8, 1, "fp32", (), "adamw"),
-        (16, 1, "fp32", ("blocks.0", "blocks.2"), "adamw"),
-        (6, 3, "fp32", ("blocks.1",), "adamw"),
-        (12, 2, "bf16", ("blocks.0", "blocks.1", "blocks.2"), "adamw"),
-        (8, 4, "bf16", (), "sgd"),
-        (3, 1, "fp32", ("blocks.0", "blocks.1", "blocks.2"), "sgd"),
+        (1, 1, "fp32", (), "adamw", ()),
+        (8, 1, "fp32", (), "adamw", ()),
+        (16, 1, "fp32", ("blocks.0", "blocks.2"), "adamw", ()),
+        (6, 3, "fp32", ("blocks.1",), "adamw", ()),
+        (12, 2, "bf16", ("blocks.0", "blocks.1", "blocks.2"), "adamw", ()),
+        (8, 4, "bf16", (), "sgd", ()),
+        (3, 1, "fp32", ("blocks.0", "blocks.1", "blocks.2"), "sgd", ()),
         # autocast caches weight casts until the forward ends; a mixed mask must not
         # leak them once per accumulated micro-batch
-        (1, 16, "bf16", ("blocks.1",), "adamw"),
+        (1, 16, "bf16", ("blocks.1",), "adamw", ()),
+        # selectively checkpointed blocks, alone and beside kept and checkpointed ones
+        (8, 1, "fp32", (), "adamw", ("blocks.0", "blocks.1", "blocks.2")),
+        (16, 2, "fp32", ("blocks.0",), "adamw", ("blocks.2",)),
+        (12, 1, "bf16", (), "adamw", ("blocks.1",)),
+        (5, 3, "bf16", ("blocks.2",), "sgd", ("blocks.0", "blocks.1")),
+        (1, 8, "bf16", (), "adamw", ("blocks.0", "blocks.1", "blocks.2")),
     ],
 )
 def test_predicted_peak_matches_measured(
-    gpt_profile, gpt3_model, gpt3_sample, b, accum, precision, mask, optimizer
+    gpt_profile, gpt3_model, gpt3_sample, b, accum, precision, mask, optimizer, selective
 ):
     config = TrainConfig(
         micro_batch_size=b,
         grad_accum_steps=accum,
         precision=precision,
         checkpoint=mask,
+        selective_checkpoint=selective,
         optimizer=optimizer,
     )
     predicted, parts = CostModel(gpt_profile).memory(config)
-    assert_close_bytes(predicted, measured_peak(gpt3_model, gpt3_sample, config))
+    measured = measured_peak(gpt3_model, gpt3_sample, config)
+    assert_close_bytes(predicted, measured)
+    if selective:  # the new choice is replayed exactly, to the byte
+        assert predicted == measured
     assert min(dataclasses.astuple(parts)) >= 0  # nothing holds negative bytes
     assert parts.parameters == gpt_profile.param_bytes
     assert parts.optimizer == gpt_profile.optimizers[optimizer].state_bytes
@@ -73,6 +83,9 @@ def test_checkpointing_lowers_the_predicted_peak(gpt_profile):
     some = cost.peak("fp32", "adamw", 16, 1, (True, False, False))
     full = cost.peak("fp32", "adamw", 16, 1, (True,) * 3)
     assert none > some > full
+    # Keeping the matrix products' outputs costs memory that full checkpointing saves.
+    selective = cost.peak("fp32", "adamw", 16, 1, (SELECTIVE,) * 3)
+    assert none > selective > full
 
 
 def test_plan_finds_the_cheapest_fitting_mask(gpt_profile):
@@ -134,3 +147,34 @@ def test_profile_survives_json(gpt_profile) -> None:
     assert again == timed
     config = TrainConfig(micro_batch_size=5, grad_accum_steps=3, checkpoint=("blocks.1",))
     assert CostModel(again).predict(config) == CostModel(timed).predict(config)
+
+
+def test_plan_with_selective_checkpointing_is_the_brute_force_optimum(gpt_profile) -> None:
+    """With a fourth choice per block the knapsack still finds the fastest fitting mask."""
+    import itertools
+
+    curve = TimeCurve((1, 4, 16), (0.01, 0.03, 0.1), (4, 16), (0.3, 0.35), (0.12, 0.2))
+    timed = dataclasses.replace(
+        gpt_profile,
+        precisions={
+            p: dataclasses.replace(pp, time=curve) for p, pp in gpt_profile.precisions.items()
+        },
+        block_weights=(0.5, 0.3, 0.2),  # unequal blocks: "the first k" is not the answer
+    )
+    cost = CostModel(timed)
+    knobs = ("fp32", "adamw", 16, 1)
+    none = cost.peak(*knobs, (KEEP,) * 3)
+    full = cost.peak(*knobs, (CHECKPOINT,) * 3)
+    masks = list(itertools.product((KEEP, CHECKPOINT, SELECTIVE), repeat=3))
+    chose_selective = False
+    for limit in [full + (none - full) * k // 12 for k in range(1, 12)]:
+        mask = cost.plan(*knobs, limit)
+        assert mask is not None
+        assert cost.peak(*knobs, mask) <= limit
+        best = min(cost.step_s(*knobs, m) for m in masks if cost.peak(*knobs, m) <= limit)
+        assert cost.step_s(*knobs, mask) == pytest.approx(best)
+        chose_selective |= SELECTIVE in mask
+        without = cost.plan(*knobs, limit, selective=False)
+        assert without is not None and SELECTIVE not in without
+        assert cost.step_s(*knobs, mask) <= cost.step_s(*knobs, without)
+    assert chose_selective  # at some budget the cheaper recomputation pays

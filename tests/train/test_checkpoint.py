@@ -52,17 +52,25 @@ def test_checkpointed_batchnorm_updates_its_statistics_once() -> None:
     blocks = autotune.find_blocks(model)
     assert blocks == ("1", "2", "3")
     plain = trained(model, TrainConfig(micro_batch_size=4), batch)
+    # With accumulation, plain's statistics came from whole batches: compare with its twin.
+    twin = trained(model, TrainConfig(micro_batch_size=2, grad_accum_steps=2), batch)
     for config in (
         TrainConfig(micro_batch_size=4, checkpoint=blocks),
         TrainConfig(micro_batch_size=2, grad_accum_steps=2, checkpoint=blocks[1:]),
+        TrainConfig(micro_batch_size=4, selective_checkpoint=blocks),
+        TrainConfig(
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            checkpoint=blocks[:1],
+            selective_checkpoint=blocks[1:],
+        ),
     ):
         work = trained(model, config, batch)
         if config.grad_accum_steps == 1:
             assert work.state_dict()["1.norm.num_batches_tracked"].item() == 2
-        else:  # plain's statistics came from whole batches: compare with its own twin
-            plain = trained(model, TrainConfig(micro_batch_size=2, grad_accum_steps=2), batch)
-        for name, tensor in plain.state_dict().items():
-            assert torch.equal(work.state_dict()[name], tensor), name
+        reference = plain if config.grad_accum_steps == 1 else twin
+        for name, tensor in reference.state_dict().items():
+            assert torch.equal(work.state_dict()[name], tensor), (config.describe(), name)
     assert work.get_submodule("1").forward.__func__ is ConvBlock.forward  # unwrapped on close
 
 
@@ -98,6 +106,84 @@ def test_a_block_that_recomputes_differently_is_named_in_a_block_error() -> None
     assert "SearchSpace(blocks=[...])" in str(caught.value)
 
 
+class Drifting(nn.Module):
+    """A block whose recomputation runs an op its forward did not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            x = x.sin()
+        return torch.tanh(self.linear(x))
+
+
+def test_a_selective_block_that_recomputes_other_ops_is_named_in_a_block_error() -> None:
+    """Selective checkpointing finds no kept output for an op the forward never ran."""
+    model = nn.Sequential(nn.Linear(8, 8), Drifting(), nn.Linear(8, 8))
+    with autotune.apply(model, TrainConfig(selective_checkpoint=("1",))) as handle:
+        loss = handle.model(torch.randn(4, 8)).sum()
+        with pytest.raises(BlockError, match=r"block '1' cannot be checkpointed"):
+            handle.backward(loss)
+
+
+def test_selective_checkpointing_keeps_the_matrix_products_and_recomputes_the_rest() -> None:
+    """Gradients as without checkpointing, fewer bytes held than keeping the block, more
+    than checkpointing it, and the recomputation runs no matrix product again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.measure._tracker import LiveBytesTracker
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    width = 64
+    model = nn.Sequential(
+        nn.Linear(width, width),
+        *(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                        nn.Linear(4 * width, width)) for _ in range(3)),
+    )  # fmt: skip
+    x = torch.randn(32, width)
+    grads, held, backward_ops = {}, {}, {}
+    for name, config in (
+        ("kept", TrainConfig()),
+        ("checkpointed", TrainConfig(checkpoint=("1", "2", "3"))),
+        ("selective", TrainConfig(selective_checkpoint=("1", "2", "3"))),
+    ):
+        work = copy.deepcopy(model)
+        with autotune.apply(work, config) as handle:
+            tracker = LiveBytesTracker("cpu")
+            with tracker:
+                start = tracker.live
+                loss = handle.model(x).square().mean()
+                held[name] = tracker.live - start  # the activations saved for backward
+            ops = Ops()
+            with ops:
+                handle.backward(loss)
+            backward_ops[name] = ops.names
+            grads[name] = [p.grad.clone() for p in work.parameters()]
+    assert held["kept"] > held["selective"] > held["checkpointed"]
+    for name in ("checkpointed", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["kept"], grads[name], strict=True))
+    # Kept, the backward runs only the gradients' matrix products (mm); checkpointed, the
+    # recomputation runs the forward's (addmm) again; selective, it finds them kept.
+    assert "addmm" in backward_ops["checkpointed"]
+    assert "addmm" not in backward_ops["selective"]
+    for recomputed in ("native_layer_norm", "gelu"):  # the cheap ops run again
+        assert recomputed in backward_ops["selective"]
+        assert recomputed not in backward_ops["kept"]
+
+
 def t5_like(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A tiny encoder-decoder whose decoder stack keeps a config of its own."""
     transformers = pytest.importorskip("transformers")
@@ -128,20 +214,23 @@ def test_an_encoder_decoder_checkpoints_with_its_gradients_unchanged(name: str) 
     blocks = autotune.find_blocks(model)
     assert any(b.startswith("decoder.") for b in blocks)
     grads = {}
-    for config in (
-        TrainConfig(micro_batch_size=4),
-        TrainConfig(micro_batch_size=4, checkpoint=blocks),
-    ):
+    configs = {
+        "plain": TrainConfig(micro_batch_size=4),
+        "checkpointed": TrainConfig(micro_batch_size=4, checkpoint=blocks),
+        "selective": TrainConfig(micro_batch_size=4, selective_checkpoint=blocks),
+    }
+    for name, config in configs.items():
         work = copy.deepcopy(model)
         torch.manual_seed(1)  # the same dropout masks: checkpoint replays the RNG
         with autotune.apply(work, config) as handle:
             handle.backward(handle.model(**batch).loss)
-            grads[config.checkpoint] = {
+            grads[name] = {
                 n: p.grad.clone() for n, p in work.named_parameters() if p.grad is not None
             }
-    plain, checkpointed = grads[()], grads[blocks]
-    assert plain.keys() == checkpointed.keys()
-    assert all(torch.equal(checkpointed[n], g) for n, g in plain.items())
+    plain = grads["plain"]
+    for name in ("checkpointed", "selective"):
+        assert plain.keys() == grads[name].keys()
+        assert all(torch.equal(grads[name][n], g) for n, g in plain.items()), name
 
 
 def test_every_cache_in_the_model_is_off_while_applied_and_back_on_undo() -> None:
@@ -187,11 +276,17 @@ def test_the_recomputation_reads_the_buffers_as_the_forward_did() -> None:
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(4, 8)
     results = []
-    for config in (TrainConfig(), TrainConfig(checkpoint=("layers.0", "layers.1"))):
+    layers = ("layers.0", "layers.1")
+    for config in (
+        TrainConfig(),
+        TrainConfig(checkpoint=layers),
+        TrainConfig(selective_checkpoint=layers),
+    ):
         work = copy.deepcopy(model)
         with autotune.apply(work, config) as handle:
             handle.backward(handle.model(x).square().sum())
             results.append(([p.grad.clone() for p in work.parameters()], work.state_dict()))
-    (plain, plain_state), (checkpointed, state) = results
-    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))
-    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
+    (plain, plain_state), *wrapped = results
+    for checkpointed, state in wrapped:
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))
+        assert all(torch.equal(state[k], v) for k, v in plain_state.items())
