@@ -15,25 +15,16 @@ from autotune.config import TrainConfig
 from autotune.errors import VerificationError
 from autotune.plan._planner import Candidate
 from autotune.result import Measurement, TrialRecord
+from autotune.verify import _lead
+from autotune.verify._lead import ahead, lead
 from autotune.verify._verifier import Verifier
 
-__all__ = ["Measure", "choose_winner", "fastest", "known_ahead", "noise", "settle"]
+__all__ = ["Measure", "choose_winner", "fastest", "known_ahead", "noise", "settle", "speeds"]
 
 log = logging.getLogger("autotune")
 
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
-_LEAST_NOISE = 0.01
-"""The least relative noise of one timing assumed: leads smaller than a few times it are
-ties. Kept small: every point of a tie is speed given up for simplicity."""
-_MOST_NOISE = 0.04
-"""The most relative noise of one timing assumed, however noisy the re-timings were: the
-widest a tie may grow."""
-_PRIOR_NOISE = 0.03
-"""The noise of one timing assumed before any configuration was timed twice: a lead of
-up to 1.645 * 3% * sqrt(2) = 7% after one timing each is raced."""
-_CONFIDENCE = 1.645
-"""Standard errors a lead must exceed: one-sided 95% confidence that it is real."""
 
 _MODEL_SLACK = 0.15
 """How much better than its most optimistic calibration a candidate's speed may still turn
@@ -122,8 +113,8 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
 
 def fastest(records: list[TrialRecord]) -> TrialRecord:
     """The record with the highest measured throughput; among those it is not known to
-    beat (see :func:`known_ahead`), the simplest (fewest wrapped or offloaded blocks,
-    then the least accumulation, then the smallest peak).
+    beat (:func:`known_ahead`), the simplest (fewest wrapped or offloaded blocks, then the
+    least accumulation, then the smallest peak).
 
     Raises:
         VerificationError: no configuration fitted.
@@ -145,47 +136,31 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             "per timing): the simpler config wins",
             chosen.config.describe(),
             best.config.describe(),
-            100 * (_measured_speed(best) / _measured_speed(chosen) - 1),
+            100 * math.expm1(lead(speeds(best), speeds(chosen))),
             100 * sigma,
         )
     return chosen
 
 
 def noise(records: list[TrialRecord]) -> float:
-    """The relative timing noise of one timing, pooled over the records timed more than
-    once (the spread of the logs of their timings about their means), kept between 1% and
-    4%; without re-timings, 3%."""
-    return _pooled([list(r.timings) for r in records if len(r.timings) >= 2])
-
-
-def _pooled(runs: list[list[float]]) -> float:
-    squares, freedom = 0.0, 0
-    for times in runs:
-        logs = [math.log(t) for t in times]
-        mean = statistics.fmean(logs)
-        squares += sum((x - mean) ** 2 for x in logs)
-        freedom += len(logs) - 1
-    if not freedom:
-        return _PRIOR_NOISE
-    return min(max(math.sqrt(squares / freedom), _LEAST_NOISE), _MOST_NOISE)
+    """The relative noise of one timing, from the records timed more than once (see
+    :func:`autotune.verify._lead.noise`)."""
+    return _lead.noise([speeds(r) for r in records if r.measured is not None])
 
 
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float) -> bool:
-    """Whether ``a`` is faster than ``b`` with 95% confidence: its lead (a ratio of median
-    speeds, in logs) exceeds 1.645 standard errors of timings with relative noise
-    ``sigma``, each config timed as often as it was. A lead smaller than that is a tie."""
-    return _ahead(_measured_speed(a), _runs(a), _measured_speed(b), _runs(b), sigma)
+    """Whether ``a`` is faster than ``b`` with 95% confidence, given the relative noise
+    ``sigma`` of one timing: its lead, round by round where both were re-timed, exceeds
+    1.645 standard errors. A lead smaller than that is a tie."""
+    return ahead(speeds(a), speeds(b), sigma)
 
 
-def _ahead(speed_a: float, n_a: int, speed_b: float, n_b: int, sigma: float) -> bool:
-    if speed_a <= 0 or speed_b <= 0:
-        return speed_a > speed_b
-    error = sigma * math.sqrt(1 / n_a + 1 / n_b)
-    return math.log(speed_a / speed_b) > _CONFIDENCE * error
-
-
-def _runs(r: TrialRecord) -> int:
-    return max(len(r.timings), 1)
+def speeds(r: TrialRecord) -> list[float]:
+    """The samples per second of each timing of ``r`` (verification first, then each
+    round of re-timing), or its one measured speed."""
+    if r.timings:
+        return [r.config.global_batch_size / t for t in r.timings]
+    return [_measured_speed(r)]
 
 
 def _measured_speed(r: TrialRecord) -> float:
@@ -208,34 +183,40 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
 
     One timing per candidate is at the mercy of whatever else the machine does for those
     seconds. A contender the leader is not known to beat (:func:`known_ahead`, at the
-    noise assumed before any re-timing) races it: both are timed again, alternating, so
-    that a slow spell hits them alike, up to ``rounds`` more times. After each round the
-    noise is estimated from the re-timings, the leader is the best median, and a
-    contender whose order against it is now known stops. One still racing after the last
-    round is a tie, which :func:`fastest` gives to the simpler config. Each record keeps
-    the median of its timings; the figures that decide are logged.
+    noise assumed before any re-timing) races it: both are timed again, one after the
+    other, up to ``rounds`` more times, so that a slow spell hits a round's timings alike
+    and comparing them round by round takes it out. After each round the noise is
+    estimated from the rounds, the leader is the best median, and a contender whose order
+    against it is now known stops. One still racing after the last round is a tie, which
+    :func:`fastest` gives to the simpler config. Each record keeps the median of its
+    timings; the figures that decide are logged.
     """
     passed = [r for r in records if r.measured is not None]
     if len(passed) < 2:
         return records
     times = {r.config: [r.measured.step_s] for r in passed if r.measured}
-    speed = {r.config: _measured_speed(r) for r in passed}
-    leader = max(speed, key=speed.__getitem__)
-    sigma = _PRIOR_NOISE
-    racing = [c for c in speed if c != leader and not _known(leader, c, speed, times, sigma)]
+
+    def rate(c: TrainConfig) -> list[float]:
+        return [c.global_batch_size / t for t in times[c]]
+
+    def median(c: TrainConfig) -> float:
+        return statistics.median(rate(c))
+
+    leader = max(times, key=median)
+    sigma = _lead.PRIOR_NOISE
+    racing = [c for c in times if c != leader and not ahead(rate(leader), rate(c), sigma)]
     for _ in range(rounds):
         if not racing:
             break
         for c in (leader, *racing):
             times[c].append(verifier.retime(c))
-            speed[c] = _speed(c, times[c])
-        sigma = _pooled([ts for ts in times.values() if len(ts) >= 2])
+        sigma = _lead.noise([rate(c) for c in times])
         timed = (leader, *racing)
-        leader = max(timed, key=speed.__getitem__)
-        racing = [c for c in timed if c != leader and not _known(leader, c, speed, times, sigma)]
+        leader = max(timed, key=median)
+        racing = [c for c in timed if c != leader and not ahead(rate(leader), rate(c), sigma)]
     for c, ts in times.items():
         if len(ts) >= 2:
-            log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), speed[c], len(ts))
+            log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), median(c), len(ts))
     if racing:
         log.info(
             "tied within the timing noise (%.1f%% per timing) after %d rounds: %s",
@@ -253,19 +234,3 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
             r = dataclasses.replace(r, measured=measured, timings=tuple(ts))
         out.append(r)
     return out
-
-
-def _known(
-    a: TrainConfig,
-    b: TrainConfig,
-    speed: dict[TrainConfig, float],
-    times: dict[TrainConfig, list[float]],
-    sigma: float,
-) -> bool:
-    """Whether ``a`` is known to be ahead of ``b`` from their timings so far."""
-    return _ahead(speed[a], len(times[a]), speed[b], len(times[b]), sigma)
-
-
-def _speed(config: TrainConfig, step_times: list[float]) -> float:
-    """Samples per second (over every rank) at the median of ``step_times``."""
-    return config.global_batch_size / statistics.median(step_times)

@@ -145,22 +145,31 @@ def test_settle_calls_a_tie_when_the_lead_stays_within_the_noise() -> None:
     assert not known_ahead(a, b, sigma)
 
 
+def timed(config: TrainConfig, speed: float, peak: int, spread: tuple[float, ...] = ()):
+    """A record measured at ``speed``; ``spread``: its timings, as multiples of its step."""
+    step = config.global_batch_size / speed
+    m = Measurement(peak, step, speed)
+    return TrialRecord(config, m, m, None, tuple(step * f for f in spread))
+
+
 def test_a_lead_counts_once_it_exceeds_the_noise_of_the_timings_behind_it() -> None:
     plain = TrainConfig(micro_batch_size=8)
     fast = timed(plain, 100.0, 1, (0.98, 1.0, 1.02))  # 2% noise, 3 timings
-    assert noise([fast]) == pytest.approx(0.02, rel=0.01)
+    assert noise([fast]) == pytest.approx(0.02, rel=0.01)  # timed alone: its own spread
     sigma = 0.02
-    # 1.645 standard errors of two means of 3 timings at 2%: a lead of 2.7%.
+    # Round by round, 1.645 standard errors of the mean of 3 differences at 2%: 2.7%.
     assert known_ahead(fast, timed(plain, 97.0, 1, (1,) * 3), sigma)
     assert not known_ahead(fast, timed(plain, 97.5, 1, (1,) * 3), sigma)
     # Timed once each, the same gap is well within the noise.
     assert not known_ahead(timed(plain, 100.0, 1), timed(plain, 97.0, 1), sigma)
 
 
-def timed(config: TrainConfig, speed: float, peak: int, timings: tuple[float, ...] = ()):
-    step = config.effective_batch_size / speed
-    m = Measurement(peak, step, speed)
-    return TrialRecord(config, m, m, None, timings)
+def test_a_slow_spell_that_hits_a_round_alike_is_not_noise() -> None:
+    """Both configs 10% slower in the same round: their ratio held, so the lead is known."""
+    a = timed(TrainConfig(micro_batch_size=8), 100.0, 1, (1.0, 1.1, 1.0))
+    b = timed(TrainConfig(micro_batch_size=4), 96.0, 1, (1.0, 1.1, 1.0))
+    assert noise([a, b]) == 0.01  # the ratio never moved: the least noise assumed
+    assert known_ahead(a, b, noise([a, b]))
 
 
 def test_within_the_timing_noise_the_simpler_config_wins() -> None:
@@ -168,18 +177,19 @@ def test_within_the_timing_noise_the_simpler_config_wins() -> None:
     selective = TrainConfig(micro_batch_size=8, grad_accum_steps=4, selective_checkpoint=("a",))
     plain = TrainConfig(micro_batch_size=8, grad_accum_steps=4)
     fewer_steps = TrainConfig(micro_batch_size=16, grad_accum_steps=2, checkpoint=("a", "b"))
-    # Three timings each that spread 2% either side: leads up to 2.7% are ties.
-    spread = (0.98, 1.0, 1.02)
-    fast = timed(checkpointed, 100.0, 500, spread)
-    simple = timed(plain, 98.5, 900, spread)
-    assert noise([fast, simple]) == pytest.approx(0.02, rel=0.01)
+    # Timings that scatter 2% either way, in opposite rounds: 2.8% noise per timing, and
+    # leads up to 3.8% over three rounds are ties.
+    up, down = (0.98, 1.0, 1.02), (1.02, 1.0, 0.98)
+    fast = timed(checkpointed, 100.0, 500, up)
+    simple = timed(plain, 98.5, 900, down)
+    assert noise([fast, simple]) == pytest.approx(0.0283, rel=0.01)
     assert fastest([fast, simple]) is simple  # fewer wrapped blocks, larger peak
-    assert fastest([fast, timed(selective, 98.5, 900, spread)]).config is selective
-    assert fastest([fast, timed(fewer_steps, 98.5, 900, spread)]).config is fewer_steps
+    assert fastest([fast, timed(selective, 98.5, 900, down)]).config is selective
+    assert fastest([fast, timed(fewer_steps, 98.5, 900, down)]).config is fewer_steps
     # Outside the noise the faster one wins.
-    assert fastest([fast, timed(plain, 97.0, 900, spread)]) is fast
+    assert fastest([fast, timed(plain, 95.0, 900, down)]) is fast
     # Timed once each, nothing is known of the noise: 3% is assumed, a 1.5% lead is a tie.
     assert fastest([timed(checkpointed, 100.0, 500), timed(plain, 98.5, 900)]).config is plain
     # However noisy the re-timings, the noise assumed is at most 4%.
     wild = (0.5, 1.0, 1.5)
-    assert noise([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, wild)]) == 0.04
+    assert noise([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, up)]) == 0.04
