@@ -56,7 +56,7 @@ def profile_model(
             work.to(device)
     if copies is None:
         profiler = _profiler(work, problem)
-        precisions, untrainable, slow = fast_precisions(
+        precisions, untrainable, slow, timed = fast_precisions(
             profiler, problem.precisions, problem.sizes, device_name=problem.target.name
         )
         draft, notes = _memory(profiler, problem, precisions, world)
@@ -64,9 +64,10 @@ def profile_model(
         log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
         three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
         shallow = _profiler(three.to(device), problem, blocks3)
-        precisions, untrainable, slow = fast_precisions(
+        precisions, untrainable, slow, _ = fast_precisions(
             shallow, problem.precisions, problem.sizes, device_name=problem.target.name
         )
+        timed = {}  # timed on the copy of 3 blocks, not on the copy the time profile runs on
         draft3, _ = _memory(shallow, problem, precisions, world)
         del shallow, three
         backend_for(device).empty_cache()
@@ -86,7 +87,9 @@ def profile_model(
     feasible = _caps(problem, draft, world)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in untrainable]
-    profile = time_profile(profiler, draft, feasible, sizes, device_name=problem.target.name)
+    profile = time_profile(
+        profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
+    )
     if copies is not None:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))

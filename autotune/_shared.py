@@ -66,15 +66,17 @@ def shared_candidates(
     return [Candidate(c, cost.predict(c)) for c in (from_plain(TrainConfig, p) for p in plain)]
 
 
-def measure_with(verifier: Verifier, store: StudyStore | None) -> Measure:
-    """Run configs for real; with a study, each once among the processes that share it."""
+def measure_with(verifier: Verifier, store: StudyStore | None, *, timed: bool = True) -> Measure:
+    """Run configs for real; with a study, each once among the processes that share it.
+    ``timed=False``: their speed from one step (see :meth:`Verifier.run`)."""
+    kind = "verify" if timed else "verify-once"
 
     def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
         if store is None:
-            return verifier.record(config, predicted)
+            return verifier.record(config, predicted, timed=timed)
         plain = store.once(
-            store.job_of("verify", config),
-            lambda: to_plain(verifier.record(config, predicted)),
+            store.job_of(kind, config),
+            lambda: to_plain(verifier.record(config, predicted, timed=timed)),
             f"verifying {config.describe()}",
         )
         record: TrialRecord = from_plain(TrialRecord, plain)

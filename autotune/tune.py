@@ -266,7 +266,9 @@ def _verify(
     records = shared_settle(store, verifier, choose_winner(measure, candidates, top=_VERIFY_TOP))
     chosen = fastest(records)
     planner = planner_of(planners, chosen.config)
-    return chosen, records, fallback_ladder(measure, planner, chosen, records)
+    # A fallback's peak is verified as any config's; one step times it, for the ladder's order.
+    once = measure_with(verifier, store, timed=False)
+    return chosen, records, fallback_ladder(once, planner, chosen, records)
 
 
 def _model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:

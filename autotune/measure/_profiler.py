@@ -233,18 +233,32 @@ class Profiler:
     def fwd_bwd_time(self, precision: str, b: int, *, every: int = KEEP) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``, with every
         block kept, checkpointed (``every=CHECKPOINT``) or checkpointed selectively."""
+        return self.fwd_bwd_times(precision, b, (every,))[every]
+
+    def fwd_bwd_times(self, precision: str, b: int, variants: Sequence[int]) -> dict[int, float]:
+        """:meth:`fwd_bwd_time` of each of ``variants`` (KEEP, CHECKPOINT, SELECTIVE), on
+        one runner after one warm-up pass, the variants timed in turn (several rounds of
+        passes shorter than 0.2 s), so that a slow spell hits them alike."""
         runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
-        if every in (CHECKPOINT, SELECTIVE):
-            apply_checkpointing(self.model, self.blocks, selective=every == SELECTIVE)
         chunk = batching.resize(self.sample, b)
+        times: dict[int, list[float]] = {v: [] for v in variants}
         try:
+            self._every(variants[0])
             with _model_errors(self.model, chunk, self.loss_fn):
                 first = self._timed(lambda: runner.forward_backward(chunk))
-            repeats = self.repeats if first < 0.2 else 1
-            times = [self._timed(lambda: runner.forward_backward(chunk)) for _ in range(repeats)]
+            for _ in range(self.repeats if first < 0.2 else 1):
+                for v in variants:
+                    self._every(v)
+                    times[v].append(self._timed(lambda: runner.forward_backward(chunk)))
         finally:
             runner.close()  # the checkpoint wrappers and the gradients
-        return statistics.median(times)
+        return {v: statistics.median(ts) for v, ts in times.items()}
+
+    def _every(self, variant: int) -> None:
+        """Every block kept, checkpointed or checkpointed selectively."""
+        remove_checkpointing(self.model)
+        if variant in (CHECKPOINT, SELECTIVE):
+            apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
 
     def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
         """Each block's share of the blocks' forward time, from one timed forward."""

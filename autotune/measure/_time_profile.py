@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -18,7 +19,7 @@ from autotune.errors import BatchError, ProfileError
 from autotune.measure._profile_data import CHECKPOINT, SELECTIVE, Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
-__all__ = ["fast_precisions", "time_profile"]
+__all__ = ["Fast", "fast_precisions", "time_profile"]
 
 _SATURATED_S = 0.5
 _LONGEST_PASS_S = 2.0
@@ -28,11 +29,24 @@ _TRIED_SIZES = 3
 """The smallest sizes tried before a failure is the model's, not a size's."""
 
 
+class Fast(NamedTuple):
+    """What :func:`fast_precisions` found."""
+
+    precisions: tuple[str, ...]
+    """Those not much slower than fp32 at the smallest micro-batch."""
+    untrainable: tuple[int, ...]
+    """The smallest sizes the model cannot train on."""
+    notes: list[str]
+    """A note per precision or size left out."""
+    seconds: dict[str, dict[int, float]]
+    """The passes it timed, by precision and micro-batch: the time profile reuses them."""
+
+
 def fast_precisions(
     profiler: Profiler, precisions: Sequence[str], sizes: Sequence[int], *, device_name: str
-) -> tuple[tuple[str, ...], tuple[int, ...], list[str]]:
+) -> Fast:
     """The precisions not much slower than fp32 at the smallest micro-batch, the smallest
-    sizes the model cannot train on, and a note per one dropped.
+    sizes the model cannot train on, a note per one dropped, and the passes timed.
 
     Timed before anything else is measured, so that a precision the device only emulates
     (fp16 on most CPUs: several times slower) costs one small pass, not a memory profile
@@ -48,8 +62,10 @@ def fast_precisions(
     reference = "fp32" if "fp32" in precisions else precisions[0]
     untrainable: list[int] = []
     notes: list[str] = []
+    timed: dict[str, dict[int, float]] = {}
     try:
         b, seconds = _first_trainable(profiler, reference, sizes, untrainable, notes)
+        timed[reference] = {b: seconds}
         kept = [reference]
         for p in precisions:
             if p == reference:
@@ -57,14 +73,15 @@ def fast_precisions(
             if reference != "fp32":  # no fp32 to compare with: time decides later
                 kept.append(p)
                 continue
-            ratio = profiler.fwd_bwd_time(p, b) / seconds
+            timed[p] = {b: profiler.fwd_bwd_time(p, b)}
+            ratio = timed[p][b] / seconds
             if ratio > _SLOW_PRECISION:
                 notes.append(_slow_note(p, ratio, device_name))
             else:
                 kept.append(p)
     except torch.OutOfMemoryError:  # the device cannot hold even this: the profile decides
-        return tuple(precisions), tuple(untrainable), notes
-    return tuple(p for p in precisions if p in kept), tuple(untrainable), notes
+        return Fast(tuple(precisions), tuple(untrainable), notes, timed)
+    return Fast(tuple(p for p in precisions if p in kept), tuple(untrainable), notes, timed)
 
 
 def _first_trainable(
@@ -110,6 +127,7 @@ def time_profile(
     sizes: Sequence[int],
     *,
     device_name: str,
+    timed: Mapping[str, Mapping[int, float]] | None = None,
 ) -> Profile:
     """``draft`` (a memory profile) with time curves and block weights measured.
 
@@ -119,6 +137,7 @@ def time_profile(
         caps: Per precision to time, the largest micro-batch that fits.
         sizes: The micro-batch sizes the search may pick (ascending).
         device_name: For notes.
+        timed: Passes timed already on this profiler (:attr:`Fast.seconds`), reused.
 
     Returns:
         The profile with only the precisions that were timed.
@@ -127,14 +146,14 @@ def time_profile(
     notes = list(draft.notes)
     probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
     reference = "fp32" if "fp32" in feasible else next(iter(feasible))
-    times: dict[str, dict[int, float]] = {p: {} for p in feasible}
-    probe[reference], seconds = _probe(profiler, reference, probe[reference], sizes)
+    times = {p: dict((timed or {}).get(p, {})) for p in feasible}
+    probe[reference], seconds = _probe(profiler, reference, probe[reference], sizes, times)
     times[reference][probe[reference]] = seconds
     for p in list(feasible):
         if p == reference:
             continue
         b = probe[reference] if probe[reference] <= feasible[p] else probe[p]
-        times[p][b] = profiler.fwd_bwd_time(p, b)
+        times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
         if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
             notes.append(_slow_note(p, times[p][b] / ref, device_name))
@@ -148,15 +167,20 @@ def time_profile(
         ckpt_points = (
             sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
         )
-        ratios = tuple(
-            profiler.fwd_bwd_time(p, b, every=CHECKPOINT) / times[p][b] - 1 for b in ckpt_points
+        # Every block checkpointed, and selectively, timed on one runner after one warm-up.
+        variants = (CHECKPOINT, SELECTIVE) if draft.precisions[p].selective else (CHECKPOINT,)
+        wrapped = [profiler.fwd_bwd_times(p, b, variants) for b in ckpt_points]
+        ratios = {
+            v: tuple(t[v] / times[p][b] - 1 for b, t in zip(ckpt_points, wrapped, strict=True))
+            for v in variants
+        }
+        curve = TimeCurve(
+            xs,
+            tuple(times[p][x] for x in xs),
+            tuple(ckpt_points),
+            ratios[CHECKPOINT],
+            ratios.get(SELECTIVE, ()),
         )
-        selective: tuple[float, ...] = ()
-        if draft.precisions[p].selective:
-            selective = tuple(
-                profiler.fwd_bwd_time(p, b, every=SELECTIVE) / times[p][b] - 1 for b in ckpt_points
-            )
-        curve = TimeCurve(xs, tuple(times[p][x] for x in xs), tuple(ckpt_points), ratios, selective)
         precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
     weights = profiler.block_weights(reference, probe[reference]) if profiler.blocks else ()
     return dataclasses.replace(
@@ -224,9 +248,18 @@ def _previous_size(ladder: Sequence[int], b: int) -> int | None:
     return ladder[i - 1] if i else None
 
 
-def _probe(profiler: Profiler, precision: str, b: int, sizes: Sequence[int]) -> tuple[int, float]:
-    """(size, seconds) of the first timing: at ``b``, or halved until the device holds it."""
+def _probe(
+    profiler: Profiler,
+    precision: str,
+    b: int,
+    sizes: Sequence[int],
+    times: Mapping[str, Mapping[int, float]],
+) -> tuple[int, float]:
+    """(size, seconds) of the first timing: at ``b``, or halved until the device holds it
+    (already in ``times``: not timed again)."""
     while True:
+        if b in times[precision]:
+            return b, times[precision][b]
         try:
             return b, profiler.fwd_bwd_time(precision, b)
         except torch.OutOfMemoryError:

@@ -125,6 +125,7 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
         global_batch_size=effective,
         limit=int(peak_bytes * _LADDER_STEP),
         checkpointing=planner.checkpointing,
+        selective=planner.selective,
         offload_optimizer=planner.offload_optimizer,
         offload_activations=planner.offload_activations,
     )

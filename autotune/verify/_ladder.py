@@ -27,7 +27,8 @@ def fallback_ladder(
     config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
     with at most 64 accumulation steps, every block checkpointed, the precision that
     needs least); each only if no verified config goes as low as it is predicted to.
-    ``records`` gains their trials.
+    ``measure`` runs them (a fallback's speed only orders the ladder: the tuner times it
+    over one step). ``records`` gains their trials.
     """
     config = winner.config
     assert winner.measured is not None

@@ -84,8 +84,14 @@ class Verifier:
         self.steps = steps
         self.ops = backend_for(device)
 
-    def run(self, config: TrainConfig) -> tuple[Measurement | None, str | None]:
-        """Measure ``config``: (measurement, None), or (None, why it was rejected)."""
+    def run(
+        self, config: TrainConfig, *, timed: bool = True
+    ) -> tuple[Measurement | None, str | None]:
+        """Measure ``config``: (measurement, None), or (None, why it was rejected).
+
+        ``timed=False``: its peak as always, its speed from one step instead of a window
+        of them (a fallback's, which only orders the ladder).
+        """
         n = config.effective_batch_size
         batch = batching.resize(self.sample, n)
         if n < batching.batch_size(self.sample):  # views: they would hold the whole sample
@@ -97,7 +103,7 @@ class Verifier:
         try:
             with self._together(config):
                 runner = self._prepare(config)
-                peak, step_s = self._measure(runner, batch)
+                peak, step_s = self._measure(runner, batch, timed)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
         except NonFiniteError as exc:  # e.g. fp16 overflowing in this model's forward
@@ -132,7 +138,7 @@ class Verifier:
             model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )
 
-    def _measure(self, runner: Runner, batch: Any) -> tuple[int, float]:
+    def _measure(self, runner: Runner, batch: Any, timed: bool = True) -> tuple[int, float]:
         budget = self.budget_bytes
         if self.ops.caching:
             with measure_peak(
@@ -142,16 +148,23 @@ class Verifier:
                 foreign_bytes=self.foreign_bytes,
             ) as reading:
                 runner.step(batch)  # warm-up: allocates optimizer state
-                times = self._timed_steps(runner, batch)
+                times = self._timed_steps(runner, batch, timed)
                 _next_batch(batch)
             return reading.peak_bytes, statistics.median(times)
         # CPU: the first step allocates the optimizer state under the guard, the second
         # is measured at steady state; the timed steps run without the tracker's overhead.
         # The batch counts: training holds it through the step (on CUDA it is in the
-        # reserved bytes already where it lives on the device).
+        # reserved bytes already where it lives on the device). Without a timing window
+        # (a fallback's) the first step is the one timed, without the tracker.
         held = batching.tensors_on(batch, self.device)
-        with measure_peak(self.device, existing=[*self._state(runner), *held], budget_bytes=budget):
-            runner.step(batch)
+        once: list[float] = []
+        if timed:
+            with measure_peak(
+                self.device, existing=[*self._state(runner), *held], budget_bytes=budget
+            ):
+                runner.step(batch)
+        else:
+            once = self._timed_steps(runner, batch, window=False)
         peak = 0
         # DDP builds its buckets again in its second step, steady from its third: both count.
         for _ in range(2 if runner.config.parallel == "ddp" else 1):
@@ -164,13 +177,14 @@ class Verifier:
                 runner.step(batch)
                 _next_batch(batch)
             peak = max(peak, reading.peak_bytes)
-        return peak, statistics.median(self._timed_steps(runner, batch))
+        return peak, statistics.median(once or self._timed_steps(runner, batch))
 
-    def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
+    def _timed_steps(self, runner: Runner, batch: Any, window: bool = True) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
-        at most 20 steps or 3 s (one step when a step alone is that long). With data
-        parallelism each step's time is the slowest rank's, so that every rank takes as
-        many steps (a rank stepping alone would wait for the others forever)."""
+        at most 20 steps or 3 s (one step when a step alone is that long; one step
+        without a ``window``). With data parallelism each step's time is the slowest
+        rank's, so that every rank takes as many steps (a rank stepping alone would wait
+        for the others forever)."""
 
         def timed() -> float:
             seconds = self._timed(lambda: runner.step(batch))
@@ -180,7 +194,8 @@ class Verifier:
 
         times = [timed()]
         while (
-            sum(times) < _TIMED_S
+            window
+            and sum(times) < _TIMED_S
             and len(times) < _MAX_TIMED_STEPS
             and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
         ):
@@ -201,9 +216,12 @@ class Verifier:
             del runner
             self._release()
 
-    def record(self, config: TrainConfig, predicted: Measurement) -> TrialRecord:
-        """Run ``config`` and wrap the outcome as a :class:`TrialRecord`."""
-        measured, error = self.run(config)
+    def record(
+        self, config: TrainConfig, predicted: Measurement, *, timed: bool = True
+    ) -> TrialRecord:
+        """Run ``config`` and wrap the outcome as a :class:`TrialRecord` (``timed``: as
+        :meth:`run`)."""
+        measured, error = self.run(config, timed=timed)
         return TrialRecord(config, predicted, measured, error)
 
     @staticmethod

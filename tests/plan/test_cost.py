@@ -70,7 +70,8 @@ def test_predicted_peak_matches_measured(
     predicted, parts = CostModel(gpt_profile).memory(config)
     measured = measured_peak(gpt3_model, gpt3_sample, config)
     assert_close_bytes(predicted, measured)
-    if selective:  # the new choice is replayed exactly, to the byte
+    if selective and b >= 2:  # the new choice is replayed exactly, to the byte, from the
+        # profiled sizes (2 and 4) up; below them a line through 2 and 4 may miss a little
         assert predicted == measured
     assert min(dataclasses.astuple(parts)) >= 0  # nothing holds negative bytes
     assert parts.parameters == gpt_profile.param_bytes
