@@ -2,7 +2,8 @@
 
 Grid: every micro-batch size dividing the global batch (a power-of-two ladder when none
 is fixed) x each precision and optimizer the tuner searched x checkpointing none, all
-blocks, and every partial mask the tuner itself verified at that size. A configuration
+blocks, all blocks selectively, and every partial mask the tuner itself verified at that
+size. A configuration
 over the budget (``torch.OutOfMemoryError`` from the budget guard on CPU, from the capped
 allocator on CUDA) is excluded, exactly as the tuner's verification excludes it.
 
@@ -16,7 +17,7 @@ A checkpointed configuration whose micro-batch fits without checkpointing is dom
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,16 @@ __all__ = [
     "Point",
     "Sweep",
     "grid_configs",
+    "hand_candidates",
     "hand_config",
     "median_throughput",
     "sizes_for",
 ]
 
 SKIPPED = "skipped: dominated, the same micro-batch"
+
+Mask = tuple[tuple[str, ...], tuple[str, ...]]
+"""The blocks checkpointed, and those checkpointed selectively."""
 
 
 @dataclass(frozen=True)
@@ -48,25 +53,32 @@ class Point:
     error: str | None = None
 
 
-def hand_config(points: Sequence[Point], n_blocks: int) -> TrainConfig | None:
+def hand_candidates(points: Sequence[Point], n_blocks: int) -> list[TrainConfig]:
     """What an expert sets by hand, taken from the measured grid: the user's optimizer on
     the device, for each precision no checkpointing or every block checkpointed, each at
-    the largest micro-batch that fits; the fastest of those (as one who tried them all)."""
+    the largest micro-batch that fits. The hand config is the fastest of these, as one
+    who tried them all: :func:`hand_config` over timings of them taken together (one
+    timing each in a sweep is too noisy to choose by)."""
     default = TrainConfig().optimizer
     picks: dict[tuple[str, bool], Point] = {}
     for p in points:
         c = p.config
         if p.measured is None or c.optimizer != default or c.offload_optimizer:
             continue
-        if c.offload_activations or len(c.checkpoint) not in (0, n_blocks):
+        if c.offload_activations or c.selective_checkpoint:
+            continue
+        if len(c.checkpoint) not in (0, n_blocks):
             continue
         key = (c.precision, bool(c.checkpoint))
         if key not in picks or c.micro_batch_size > picks[key].config.micro_batch_size:
             picks[key] = p
-    if not picks:
-        return None
-    best = max(picks.values(), key=lambda p: p.measured.samples_per_s if p.measured else 0.0)
-    return best.config
+    return [p.config for p in picks.values()]
+
+
+def hand_config(medians: Mapping[TrainConfig, float | None]) -> TrainConfig | None:
+    """The fastest of the hand candidates by their median throughput (``None``: none ran)."""
+    ran = {c: m for c, m in medians.items() if m is not None}
+    return max(ran, key=ran.__getitem__) if ran else None
 
 
 def sizes_for(global_batch_size: int | None, *, ladder_max: int = 64) -> list[int]:
@@ -84,23 +96,25 @@ def grid_configs(
     optimizers: Iterable[str],
 ) -> list[TrainConfig]:
     """The grid for one tuning result (see the module docstring), the tuned config included."""
-    tuned_masks: dict[tuple[int, str, str], set[tuple[str, ...]]] = {}
+    tuned_masks: dict[tuple[int, str, str], set[Mask]] = {}
     for config in [result.config, *(t.config for t in result.trials)]:
         key = (config.micro_batch_size, config.precision, config.optimizer)
-        tuned_masks.setdefault(key, set()).add(config.checkpoint)
+        tuned_masks.setdefault(key, set()).add((config.checkpoint, config.selective_checkpoint))
+    every: tuple[str, ...] = tuple(blocks)
     out: list[TrainConfig] = []
     for p in precisions:
         for o in optimizers:
             for b in sizes_for(global_batch_size):
                 accum = global_batch_size // b if global_batch_size else 1
-                masks = {(), tuple(blocks), *tuned_masks.get((b, p, o), set())}
-                for mask in sorted(masks, key=len):
+                masks = {((), ()), (every, ()), ((), every), *tuned_masks.get((b, p, o), set())}
+                for ckpt, selective in sorted(masks, key=lambda m: (len(m[0]), len(m[1]))):
                     config = TrainConfig(
                         micro_batch_size=b,
                         grad_accum_steps=accum,
                         precision=p,
                         optimizer=o,
-                        checkpoint=mask,
+                        checkpoint=ckpt,
+                        selective_checkpoint=selective,
                     )
                     if config not in out:
                         out.append(config)
@@ -175,20 +189,25 @@ class Sweep:
     ) -> list[Point]:
         """Measure every configuration of the grid under the budget.
 
-        With ``prune``, a checkpointed configuration is skipped when the same micro-batch,
-        precision and optimizer fit without checkpointing: checkpointing only adds
-        recomputation, so it cannot be faster (the tuned config is measured regardless,
-        in :meth:`remeasure`). Skipped points carry ``error="skipped: ..."``.
+        With ``prune``, a (fully or selectively) checkpointed configuration is skipped when
+        the same micro-batch, precision and optimizer fit without checkpointing:
+        checkpointing only adds recomputation, so it cannot be faster (the tuned config is
+        measured regardless, in :meth:`remeasure`). Skipped points carry
+        ``error="skipped: ..."``.
         """
         points: list[Point] = []
         fits: set[tuple[int, int, str, str]] = set()
-        for c in sorted(configs, key=lambda c: len(c.checkpoint)):
+
+        def wrapped(c: TrainConfig) -> int:
+            return len(c.checkpoint) + len(c.selective_checkpoint)
+
+        for c in sorted(configs, key=wrapped):
             key = (c.micro_batch_size, c.grad_accum_steps, c.precision, c.optimizer)
-            if prune and c.checkpoint and key in fits:
+            if prune and wrapped(c) and key in fits:
                 points.append(Point(c, None, f"{SKIPPED} fits without checkpointing"))
                 continue
             point = self.measure(c, budget_bytes)
-            if point.measured is not None and not c.checkpoint:
+            if point.measured is not None and not wrapped(c):
                 fits.add(key)
             points.append(point)
         order = {c: i for i, c in enumerate(configs)}

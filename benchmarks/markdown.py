@@ -85,8 +85,12 @@ def summary_table(summary: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """Both tables and the line that says where they come from."""
     m = report["machine"]
+    flags = m.get("cpu_flags")
+    shown = (
+        f", CPU flags {' '.join(flags) or 'none of avx2/avx512/amx'}" if flags is not None else ""
+    )
     head = (
-        f"`{report['command']}`, {report['date']}, {m['name']} ({m['device']}), "
+        f"`{report['command']}`, {report['date']}, {m['name']} ({m['device']}){shown}, "
         f"torch {m['torch']}, {m['threads']} threads, {report['wall_s'] / 60:.1f} min"
     )
     return "\n\n".join([head, summary_table(report["summary"]), rows_table(report["rows"])])

@@ -9,7 +9,7 @@ Definitions (see benchmarks/README.md):
 * tuned / baseline: the same medians, tuned over the accelerate baseline's config;
 * tuned / hand: the same medians, tuned over what an expert sets by hand (the faster of
   fp32 and the lower precisions, no checkpointing or every block, the largest micro-batch
-  that fits: :func:`benchmarks.grid.hand_config`);
+  that fits: :func:`benchmarks.grid.hand_candidates`, the fastest of them in the final rounds);
 * violations: the tuned config measured over the budget, in tuning or in any re-run.
 """
 
@@ -63,7 +63,7 @@ class Row:
     tuned_over_grid: float | None = None
     tuned_over_baseline: float | None = None
     hand: str | None = None
-    """What an expert sets by hand (see :func:`benchmarks.grid.hand_config`)."""
+    """What an expert sets by hand (see :func:`benchmarks.grid.hand_candidates`)."""
     tuned_over_hand: float | None = None
     violations: int = 0
     error: str | None = None
@@ -71,12 +71,14 @@ class Row:
 
 
 def short(config: TrainConfig | None, n_blocks: int) -> str:
-    """``b16x2 bf16 ck0/4 adamw``: micro-batch x accumulation, precision, checkpointed blocks."""
+    """``b16x2 bf16 ck0/4 adamw``: micro-batch x accumulation, precision, checkpointed
+    blocks (``ck1+s2/4``: one checkpointed, two selectively), optimizer."""
     if config is None:
         return "-"
+    selective = f"+s{len(config.selective_checkpoint)}" if config.selective_checkpoint else ""
     return (
         f"b{config.micro_batch_size}x{config.grad_accum_steps} {config.precision} "
-        f"ck{len(config.checkpoint)}/{n_blocks} {config.optimizer}"
+        f"ck{len(config.checkpoint)}{selective}/{n_blocks} {config.optimizer}"
     )
 
 
@@ -92,6 +94,7 @@ def peak_errors(result: TuneResult, n_blocks: int) -> tuple[list[dict[str, Any]]
             {
                 "config": short(trial.config, n_blocks),
                 "checkpoint": list(trial.config.checkpoint),
+                "selective_checkpoint": list(trial.config.selective_checkpoint),
                 "predicted_peak_bytes": predicted,
                 "measured_peak_bytes": measured,
                 "error": (predicted - measured) / measured,

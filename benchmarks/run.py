@@ -42,7 +42,14 @@ from autotune.measure._devices import discover
 from benchmarks.baseline import BaselineResult, describe, find_batch_baseline
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for
-from benchmarks.grid import SKIPPED, Sweep, grid_configs, hand_config, median_throughput
+from benchmarks.grid import (
+    SKIPPED,
+    Sweep,
+    grid_configs,
+    hand_candidates,
+    hand_config,
+    median_throughput,
+)
 from benchmarks.report import Row, format_table, short, summarise
 from benchmarks.tuning import fill_tuning, tune
 
@@ -201,12 +208,13 @@ def _sweep(
         for p in points
     ]
     top = [p.config for p in fitting[:_TOP]]
-    hand = hand_config(fitting, n)
-    row.hand = short(hand, n) if hand else None
-    others = [c for c in (base, hand) if c is not None]
+    hands = hand_candidates(fitting, n)
+    others = [c for c in (base, *hands) if c is not None]
     finalists = list(dict.fromkeys([result.config, *others, *top]))
     final = sweep.remeasure(finalists, result.budget_bytes, rounds=rounds)
     medians = {c: median_throughput(runs) for c, runs in final.items()}
+    hand = hand_config({c: medians[c] for c in hands})
+    row.hand = short(hand, n) if hand else None
     row.final = {short(c, n): m for c, m in medians.items()}
     row.details["final_runs"] = {
         short(c, n): [p.measured.samples_per_s if p.measured else p.error for p in runs]
@@ -277,7 +285,24 @@ def _machine(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "cpu": discover(torch.device("cpu")).name,
+        "cpu_flags": cpu_flags(),
     }
+
+
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "f16c")
+"""The CPU flags that decide how fast the precisions run (bf16 is emulated without
+``avx512_bf16`` or ``amx_bf16``, fp16 without ``avx512_fp16`` or ``amx_fp16``)."""
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`_FLAGS` this CPU has, from ``/proc/cpuinfo`` (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    return [f for f in _FLAGS if f in have]
 
 
 def _log(message: str) -> None:

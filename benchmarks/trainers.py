@@ -1,15 +1,21 @@
-"""Throughput inside the trainers people use: autotune against their own batch-size finders.
+"""Throughput inside the trainers people use: autotune against their own batch-size finders
+and against what an expert sets by hand.
 
 For each CPU case and budget, inside Lightning (every case) and inside Hugging Face
 ``Trainer`` (the Hugging Face models): tune with autotune's integration and run the
 trainer's own finder (Lightning's ``BatchSizeFinder(mode="binsearch")``, the ``Trainer``'s
 ``auto_find_batch_size``) under the same budget (the CPU budget guard), the global batch
-kept exact with accumulation. Then train with each, round-robin, ``--rounds`` fits each,
-and report the ratio of their median throughputs.
+kept exact with accumulation. The hand config is found as in the CPU benchmark
+(``grid.hand_candidates``: fp32 and bf16, no or every block checkpointed at the largest
+micro-batch that fits; the fastest of those over three rounds of the tuner's verifier)
+and trained through the same integration as the tuned one, so that the two arms differ
+only in the config. Then train with each, round-robin, ``--rounds`` fits
+each, and report the ratios of their median throughputs.
 
     python benchmarks/trainers.py --out benchmarks/results-trainers-cpu.json
 
-Targets (issue 12): ratio >= 1.0 in every row, median >= 1.2, per trainer.
+Targets: against the finder (issue 12), >= 1.0 in every row, median >= 1.2, per trainer;
+against the hand config (issue 25), >= 0.98 in every row.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see run.py
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -34,9 +41,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import autotune
 from benchmarks import trainer_hf, trainer_lightning
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for
+from benchmarks.grid import Sweep, hand_candidates, hand_config, median_throughput, sizes_for
 from benchmarks.run import _machine
 from benchmarks.trainer_parts import TIMED, WARMUP
 
@@ -113,11 +122,16 @@ def run_row(arms: Any, trainer: str, case: Case, data: Any, budget: Any, rounds:
         "accumulate": found.accumulate,
         "finding_s": found.seconds,
     }
-    timings: dict[str, list[float]] = {"autotune": [], "baseline": []}
     runs: dict[str, Callable[[], float]] = {
         "autotune": lambda: arms.timed_autotune(case, data, result),
         "baseline": lambda: arms.timed_baseline(case, data, found),
     }
+    hand = _hand(case, budget)
+    if hand is not None:
+        row["hand"] = {"config": hand.describe()}
+        as_set = dataclasses.replace(result, config=hand, fallbacks=(), by_length=())
+        runs["hand"] = lambda: arms.timed_autotune(case, data, as_set)
+    timings: dict[str, list[float]] = {arm: [] for arm in runs}
     for _ in range(rounds):
         for arm, run in runs.items():
             timings[arm].append(run())
@@ -125,7 +139,37 @@ def run_row(arms: Any, trainer: str, case: Case, data: Any, budget: Any, rounds:
         row[arm]["samples_per_s"] = values
         row[arm]["median"] = statistics.median(values)
     row["ratio"] = row["autotune"]["median"] / row["baseline"]["median"]
+    if "hand" in row:
+        row["ratio_hand"] = row["autotune"]["median"] / row["hand"]["median"]
     return row
+
+
+def _hand(case: Case, budget: Any) -> autotune.TrainConfig | None:
+    """What an expert sets by hand at this budget, found on the tuner's verifier as the CPU
+    benchmark finds it: fp32 or bf16 (an expert does not train in fp16 on a CPU), AdamW,
+    no or every block checkpointed, each at the largest micro-batch (dividing the global
+    batch) that fits; the fastest of those, timed together in three rounds."""
+    model = case.build()
+    blocks = autotune.find_blocks(model)
+    sweep = Sweep(model, case.sample(8), device=torch.device("cpu"), loss_fn=case.loss_fn)
+    g = case.global_batch_size
+    points = []
+    for p in ("fp32", "bf16"):
+        for mask in ((), blocks):
+            for b in sorted(sizes_for(g), reverse=True):  # the largest that fits, then stop
+                config = autotune.TrainConfig(
+                    micro_batch_size=b,
+                    grad_accum_steps=g // b if g else 1,
+                    precision=p,
+                    checkpoint=mask,
+                )
+                point = sweep.measure(config, budget.budget_bytes)
+                if point.measured is not None:
+                    points.append(point)
+                    break
+    candidates = hand_candidates(points, len(blocks))
+    runs = sweep.remeasure(candidates, budget.budget_bytes, rounds=3)
+    return hand_config({c: median_throughput(r) for c, r in runs.items()})
 
 
 def summarise(rows: list[dict]) -> dict[str, Any]:
@@ -142,6 +186,13 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
             "median_ratio": mid,
             "target_met": low >= 1.0 and mid >= 1.2,
         }
+        hand = [r["ratio_hand"] for r in rows if r["trainer"] == trainer and "ratio_hand" in r]
+        if hand:
+            out[trainer] |= {
+                "min_ratio_hand": min(hand),
+                "median_ratio_hand": statistics.median(hand),
+                "target_met_hand": min(hand) >= 0.98,
+            }
     return out
 
 
@@ -155,6 +206,12 @@ def _line(r: dict) -> str:
         f"(tuned in {r['autotune']['tuning_s']:.0f}s) | finder {base['found']} -> "
         f"{base['batch_size']}x{base['accumulate']} {base['median']:.1f}/s "
         f"(found in {base['finding_s']:.0f}s) | ratio {r['ratio']:.2f}"
+        + (
+            f" | hand {r['hand']['config']} {r['hand']['median']:.1f}/s, ratio "
+            f"{r['ratio_hand']:.2f}"
+            if "ratio_hand" in r
+            else ""
+        )
     )
 
 

@@ -56,6 +56,47 @@ def test_checkpointing_on_cuda_trains_like_the_original() -> None:
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_selective_checkpointing_on_cuda_trains_like_the_original(precision: str) -> None:
+    """The GPU's attention and matmul kernels are kept, the rest recomputed: the same
+    losses as keeping every block (bf16: to its precision)."""
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("no bf16 on this GPU")
+    model = tiny_gpt(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+    batch = gpt_batch(model.config, 8)
+    losses = []
+    for selective in ((), ("blocks.0", "blocks.1")):
+        config = autotune.TrainConfig(
+            micro_batch_size=4, grad_accum_steps=2, precision=precision,
+            selective_checkpoint=selective,
+        )  # fmt: skip
+        runner = autotune.prepare(copy.deepcopy(model), config, device="cuda", lr=1e-3)
+        losses.append([runner.step(batch).item() for _ in range(3)])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4 if precision == "fp32" else 1e-2)
+
+
+def test_selective_checkpointing_is_predicted_on_cuda() -> None:
+    """Its peak between keeping and checkpointing every block, and predicted from the
+    profile within the CUDA target, beside a partial full-checkpoint mask."""
+    model = tiny_gpt(n_layer=4, n_embd=256, n_head=4, block_size=256, vocab_size=1024)
+    sample = gpt_batch(model.config, 8)
+    blocks = tuple(f"blocks.{i}" for i in range(4))
+    base = autotune.TrainConfig(micro_batch_size=8, precision="bf16")
+    if not torch.cuda.is_bf16_supported():
+        base = base.replace(precision="fp32")
+    peaks = {}
+    for name, config in (
+        ("kept", base),
+        ("selective", base.replace(selective_checkpoint=blocks)),
+        ("checkpointed", base.replace(checkpoint=blocks)),
+        ("mixed", base.replace(checkpoint=blocks[:1], selective_checkpoint=blocks[2:])),
+    ):
+        predicted, _ = estimate(model, sample, config, device="cuda")
+        peaks[name] = measured = _cuda_peak(model, config)
+        assert abs(predicted - measured) <= 0.08 * measured, (name, predicted, measured)
+    assert peaks["kept"] > peaks["selective"] > peaks["checkpointed"]
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_on_cuda(precision: str) -> None:
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
