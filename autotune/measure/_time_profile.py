@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from autotune.errors import BatchError, ProfileError
-from autotune.measure._profile_data import CHECKPOINT, SELECTIVE, Profile, TimeCurve
+from autotune.measure._profile_data import CHECKPOINT, KEEP, SELECTIVE, Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 
 __all__ = ["Fast", "fast_precisions", "time_profile"]
@@ -162,23 +162,27 @@ def time_profile(
     untrainable = list(draft.untrainable)
     for p, cap in feasible.items():
         allowed = [s for s in sizes if s not in untrainable]
-        ladder = _time_ladder(profiler, p, _ladder(allowed, cap), times[p], notes, untrainable)
+        # Every block checkpointed, and selectively: timed on the runner of the kept pass
+        # (after its warm-up, in turn with it) at the second size and at the last one.
+        variants: tuple[int, ...] = ()
+        if profiler.blocks:
+            variants = (CHECKPOINT, SELECTIVE) if draft.precisions[p].selective else (CHECKPOINT,)
+        wrapped: dict[int, dict[int, float]] = {}
+        planned = _ladder(allowed, cap)
+        ladder = _time_ladder(profiler, p, planned, times[p], notes, untrainable, variants, wrapped)
         xs = tuple(sorted(times[p]))
-        ckpt_points = (
-            sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if profiler.blocks else []
-        )
-        # Every block checkpointed, and selectively, timed on one runner after one warm-up.
-        variants = (CHECKPOINT, SELECTIVE) if draft.precisions[p].selective else (CHECKPOINT,)
-        wrapped = [profiler.fwd_bwd_times(p, b, variants) for b in ckpt_points]
+        ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if variants else []
+        for b in ckpt_points:
+            if b not in wrapped:  # the ladder stopped early, or timed it before
+                wrapped[b] = {KEEP: times[p][b], **profiler.fwd_bwd_times(p, b, variants)}
         ratios = {
-            v: tuple(t[v] / times[p][b] - 1 for b, t in zip(ckpt_points, wrapped, strict=True))
-            for v in variants
+            v: tuple(wrapped[b][v] / wrapped[b][KEEP] - 1 for b in ckpt_points) for v in variants
         }
         curve = TimeCurve(
             xs,
             tuple(times[p][x] for x in xs),
             tuple(ckpt_points),
-            ratios[CHECKPOINT],
+            ratios.get(CHECKPOINT, ()),
             ratios.get(SELECTIVE, ()),
         )
         precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
@@ -199,8 +203,14 @@ def _time_ladder(
     times: dict[int, float],
     notes: list[str],
     untrainable: list[int],
+    variants: tuple[int, ...] = (),
+    wrapped: dict[int, dict[int, float]] | None = None,
 ) -> list[int]:
     """Time forward+backward up the ladder into ``times``; returns the sizes timed.
+
+    At the ladder's second and last sizes, ``variants`` (every block checkpointed, or
+    selectively) are timed on the same runner, in turn with the kept pass, into
+    ``wrapped[b]`` (by variant, the kept one too).
 
     An out-of-memory error past the first size ends the ladder there, with a note; a
     size the model fails on otherwise goes into ``untrainable``, with a note.
@@ -211,10 +221,15 @@ def _time_ladder(
     spend minutes on them.
     """
     done: list[int] = []
+    paired = {ladder[min(1, len(ladder) - 1)], ladder[-1]} if variants else set()
     for b in ladder:
         if b not in times:
             try:
-                times[b] = profiler.fwd_bwd_time(precision, b)
+                if b in paired and wrapped is not None:
+                    wrapped[b] = profiler.fwd_bwd_times(precision, b, (KEEP, *variants))
+                    times[b] = wrapped[b][KEEP]
+                else:
+                    times[b] = profiler.fwd_bwd_time(precision, b)
             except ProfileError as exc:
                 if not done or done[-1] != _previous_size(ladder, b):
                     raise  # the first size, or two in a row: the model is at fault, not a size

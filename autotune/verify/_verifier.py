@@ -203,13 +203,17 @@ class Verifier:
         return times
 
     def retime(self, config: TrainConfig) -> float:
-        """Seconds per step of ``config`` again, without measuring its peak (it fitted)."""
+        """Seconds per step of ``config`` again, without measuring its peak (it fitted).
+
+        The first of its timed steps is also its warm-up (the optimizer's state made, the
+        allocator's blocks taken): the median of three or more steps leaves one slow step
+        out, where a warm-up step of its own would cost a step more per timing.
+        """
         batch = batching.resize(self.sample, config.effective_batch_size)
         self._release()
         runner = self._prepare(config)
         try:
             with self._together(config):
-                runner.step(batch)  # warm-up
                 return statistics.median(self._timed_steps(runner, batch))
         finally:
             runner.close()

@@ -31,14 +31,14 @@ def setup() -> tuple[Profiler, object]:
 @pytest.mark.parametrize("limit", [16, 4])  # past the speed probe (micro-batch 8), and at it
 def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, limit: int) -> None:
     profiler, draft = setup
-    timed = profiler.fwd_bwd_time
+    timed = profiler.fwd_bwd_times
 
-    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
-        if b >= limit and not every:
+    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+        if b >= limit and 0 in variants:  # the kept pass runs out, where it is timed
             raise torch.OutOfMemoryError("CUDA out of memory. (injected: a shared device)")
-        return timed(precision, b, every=every)
+        return timed(precision, b, variants)
 
-    monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
+    monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
     profile = time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
     curve = profile.precisions["fp32"].time
     assert curve is not None and max(curve.batch_sizes) == limit // 2
@@ -48,10 +48,10 @@ def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, lim
 def test_an_oom_at_the_first_size_is_not_hidden(setup, monkeypatch) -> None:
     profiler, draft = setup
 
-    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
+    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
         raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
 
-    monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
+    monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
     with pytest.raises(torch.OutOfMemoryError):
         time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
 
@@ -141,3 +141,30 @@ def test_a_model_that_trains_on_no_size_is_a_batch_error(setup, monkeypatch) -> 
     with pytest.raises(BatchError, match=r"forward failed on the sample batch \(cut to 1 sample\)"):
         fast_precisions(profiler, ("fp32",), (1, 2, 4, 8, 16), device_name="cpu")
     assert calls == [1, 2, 4]  # a few sizes, then the model is at fault, not a size
+
+
+def test_checkpointed_and_selective_passes_are_timed_on_the_kept_pass_runner(
+    setup, monkeypatch
+) -> None:
+    """At the ladder's second and last sizes the three variants share one runner (one
+    warm-up): the ratios come from passes timed in turn, and nothing is timed twice."""
+    profiler, _ = setup
+    draft, _ = memory_profile(
+        profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0, selective=True
+    )
+    assert draft.precisions["fp32"].selective
+    timed = profiler.fwd_bwd_times
+    asked: list[tuple[int, tuple[int, ...]]] = []
+
+    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+        asked.append((b, tuple(variants)))
+        return timed(precision, b, variants)
+
+    monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
+    profile = time_profile(profiler, draft, {"fp32": 16}, (1, 2, 4, 8, 16), device_name="cpu")
+    curve = profile.precisions["fp32"].time
+    assert curve is not None and curve.ckpt_batch_sizes == (2, 16)
+    assert len(curve.ckpt_ratio) == len(curve.selective_ratio) == 2
+    assert (2, (0, 1, 3)) in asked and (16, (0, 1, 3)) in asked
+    sizes = [b for b, _ in asked]
+    assert len(sizes) == len(set(sizes))  # every size timed once
