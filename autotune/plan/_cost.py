@@ -71,11 +71,11 @@ class CostModel(MemoryModel, TimeModel):
 
     def can_select(self, precision: str) -> bool:
         """Whether blocks may be checkpointed selectively at ``precision``: its variant
-        profiled, in memory and in time, and one process or DDP (FSDP2's replay does not
-        model it yet)."""
+        profiled, in memory and in time (under FSDP2's bf16, in its own timeline too)."""
         prof = self.profile.precisions[precision]
         timed = prof.time is not None and bool(prof.time.selective_ratio)
-        return prof.selective and timed and self.layout.parallel != "fsdp"
+        sharded = self.profile.sharded.get(precision) if self.layout.parallel == "fsdp" else None
+        return prof.selective and timed and (sharded is None or sharded.selective)
 
     def plan(
         self,

@@ -22,6 +22,17 @@ CASES = [
     {"model": "mlp", "parallel": "fsdp", "micro": 16, "accum": 1, "offload": True},
     {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 2},
     {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 1, "checkpoint": ["blocks.1"]},
+    {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 2, "selective": ["blocks.0"]},
+    {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 1, "selective": ["blocks.1"]},
+    {
+        "model": "gpt",
+        "parallel": "fsdp",
+        "micro": 4,
+        "accum": 2,
+        "precision": "bf16",
+        "checkpoint": ["blocks.0"],
+        "selective": ["blocks.1"],
+    },
 ]
 
 

@@ -66,6 +66,7 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         grad_accum_steps=spec["accum"],
         precision=spec.get("precision", "fp32"),
         checkpoint=tuple(spec.get("checkpoint", ())),
+        selective_checkpoint=tuple(spec.get("selective", ())),
         parallel=spec["parallel"],
         world_size=world,
         keep_gathered=tuple(spec.get("keep", ())),

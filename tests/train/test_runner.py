@@ -341,7 +341,7 @@ def test_checkpointed_model_deep_copies_independently(tiny_gpt_model: GPT) -> No
     clone = copy.deepcopy(tiny_gpt_model)
     wrapped = clone.blocks[0].forward
     assert isinstance(wrapped, functools.partial)
-    name, block, forward = wrapped.args
+    name, block, forward, _ = wrapped.args
     assert name == "blocks.0" and block is clone.blocks[0]  # the copy runs its own block
     assert forward.__self__ is clone.blocks[0]
     remove_checkpointing(clone)
