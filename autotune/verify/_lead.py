@@ -4,9 +4,11 @@ Each configuration in a race is timed once when verified and again in every roun
 re-timing it takes part in, the contenders of a round one after the other. A slow spell
 of the machine (another process, a frequency change) slows every timing of its round
 alike; comparing two configurations round by round takes it out. What is left, the
-noise of one timing, is estimated from the rounds themselves, and a lead counts only
-once it exceeds 1.645 standard errors of that noise (one-sided 95% confidence): a
-smaller one is a tie, and ties go to the simpler configuration.
+noise of one timing, is estimated from the rounds themselves (pooled with an assumed 3%
+that counts as two rounds, so that a lucky pair of rounds does not pass for a quiet
+machine), and a lead counts only once it exceeds 1.645 standard errors of that noise
+(one-sided 95% confidence): a smaller one is a tie, and ties go to the simpler
+configuration.
 
 Speeds are compared in logs (ratios), each configuration's list of speeds in the order
 of its timings: index 0 its verification, index ``k`` round ``k``.
@@ -18,7 +20,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["LEAST_NOISE", "MOST_NOISE", "PRIOR_NOISE", "ahead", "lead", "noise"]
+__all__ = ["LEAST_NOISE", "MOST_NOISE", "PRIOR_NOISE", "PRIOR_WEIGHT", "ahead", "lead", "noise"]
 
 LEAST_NOISE = 0.01
 """The least relative noise of one timing assumed: leads smaller than a few times it are
@@ -29,6 +31,10 @@ widest a tie may grow."""
 PRIOR_NOISE = 0.03
 """The noise of one timing assumed before any configuration was timed twice: a lead of
 up to 1.645 * 3% * sqrt(2) = 7% after one timing each is raced."""
+PRIOR_WEIGHT = 2
+"""Degrees of freedom the assumed noise counts for beside the measured ones: two rounds
+whose ratios happened to agree say little about the noise, and would otherwise make a
+lead of a few percent look certain on a machine whose timings scatter by five."""
 CONFIDENCE = 1.645
 """Standard errors a lead must exceed: one-sided 95% confidence that it is real."""
 
@@ -60,24 +66,28 @@ def noise(raced: Sequence[Sequence[float]]) -> float:
     Each is compared round by round with the one timed most often (the leader, in every
     round): the spread of those log ratios about their mean is twice the variance of one
     timing, with what a round's timings share taken out. One configuration timed alone
-    gives its own spread. Kept between 1% and 4%; nothing timed twice: 3%.
+    gives its own spread. The measured variance is pooled with the 3% assumed, weighted
+    as :data:`PRIOR_WEIGHT` degrees of freedom, and kept between 1% and 4%.
     """
     runs = [list(r) for r in raced if len(r) >= 2]
-    if not runs:
-        return PRIOR_NOISE
-    reference = max(runs, key=len)
-    others = [r for r in runs if r is not reference]
-    if others:
-        logs = [[math.log(r[i] / reference[i]) for i in range(min(len(r), len(reference)))]
-                for r in others]  # fmt: skip
-        variance = _pooled_variance(logs) / 2
-    else:
-        variance = _pooled_variance([[math.log(x) for x in reference]])
+    squares, freedom = 0.0, 0
+    if runs:
+        reference = max(runs, key=len)
+        others = [r for r in runs if r is not reference]
+        if others:
+            n = len(reference)
+            logs = [[math.log(r[i] / reference[i]) for i in range(min(len(r), n))] for r in others]
+            squares, freedom = _spread(logs)
+            squares /= 2  # a ratio of two timings: twice the variance of one
+        else:
+            squares, freedom = _spread([[math.log(x) for x in reference]])
+    variance = (squares + PRIOR_WEIGHT * PRIOR_NOISE**2) / (freedom + PRIOR_WEIGHT)
     return min(max(math.sqrt(variance), LEAST_NOISE), MOST_NOISE)
 
 
-def _pooled_variance(groups: Sequence[Sequence[float]]) -> float:
-    """The variance of values about their group's mean, pooled over the groups."""
+def _spread(groups: Sequence[Sequence[float]]) -> tuple[float, int]:
+    """The squared deviations of values about their group's mean, summed over the groups,
+    and their degrees of freedom."""
     squares, freedom = 0.0, 0
     for values in groups:
         if len(values) < 2:
@@ -85,4 +95,4 @@ def _pooled_variance(groups: Sequence[Sequence[float]]) -> float:
         mean = statistics.fmean(values)
         squares += sum((x - mean) ** 2 for x in values)
         freedom += len(values) - 1
-    return squares / freedom if freedom else PRIOR_NOISE**2
+    return squares, freedom
