@@ -19,6 +19,8 @@ from autotune import ConfigError, SearchSpace
         ({"offload_optimizer": "yes"}, "offload_optimizer must be True, False or None"),
         ({"offload_activations": 1.5}, "offload_activations must be True, False or None"),
         ({"max_micro_batch_size": 0}, "max_micro_batch_size must be at least 1"),
+        ({"selective_checkpointing": "no"}, "selective_checkpointing must be True or False"),
+        ({"checkpointing": None}, "checkpointing must be True or False"),
     ],
 )
 def test_bad_spaces_are_clear_errors(kwargs: dict[str, object], message: str) -> None:

@@ -238,10 +238,21 @@ def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -
     assert ckpt_data["breakdown"]["optimizer"] * 2 == pytest.approx(
         kept_data["breakdown"]["optimizer"], rel=0.01
     )
+    _, selective, _ = run(capsys, *args, "--selective-checkpoint", "all")
+    selective_data = json.loads(selective)
+    assert selective_data["config"]["selective_checkpoint"] == ["blocks.0", "blocks.1"]
+    # Keeping the matrix products' outputs: between keeping and checkpointing the blocks.
+    acts = selective_data["breakdown"]["activations"]
+    assert ckpt_data["breakdown"]["activations"] < acts < kept_data["breakdown"]["activations"]
     code, out, _ = run(capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.1")
     assert code == 0
     assert "checkpoint   blocks.1" in out
     assert [line.split()[0] for line in out.splitlines()[-5:]] == list(PARTS)
+    code, out, _ = run(
+        capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.0",
+        "--selective-checkpoint", "blocks.1",
+    )  # fmt: skip
+    assert code == 0 and "selective    blocks.1" in out
 
 
 @pytest.mark.parametrize(
@@ -250,6 +261,7 @@ def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -
         TrainConfig(micro_batch_size=4, grad_accum_steps=2),
         TrainConfig(micro_batch_size=6, precision="bf16", checkpoint=("blocks.0", "blocks.1")),
         TrainConfig(micro_batch_size=4, offload_activations=("blocks.1",), offload_optimizer=True),
+        TrainConfig(micro_batch_size=6, precision="bf16", selective_checkpoint=("blocks.1",)),
     ],
 )
 def test_estimate_predicts_the_measured_peak(config: TrainConfig) -> None:
