@@ -127,6 +127,8 @@ def run_row(arms: Any, trainer: str, case: Case, data: Any, budget: Any, rounds:
         "baseline": lambda: arms.timed_baseline(case, data, found),
     }
     hand = _hand(case, budget)
+    if hand is not None and hand.checkpoint:  # every block, as the trainer's module names them
+        hand = hand.replace(checkpoint=result.model.blocks)
     if hand is not None:
         row["hand"] = {"config": hand.describe()}
         as_set = dataclasses.replace(result, config=hand, fallbacks=(), by_length=())
