@@ -162,6 +162,8 @@ def _has_storage(t: torch.Tensor) -> bool:
     # Sparse, nested and other wrapper-subclass tensors have no plain storage; they are not
     # counted. A DTensor (FSDP2's shards) counts its local tensor. A Parameter subclass
     # that is no wrapper (bitsandbytes' Params4bit and Int8Params) has a plain storage.
+    if type(t) is torch.Tensor:  # nearly every op's tensors: the short way
+        return t.layout == torch.strided and not t.is_meta
     t = _local(t)
     plain = type(t) is torch.Tensor or (
         isinstance(t, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t)
@@ -176,6 +178,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    if type(t) is torch.Tensor:
+        return t.untyped_storage()
     return _local(t).untyped_storage()
 
 

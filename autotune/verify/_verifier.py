@@ -99,7 +99,7 @@ class Verifier:
         runner: Runner | None = None
         error: str | None = None
         peak, step_s = 0, 0.0
-        self._release()  # no cached blocks from earlier runs in this config's reserved peak
+        self._release(before=True)  # no cached blocks of earlier runs in this config's peak
         try:
             with self._together(config):
                 runner = self._prepare(config)
@@ -210,7 +210,7 @@ class Verifier:
         out, where a warm-up step of its own would cost a step more per timing.
         """
         batch = batching.resize(self.sample, config.effective_batch_size)
-        self._release()
+        self._release(before=True)
         runner = self._prepare(config)
         try:
             with self._together(config):
@@ -245,7 +245,13 @@ class Verifier:
     def _sync(self) -> None:
         self.ops.synchronize()
 
-    def _release(self) -> None:
+    def _release(self, *, before: bool = False) -> None:
+        """Free what earlier runs left: after a run, always (its cycles hold tensors);
+        ``before`` one, only where the device caches freed blocks (CUDA: they would count
+        in the reserved peak). The CPU's peak counts the run's own tensors only, and a full
+        collection there costs a tenth of a second in a process holding transformers."""
+        if before and not self.ops.caching:
+            return
         gc.collect()
         self.ops.empty_cache()
         self.ops.empty_host_cache()  # pinned buffers of an offloading config, between configs
