@@ -10,6 +10,11 @@ CPU it is the same memory, so it counts and offload saves nothing.
 On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget
 guard**: it raises ``torch.OutOfMemoryError`` the moment live bytes pass the budget. Every
 OOM path of autotune is tested on CPU with it.
+
+Under :class:`LiveBytesTracker` code compiled by ``torch.compile`` runs eagerly (dynamo
+steps aside for a dispatch mode), op by op; under :class:`CompiledBytesTracker` it runs as
+compiled, and its buffers count where they were compiled inside
+:func:`autotune.train._compiled.counted_allocations`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -28,7 +33,7 @@ from autotune.measure._profile_data import PhaseKey
 from autotune.train._host import in_host_memory, is_host_storage
 from autotune.train._quantized import quantization_state
 
-__all__ = ["LiveBytesTracker", "PhaseRecord", "state_tensors"]
+__all__ = ["CompiledBytesTracker", "LiveBytesTracker", "PhaseRecord", "state_tensors"]
 
 
 @dataclass
@@ -62,6 +67,15 @@ class LiveBytesTracker(TorchDispatchMode):
         self.phases: list[PhaseRecord] = []
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
         self._watched: list[torch.UntypedStorage] = []
+
+    runs_compiled: ClassVar[bool] = False
+    """Whether code compiled by ``torch.compile`` runs under this tracker as compiled
+    (``False``: dynamo steps aside and it runs as eager ops, each one counted)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``torch``'s switch for :attr:`runs_compiled`: the compilation itself unseen."""
+        return cls.runs_compiled
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of tensors that already exist (model and optimizer state)."""
@@ -156,6 +170,14 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+
+
+class CompiledBytesTracker(LiveBytesTracker):
+    """A :class:`LiveBytesTracker` under which compiled code runs as compiled: what it
+    measures is what a compiled block holds, where the blocks were compiled inside
+    :func:`~autotune.train._compiled.counted_allocations` (else their buffers go unseen)."""
+
+    runs_compiled = True
 
 
 def _has_storage(t: torch.Tensor) -> bool:

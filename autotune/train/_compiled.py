@@ -1,0 +1,110 @@
+"""Compiled blocks: each block's forward through ``torch.compile`` (regional compilation),
+and the allocations of compiled code made visible to autotune's live-bytes tracker.
+
+Regional compilation compiles each block's own ``forward``, not the model: identical
+blocks share one graph, compile once, and a block's checkpoint or offload wrapper stays
+outside the graph, in eager code, so the recomputation of a checkpointed block runs the
+compiled forward again. Compile a block before wrapping it (:func:`compile_blocks` refuses
+a wrapped one).
+
+Inductor's generated code allocates its buffers through a fast path that bypasses
+torch's dispatcher (``empty_strided_cpu``, ``empty_strided_cuda``), so a
+``TorchDispatchMode`` never sees them: a compiled block's saved activations would count
+as nothing. :func:`counted_allocations` routes those allocations through the dispatcher
+while code is compiled and loaded; the code keeps that route for as long as it lives
+(about a microsecond more per buffer), and the tracker, which lets compiled code run under
+it (``ignore_compile_internals``), counts every buffer as it counts an eager op's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import BlockError
+
+__all__ = ["compile_blocks", "counted_allocations", "is_compiled", "uncompile_blocks"]
+
+_EAGER = "_autotune_eager_forward"
+"""Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
+_WRAPPED = "_autotune_original_forward"
+"""The checkpoint and offload wrappers' key (see :mod:`autotune.train._checkpoint`)."""
+
+
+def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | None = None) -> None:
+    """Compile the forward of each block in ``names`` in place (a block compiled already
+    stays as it is). ``dynamic`` is ``torch.compile``'s: ``None`` compiles a shape as
+    seen first and generalises once a second one comes.
+
+    Raises:
+        BlockError: a name is no block of ``model``, or a block is wrapped already
+            (checkpointed or offloaded): compile it first, then wrap it.
+    """
+    modules = []
+    for name in names:  # resolve every name first: an error leaves the model as it was
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise BlockError(f"cannot compile block {name!r}: the model has none") from None
+        if _WRAPPED in module.__dict__:
+            raise BlockError(
+                f"block {name!r} is checkpointed or offloaded already; compile the blocks "
+                "first, then wrap them, so that the wrapper stays outside the graph."
+            )
+        modules.append(module)
+    for module in modules:
+        if _EAGER in module.__dict__:
+            continue
+        module.__dict__[_EAGER] = module.__dict__.get("forward")
+        module.forward = torch.compile(module.forward, dynamic=dynamic)
+
+
+def uncompile_blocks(model: nn.Module) -> None:
+    """Undo :func:`compile_blocks` on every block of ``model`` (its wrappers removed first)."""
+    for module in model.modules():
+        if _EAGER not in module.__dict__:
+            continue
+        previous = module.__dict__.pop(_EAGER)
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``module``'s forward."""
+    return _EAGER in module.__dict__
+
+
+_FAST_PATHS = ("_empty_strided_cpu", "_empty_strided_cuda")
+
+
+@contextlib.contextmanager
+def counted_allocations() -> Iterator[None]:
+    """While inside, code that inductor compiles (or loads from its caches) allocates its
+    buffers with ``torch.empty_strided``, through the dispatcher, where the live-bytes
+    tracker sees them. ``torch.compile`` compiles at a function's first call (and again at
+    a shape it has not seen): make the first calls of blocks to be measured inside. Code
+    loaded before keeps its own route."""
+    guards = torch._C._dynamo.guards
+    saved = {name: getattr(guards, name) for name in _FAST_PATHS if hasattr(guards, name)}
+    for name in saved:
+        setattr(guards, name, _dispatched(name.removeprefix("_empty_strided_")))
+    try:
+        yield
+    finally:
+        for name, fast in saved.items():
+            setattr(guards, name, fast)
+
+
+def _dispatched(device: str) -> Callable[..., torch.Tensor]:
+    """An allocation on ``device`` as inductor's fast path makes it, through the dispatcher."""
+
+    def empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return empty_strided
