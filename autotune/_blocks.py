@@ -20,7 +20,7 @@ from torch import nn
 
 from autotune.errors import BlockError
 
-__all__ = ["find_blocks", "resolve_blocks"]
+__all__ = ["eager_module", "find_blocks", "is_compile_wrapper", "resolve_blocks"]
 
 _MIN_SHARE = 0.01
 """Runs holding less of the model's parameters than this are heads, not its layers."""
@@ -66,11 +66,13 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
 
     Returns:
         Qualified names as in ``model.named_modules()``, in the order they run (see
-        :func:`_run_order`), each module once.
+        :func:`_run_order`), each module once; of a ``torch.compile`` wrapper, as in the
+        module it wraps (they name the same blocks in the wrapper).
 
     Raises:
         BlockError: The model has no repeated layers and no ``nn.ModuleList``/``nn.Sequential``.
     """
+    model = eager_module(model)
     modules = list(model.named_modules())
     name_of = {id(module): name for name, module in modules}  # shared modules count once
     u_nets = [run for name, module in modules if (run := _u_net(name, module, name_of))]
@@ -319,3 +321,22 @@ def _numel(modules: Iterable[nn.Module]) -> int:
     """Parameters held by ``modules``, a parameter shared between them counted once."""
     sizes = {id(p): p.numel() for m in modules for p in m.parameters()}
     return sum(sizes.values())
+
+
+def eager_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` wraps (``model`` itself when it is no wrapper).
+
+    The wrapper and its module share parameters, and the wrapper hands attribute lookups
+    on to its module, so a block name of the module names the same block in the wrapper.
+    """
+    while is_compile_wrapper(model):
+        model = model._orig_mod  # type: ignore[assignment]
+    return model
+
+
+def is_compile_wrapper(m: object) -> bool:
+    """Whether ``m`` is ``torch.compile``'s module wrapper (checked without importing
+    dynamo, which takes a second)."""
+    return type(m).__name__ == "OptimizedModule" and isinstance(
+        getattr(m, "_orig_mod", None), nn.Module
+    )

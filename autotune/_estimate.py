@@ -18,6 +18,7 @@ from torch import nn
 
 from autotune._backend import backend_for
 from autotune._blocks import find_blocks, resolve_blocks
+from autotune._problem import uncompiled
 from autotune.config import TrainConfig
 from autotune.errors import BlockError, ProfileError
 from autotune.measure._depth import deepen, shallow_copies, whole_fits
@@ -63,6 +64,7 @@ def estimate(
     config = config or TrainConfig()
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    model = uncompiled(model)
     batching.batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)

@@ -12,13 +12,16 @@ import torch
 from torch import nn
 
 from autotune._backend import backend_for
+from autotune._blocks import eager_module
 from autotune.result import TuneResult
 
 __all__ = ["differences", "fingerprint"]
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A hash of the model's structure: module names and classes, tensor shapes and dtypes."""
+    """A hash of the model's structure: module names and classes, tensor shapes and dtypes
+    (of the module a ``torch.compile`` wrapper holds: the two are the same model)."""
+    model = eager_module(model)
     h = hashlib.sha256()
     for name, module in model.named_modules():
         h.update(f"{name}:{type(module).__qualname__};".encode())

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from autotune._backend import backend_for
-from autotune._blocks import resolve_blocks
+from autotune._blocks import eager_module, resolve_blocks
 from autotune.config import BITSANDBYTES_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS
 from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
 from autotune.measure._devices import Target, budget_bytes, discover
@@ -22,10 +22,11 @@ from autotune.plan._cost import CostModel
 from autotune.plan._planner import Planner
 from autotune.space import SearchSpace
 from autotune.train import _batch as batching
+from autotune.train._compiled import compiled_parts
 from autotune.train._loss import LossFn
 from autotune.train._optimizers import available, build_optimizer
 
-__all__ = ["Problem", "make_problem"]
+__all__ = ["Problem", "make_problem", "uncompiled"]
 
 _MARGIN = {"cpu": 0.01, "cuda": 0.04}
 """Head-room the search keeps below the budget; verification is the final judge."""
@@ -86,6 +87,28 @@ class Problem:
             offload_optimizer=(False, True) if offload_optimizer and cost.can_offload else (False,),
             offload_activations=offload_activations and cost.can_offload,
         )
+
+
+def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
+    """The model to measure: ``model``, or the module a ``torch.compile`` wrapper holds.
+
+    autotune measures and tunes models without compilation; a model compiled with
+    ``torch.compile`` (whole, or parts of it) gets a warning that says so, and the tuner's
+    copies of it run eagerly (see :func:`autotune.train._compiled.decompile`).
+    """
+    parts = compiled_parts(model) if isinstance(model, nn.Module) else []
+    if parts:
+        where = "the model" if "" in parts else f"{len(parts)} of its modules ({parts[0]}, ...)"
+        warnings.warn(
+            f"{where} compiled with torch.compile: autotune measures and tunes it without "
+            "compilation (compiling is not a knob it measures yet), so the peak it predicts "
+            "is the eager model's. Compiled, a model can hold less or more (0.64-1.10x the "
+            "eager peak on autotune's CPU benchmark): train it as tuned, uncompiled, or "
+            "check the compiled run's peak before a long job.",
+            AutotuneWarning,
+            stacklevel=stacklevel,
+        )
+    return eager_module(model) if isinstance(model, nn.Module) else model
 
 
 def make_problem(

@@ -32,7 +32,7 @@ from autotune._data_parallel import (
     world_of,
 )
 from autotune._identity import fingerprint
-from autotune._problem import Problem, make_problem
+from autotune._problem import Problem, make_problem, uncompiled
 from autotune._profiling import profile_model
 from autotune._shared import (
     measure_with,
@@ -129,6 +129,7 @@ def autotune(
         VerificationError: each with a message that says what to do.
     """
     space = space or SearchSpace()
+    model = uncompiled(model)
     if storage is not None and space.attention:
         raise ConfigError(
             "SearchSpace.attention is not supported with storage= yet; leave one of them out."

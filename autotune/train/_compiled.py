@@ -25,9 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._blocks import eager_module, is_compile_wrapper
 from autotune.errors import BlockError
 
-__all__ = ["compile_blocks", "counted_allocations", "is_compiled", "uncompile_blocks"]
+__all__ = [
+    "compile_blocks",
+    "compiled_parts",
+    "counted_allocations",
+    "decompile",
+    "is_compiled",
+    "uncompile_blocks",
+]
 
 _EAGER = "_autotune_eager_forward"
 """Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
@@ -78,6 +86,31 @@ def uncompile_blocks(model: nn.Module) -> None:
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled ``module``'s forward."""
     return _EAGER in module.__dict__
+
+
+def compiled_parts(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that the user compiled with ``torch.compile``
+    (a wrapper, or a module's own ``compile()``); ``""`` is the model itself."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if is_compile_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+    ]
+
+
+def decompile(model: nn.Module) -> None:
+    """Make ``model`` (a copy of the tuner's) run eagerly: each ``torch.compile`` wrapper
+    inside it replaced by its module, each module's own ``compile()`` undone.
+
+    autotune measures its copies eagerly; a compiled part run under its live-bytes tracker
+    would have dynamo skip that code for good, the user's compiled model included.
+    """
+    for m in list(model.modules()):
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+        for name, child in list(m.named_children()):
+            if is_compile_wrapper(child):
+                setattr(m, name, eager_module(child))
 
 
 _FAST_PATHS = ("_empty_strided_cpu", "_empty_strided_cuda")

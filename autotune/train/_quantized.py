@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.train._compiled import decompile
+
 __all__ = ["copy_model", "model_tensors", "one_per_storage", "quantization_state"]
 
 _QUANT_STATE = ("absmax", "code", "offset")
@@ -51,8 +53,10 @@ def copy_model(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     bitsandbytes' ``Params4bit.__deepcopy__`` ignores the memo: the copied weight gets a
     quantization state of its own beside the one its copied layer holds (memory the
     original does not hold), and its ``module`` is the original layer, not the copy's.
+    The copy runs eagerly: what ``torch.compile`` compiled in ``model`` is not in it.
     """
     copied: nn.Module = copy.deepcopy(model, memo)
+    decompile(copied)  # autotune's copies run eagerly
     for m in copied.modules():
         w: Any = getattr(m, "weight", None)
         state = getattr(w, "quant_state", None)
