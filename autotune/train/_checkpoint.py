@@ -25,8 +25,11 @@ __all__ = [
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
+    "is_wrapped",
     "named_recompute_errors",
     "remove_checkpointing",
+    "replace_forward",
+    "restore_forwards",
 ]
 
 _ORIGINAL = "_autotune_original_forward"
@@ -78,22 +81,37 @@ def _resolve(model: nn.Module, names: Sequence[str], verb: str) -> list[nn.Modul
 
 
 def _wrap(module: nn.Module, forward: Any) -> None:
-    if _ORIGINAL in module.__dict__:
-        return
-    module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+    if not is_wrapped(module):
+        replace_forward(module, forward, _ORIGINAL)
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` is checkpointed, selectively or not, or offloaded."""
+    return _ORIGINAL in module.__dict__
+
+
+def replace_forward(module: nn.Module, forward: Any, key: str) -> None:
+    """Set ``module``'s instance ``forward``, keeping the one it had (or None) under ``key``."""
+    module.__dict__[key] = module.__dict__.get("forward")
     module.forward = forward
 
 
-def remove_checkpointing(model: nn.Module) -> None:
-    """Undo :func:`apply_checkpointing` and :func:`apply_offloading` on every block."""
+def restore_forwards(model: nn.Module, key: str) -> None:
+    """Give every module of ``model`` that :func:`replace_forward` changed under ``key``
+    its ``forward`` back."""
     for module in model.modules():
-        if _ORIGINAL not in module.__dict__:
+        if key not in module.__dict__:
             continue
-        previous = module.__dict__.pop(_ORIGINAL)
+        previous = module.__dict__.pop(key)
         if previous is None:
             del module.forward
         else:
             module.forward = previous
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Undo :func:`apply_checkpointing` and :func:`apply_offloading` on every block."""
+    restore_forwards(model, _ORIGINAL)
 
 
 # Keyword arguments through which Hugging Face layers read and write a key/value cache;

@@ -27,6 +27,7 @@ from torch import nn
 
 from autotune._blocks import eager_module, is_compile_wrapper
 from autotune.errors import BlockError
+from autotune.train._checkpoint import is_wrapped, replace_forward, restore_forwards
 
 __all__ = [
     "compile_blocks",
@@ -39,8 +40,6 @@ __all__ = [
 
 _EAGER = "_autotune_eager_forward"
 """Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
-_WRAPPED = "_autotune_original_forward"
-"""The checkpoint and offload wrappers' key (see :mod:`autotune.train._checkpoint`)."""
 
 
 def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | None = None) -> None:
@@ -58,7 +57,7 @@ def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | No
             module = model.get_submodule(name)
         except AttributeError:
             raise BlockError(f"cannot compile block {name!r}: the model has none") from None
-        if _WRAPPED in module.__dict__:
+        if is_wrapped(module):
             raise BlockError(
                 f"block {name!r} is checkpointed or offloaded already; compile the blocks "
                 "first, then wrap them, so that the wrapper stays outside the graph."
@@ -67,20 +66,12 @@ def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | No
     for module in modules:
         if _EAGER in module.__dict__:
             continue
-        module.__dict__[_EAGER] = module.__dict__.get("forward")
-        module.forward = torch.compile(module.forward, dynamic=dynamic)
+        replace_forward(module, torch.compile(module.forward, dynamic=dynamic), _EAGER)
 
 
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo :func:`compile_blocks` on every block of ``model`` (its wrappers removed first)."""
-    for module in model.modules():
-        if _EAGER not in module.__dict__:
-            continue
-        previous = module.__dict__.pop(_EAGER)
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
+    restore_forwards(model, _EAGER)
 
 
 def is_compiled(module: nn.Module) -> bool:
