@@ -29,7 +29,10 @@ POSTGRES = os.environ.get("AUTOTUNE_TEST_POSTGRES")
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys, time, torch
+    import json, os, signal, sys, time, torch
+    # Ctrl-C raises KeyboardInterrupt even where the suite runs as a background job, whose
+    # shell had its children ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     import autotune
     from autotune.models import gpt_batch, tiny_gpt
