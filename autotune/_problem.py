@@ -98,7 +98,9 @@ def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
     """
     parts = compiled_parts(model) if isinstance(model, nn.Module) else []
     if parts:
-        where = "the model" if "" in parts else f"{len(parts)} of its modules ({parts[0]}, ...)"
+        where = (
+            "the model is" if "" in parts else f"{len(parts)} of its modules ({parts[0]}, ...) are"
+        )
         warnings.warn(
             f"{where} compiled with torch.compile: autotune measures and tunes it without "
             "compilation (compiling is not a knob it measures yet), so the peak it predicts "

@@ -11,9 +11,11 @@ On CPU nothing runs out of memory at a budget, so the tracker doubles as a **bud
 guard**: it raises ``torch.OutOfMemoryError`` the moment live bytes pass the budget. Every
 OOM path of autotune is tested on CPU with it.
 
-Under :class:`LiveBytesTracker` code compiled by ``torch.compile`` runs eagerly (dynamo
-steps aside for a dispatch mode), op by op; under :class:`CompiledBytesTracker` it runs as
-compiled, and its buffers count where they were compiled inside
+Under :class:`LiveBytesTracker` code compiled by ``torch.compile`` runs eagerly, op by op:
+dynamo steps aside for a dispatch mode, and then skips that code for the rest of the
+process (until ``torch._dynamo.reset()``), so autotune's copies run eagerly anyway (see
+:func:`autotune.train._compiled.decompile`). Under :class:`CompiledBytesTracker` it runs
+as compiled, and its buffers count where they were compiled inside
 :func:`autotune.train._compiled.counted_allocations`.
 """
 
