@@ -22,6 +22,7 @@ from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._selective import selective_contexts
 
 __all__ = [
+    "COMPILED",
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 _ORIGINAL = "_autotune_original_forward"
+COMPILED = "_autotune_eager_forward"
+"""Where a compiled block keeps its eager ``forward`` (see :mod:`autotune.train._compiled`)."""
 
 
 def apply_checkpointing(model: nn.Module, names: Sequence[str], *, selective: bool = False) -> None:
@@ -40,10 +43,20 @@ def apply_checkpointing(model: nn.Module, names: Sequence[str], *, selective: bo
     ``selective``: only those of their cheap ops, the expensive ops' outputs kept.
 
     Raises:
-        BlockError: a name is not a submodule of ``model``; then no block is wrapped.
+        BlockError: a name is not a submodule of ``model``, or (``selective``) a block's
+            forward is compiled: then no block is wrapped.
     """
     context = selective_contexts if selective else noop_context_fn
-    for name, module in zip(names, _resolve(model, names, "checkpoints"), strict=True):
+    modules = _resolve(model, names, "checkpoints")
+    for name, module in zip(names, modules, strict=True):
+        if selective and COMPILED in module.__dict__:
+            # Its compiled code writes matrix products into buffers of its own (out=),
+            # which the policy's cache of kept outputs reads as mutated at recompute.
+            raise BlockError(
+                f"block {name!r} is compiled, and selective checkpointing does not compose "
+                "with a compiled forward; checkpoint it whole, or leave it uncompiled."
+            )
+    for name, module in zip(names, modules, strict=True):
         forward = functools.partial(_checkpointed_forward, name, module, module.forward, context)
         _wrap(module, forward)
 

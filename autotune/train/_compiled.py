@@ -5,7 +5,9 @@ Regional compilation compiles each block's own ``forward``, not the model: ident
 blocks share one graph, compile once, and a block's checkpoint or offload wrapper stays
 outside the graph, in eager code, so the recomputation of a checkpointed block runs the
 compiled forward again. Compile a block before wrapping it (:func:`compile_blocks` refuses
-a wrapped one).
+a wrapped one). A compiled block is checkpointed whole, never selectively: its code writes
+matrix products into buffers of its own (``out=``), which the selective policy's cache of
+kept outputs reads as mutated when it recomputes.
 
 Inductor's generated code allocates its buffers through a fast path that bypasses
 torch's dispatcher (``empty_strided_cpu``, ``empty_strided_cuda``), so a
@@ -27,7 +29,7 @@ from torch import nn
 
 from autotune._blocks import eager_module, is_compile_wrapper
 from autotune.errors import BlockError
-from autotune.train._checkpoint import is_wrapped, replace_forward, restore_forwards
+from autotune.train._checkpoint import COMPILED, is_wrapped, replace_forward, restore_forwards
 
 __all__ = [
     "compile_blocks",
@@ -38,7 +40,7 @@ __all__ = [
     "uncompile_blocks",
 ]
 
-_EAGER = "_autotune_eager_forward"
+_EAGER = COMPILED
 """Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
 
 

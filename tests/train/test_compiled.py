@@ -126,6 +126,10 @@ def test_a_wrapped_block_is_not_compiled_and_compiling_is_undone() -> None:
     remove_checkpointing(work)
     with pytest.raises(BlockError, match="'9'"):
         compile_blocks(work, ["9"])
+    compile_blocks(work, ["0"])
+    with pytest.raises(BlockError, match="'0' is compiled, and selective checkpointing"):
+        apply_checkpointing(work, ["1", "0"], selective=True)
+    assert "_autotune_original_forward" not in vars(work[1])  # the error wrapped none
     compile_blocks(work, ["0", "1"])
     assert is_compiled(work[0]) and is_compiled(work[1]) and "forward" in vars(work[0])
     uncompile_blocks(work)
