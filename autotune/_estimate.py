@@ -29,6 +29,7 @@ from autotune.measure._profiler import Profiler
 from autotune.plan._cost import CostModel
 from autotune.result import Breakdown
 from autotune.train import _batch as batching
+from autotune.train._compiled import measured_compiling
 from autotune.train._loss import LossFn
 
 __all__ = ["estimate"]
@@ -69,6 +70,12 @@ def estimate(
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _blocks(model, blocks, wrapped)
+    if config.compile_blocks and set(config.compile_blocks) != set(names):
+        raise BlockError(
+            f"the config compiles {len(config.compile_blocks)} blocks of {len(names)}; autotune "
+            "predicts every block compiled, or none: compile_blocks must name the blocks "
+            f"({', '.join(names) or 'none'})."
+        )
     ops = backend_for(target.device)
     foreign = ops.reserved()
     offloads = bool(config.offload_activations or config.offload_optimizer)
@@ -83,7 +90,7 @@ def estimate(
             )  # fmt: skip
             profile, _ = memory_profile(
                 profiler,
-                (config.precision,),
+                (config.timeline,),
                 (config.optimizer,),
                 device_name=target.name,
                 context_bytes=target.context_bytes,
@@ -102,7 +109,8 @@ def estimate(
     whole = whole_fits(model, target.free_bytes, config.world_size)
     copies = None if whole else shallow_copies(model, names)
     if copies is None:
-        profile = measured(working_copy(model, target.device), names)
+        with measured_compiling(bool(config.compile_blocks)):
+            profile = measured(working_copy(model, target.device), names)
     else:
         shallow = measured(*copies.copy(3))  # each copy on the device only while measured
         profile = deepen(shallow, measured(*copies.copy(4)), model, names)

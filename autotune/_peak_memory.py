@@ -19,6 +19,7 @@ from autotune.measure._devices import discover
 from autotune.measure._peak import PeakReading, measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.train._applied import Applied
+from autotune.train._compiled import measured_compiling
 
 __all__ = ["PeakReading", "peak_memory"]
 
@@ -41,7 +42,10 @@ def peak_memory(*holding: Any, device: torch.device | str | None = None) -> Iter
         device: The device to measure; default: a handle's, else CUDA if available.
 
     On the CPU every op in the block is counted as it runs, which slows small models
-    down (up to a few times): measure a few steps, not a whole run.
+    down (up to a few times): measure a few steps, not a whole run. A handle whose
+    config compiles blocks runs them compiled, and their buffers count where their code
+    is compiled inside the block (its first steps; code compiled before keeps a route
+    past the count).
     """
     handles = [h for h in holding if isinstance(h, Applied)]
     if device is None:
@@ -51,5 +55,11 @@ def peak_memory(*holding: Any, device: torch.device | str | None = None) -> Iter
     for h in handles:
         objects += [h.model, h.optimizer, h.scaler]
     context = discover(target).context_bytes  # the CUDA context; 0 on the CPU
-    with measure_peak(target, existing=state_tensors(*objects), context_bytes=context) as reading:
+    compiled = any(h.config.compile_blocks for h in handles)
+    with (
+        measured_compiling(compiled),
+        measure_peak(
+            target, existing=state_tensors(*objects), context_bytes=context, compiled=compiled
+        ) as reading,
+    ):
         yield reading

@@ -56,6 +56,11 @@ class Problem:
     """CUDA bytes held by other tensors of the process when tuning began."""
 
     @property
+    def compile(self) -> bool:
+        """Whether compiled blocks are searched (where there are blocks)."""
+        return bool(self.blocks) and self.space.compiles(self.target.device.type)
+
+    @property
     def offload(self) -> bool:
         """Whether offload is searched (and so profiled) on this device."""
         return any(self.space.offloads(self.target.device.type))

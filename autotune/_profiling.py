@@ -59,7 +59,7 @@ def profile_model(
         precisions, untrainable, slow, timed = fast_precisions(
             profiler, problem.precisions, problem.sizes, device_name=problem.target.name
         )
-        draft, notes = _memory(profiler, problem, precisions, world)
+        draft, notes = _memory(profiler, problem, precisions, world, compiled=world == 1)
     else:
         log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
         three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
@@ -111,9 +111,15 @@ def _profiler(model: nn.Module, problem: Problem, blocks: tuple[str, ...] = ()) 
 
 
 def _memory(
-    profiler: Profiler, problem: Problem, precisions: tuple[str, ...], world: int
+    profiler: Profiler,
+    problem: Problem,
+    precisions: tuple[str, ...],
+    world: int,
+    *,
+    compiled: bool = False,
 ) -> tuple[Profile, list[str]]:
-    """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned."""
+    """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned
+    (and, ``compiled`` where the problem searches it, the compiled blocks' timelines)."""
     log.info("profiling memory on %s (%d blocks)", problem.target.name, len(profiler.blocks))
     draft, notes = memory_profile(
         profiler,
@@ -123,6 +129,7 @@ def _memory(
         context_bytes=problem.target.context_bytes,
         transfer=measure_transfer(problem.target) if problem.offload else None,
         selective=problem.space.selective_checkpointing,
+        compiled=compiled and problem.compile,
     )
     if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])

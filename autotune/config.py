@@ -20,6 +20,9 @@ __all__ = [
     "PARALLEL",
     "PRECISIONS",
     "TrainConfig",
+    "timeline_key",
+    "timeline_knobs",
+    "timeline_parts",
 ]
 
 MAX_BATCH = 2**31 - 1
@@ -52,6 +55,28 @@ PARALLEL: tuple[str, ...] = ("none", "ddp", "fsdp")
 """Data parallelism over ``world_size`` ranks: none, DDP (replicated), FSDP2 (sharded)."""
 _BLOCK_CHOICES = ("checkpoint", "selective_checkpoint", "offload_activations")
 """The fields that name blocks, each block in one at most (unnamed: kept)."""
+_COMPILED = "+compiled"
+"""The suffix of a compiled timeline's key (see :func:`timeline_key`)."""
+
+
+def timeline_key(precision: str, compiled: bool) -> str:
+    """The key of a profile's timeline: the precision, ``+compiled`` where the blocks run
+    compiled (their memory and time are a timeline of their own)."""
+    return precision + _COMPILED if compiled else precision
+
+
+def timeline_parts(key: str) -> tuple[str, bool]:
+    """(precision, compiled) of a :func:`timeline_key`."""
+    if key.endswith(_COMPILED):
+        return key.removesuffix(_COMPILED), True
+    return key, False
+
+
+def timeline_knobs(key: str, blocks: tuple[str, ...]) -> dict[str, Any]:
+    """The :class:`TrainConfig` knobs of timeline ``key`` over a model's ``blocks``: its
+    precision, and every block compiled where the timeline is compiled."""
+    precision, compiled = timeline_parts(key)
+    return {"precision": precision, "compile_blocks": blocks if compiled else ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +115,16 @@ class TrainConfig:
     attention: str | None = None
     """The attention implementation of a model that has one (a Hugging Face model's
     ``attn_implementation``, one of :data:`ATTENTION`); ``None``: the model's own."""
+    compile_blocks: tuple[str, ...] = ()
+    """Blocks whose forward runs through ``torch.compile`` (regional compilation: one
+    graph shared by identical blocks), beneath their checkpoint wrapper where they are
+    checkpointed. A compiled block is kept or checkpointed whole, never selectively or
+    offloaded."""
+
+    @property
+    def timeline(self) -> str:
+        """The key of the profile's timeline this config trains on (see :func:`timeline_key`)."""
+        return timeline_key(self.precision, bool(self.compile_blocks))
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps"):
@@ -112,6 +147,18 @@ class TrainConfig:
                     f"{name} must be a list of block names, got {type(value).__name__}."
                 )
             object.__setattr__(self, name, tuple(value))
+        value = self.compile_blocks
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f"compile_blocks must be a list of block names, got {type(value).__name__}."
+            )
+        object.__setattr__(self, "compile_blocks", tuple(value))
+        both = set(value) & set(self.selective_checkpoint + self.offload_activations)
+        if both:
+            raise ConfigError(
+                f"blocks {sorted(both)} are compiled and checkpointed selectively or "
+                "offloaded; a compiled block is kept or checkpointed whole."
+            )
         for i, first in enumerate(_BLOCK_CHOICES):
             for second in _BLOCK_CHOICES[i + 1 :]:
                 both = set(getattr(self, first)) & set(getattr(self, second))
@@ -153,6 +200,7 @@ class TrainConfig:
             (self.optimizer in BITSANDBYTES_OPTIMIZERS, f"the {self.optimizer} optimizer"),
             (self.precision == "fp16" and self.parallel == "fsdp", "fp16 (use bf16)"),
             (self.offload_optimizer and self.parallel == "ddp", "optimizer offload"),
+            (self.compile_blocks, "compile_blocks"),
         ]
         for flag, what in unsupported:
             if flag:
@@ -202,4 +250,6 @@ class TrainConfig:
             parts.append(f"keep_gathered={len(self.keep_gathered)}")
         if self.attention:
             parts.append(f"attention={self.attention}")
+        if self.compile_blocks:
+            parts.append(f"compiled={len(self.compile_blocks)}")
         return " ".join(parts)

@@ -19,6 +19,10 @@ class SearchSpace:
     do not change the math (same losses and weights), so they are searched by default.
     """
 
+    def compiles(self, device_type: str) -> bool:
+        """Whether compiled blocks are searched on a device of this type."""
+        return device_type == "cuda" if self.compile_blocks is None else self.compile_blocks
+
     def offloads(self, device_type: str) -> tuple[bool, bool]:
         """(optimizer offload, activation offload) allowed on a device of this type."""
         auto = device_type == "cuda"
@@ -42,6 +46,12 @@ class SearchSpace:
     host is the device there, so offload saves nothing)."""
     offload_activations: bool | None = None
     """Whether blocks' saved activations may go to host memory; ``None`` as above."""
+    compile_blocks: bool | None = None
+    """Whether the blocks may run compiled (``torch.compile`` of each block's forward,
+    kept or checkpointed whole), each precision's compiled timeline profiled and dropped
+    where it does not pay; ``None``: on CUDA yes, on the CPU no (compiling a block class
+    takes its C++ compiler seconds per precision there, about the whole tuning budget).
+    Compiling needs blocks (``checkpointing``), and one process (no data parallelism)."""
     blocks: tuple[str, ...] | None = None
     """Qualified names of the blocks; default ``autotune.find_blocks(model)``."""
     max_micro_batch_size: int = 4096
@@ -85,7 +95,7 @@ class SearchSpace:
         for name in ("checkpointing", "selective_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SearchSpace.{name} must be True or False.")
-        for name in ("offload_optimizer", "offload_activations"):
+        for name in ("offload_optimizer", "offload_activations", "compile_blocks"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"SearchSpace.{name} must be True, False or None.")
         if self.max_micro_batch_size < 1:

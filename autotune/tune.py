@@ -7,6 +7,7 @@ the copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -49,6 +50,7 @@ from autotune.plan._cost import CostModel
 from autotune.plan._planner import Candidate, Planner
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
+from autotune.train._compiled import measured_compiling
 from autotune.train._loss import LossFn
 from autotune.train._parallel import broadcast, group_size, rank
 from autotune.verify._ladder import fallback_ladder
@@ -197,6 +199,8 @@ def _tune(
     host = torch.device("cpu")
     whole = whole_fits(model, problem.target.free_bytes, world)
     work = working_copy(model, problem.target.device if rank() == 0 and whole else host)
+    compiling = contextlib.ExitStack()  # compiled blocks measured, where searched
+    compiling.enter_context(measured_compiling(problem.compile))
     try:
         clock = [time.perf_counter()]  # the ends of profiling, search and verification
         measure_profile = functools.partial(profile_model, work, problem, world, whole=whole)
@@ -223,6 +227,7 @@ def _tune(
         chosen, records, fallbacks = _verify(work, problem, planners, candidates, store)
         clock.append(time.perf_counter())
     finally:
+        compiling.close()
         del work
         gc.collect()
         backend_for(problem.target.device).empty_cache()

@@ -9,6 +9,7 @@ Nothing is downloaded: every model is built from a config with random weights.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,13 @@ class Case:
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     """Shape facts recorded in the JSON (layers, width, sequence length)."""
+
+    def compiling(self, compiled: bool | None) -> Case:
+        """This case with compiled blocks searched or not (``None``: the space's default)."""
+        if compiled is None:
+            return self
+        space = dataclasses.replace(self.space or autotune.SearchSpace(), compile_blocks=compiled)
+        return dataclasses.replace(self, space=space)
 
 
 # --- models -----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import autotune
 from autotune.measure._devices import discover
+from autotune.train._compiled import measured_compiling
 from benchmarks.baseline import BaselineResult, describe, find_batch_baseline
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results.json"))
     parser.add_argument("-v", "--verbose", action="store_true", help="the tuner's log")
     parser.add_argument("--full-grid", action="store_true", help="measure dominated configs too")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compiled blocks in the tuner's space (auto: its default, on CUDA only); the "
+        "grid and the hand config stay eager",
+    )
     args = parser.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
@@ -74,21 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     cases = [c for c in cases_for(device) if not args.cases or c.name in args.cases]
+    compiled = {"auto": None, "on": True, "off": False}[args.compile]
+    cases = [c.compiling(compiled) for c in cases]
     if args.quick:
         cases = cases[:1]
     started = time.perf_counter()
     rows: list[Row] = []
     for case in cases:
-        rows.extend(
-            run_case(
-                case,
-                device,
-                rounds=1 if args.quick else args.rounds,
-                quick=args.quick,
-                prune=not args.full_grid,
-                only=args.budgets,
+        with measured_compiling(bool(compiled)):  # the sweep re-measures a compiled winner
+            rows.extend(
+                run_case(
+                    case,
+                    device,
+                    rounds=1 if args.quick else args.rounds,
+                    quick=args.quick,
+                    prune=not args.full_grid,
+                    only=args.budgets,
+                )
             )
-        )
     summary = summarise(rows)
     print(format_table(rows, summary))
     report = {

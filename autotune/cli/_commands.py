@@ -76,6 +76,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         "offload_activations": offload,
         "checkpointing": not args.no_checkpointing,
         "selective_checkpointing": not args.no_selective_checkpointing,
+        "compile_blocks": {"auto": None, "on": True, "off": False}[args.compile],
     }
     if args.precisions:
         knobs["precisions"] = _names(args.precisions)
@@ -128,6 +129,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         knobs["selective_checkpoint"] = _checkpoint(args.selective_checkpoint, model, blocks)
     if args.offload_activations is not None:
         knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
+    if args.compile_blocks is not None:
+        knobs["compile_blocks"] = _checkpoint(args.compile_blocks, model, blocks)
     if args.offload_optimizer:
         knobs["offload_optimizer"] = True
     if args.parallel is not None:

@@ -161,6 +161,12 @@ def _add_tune(sub: Any) -> None:
         help="search optimizer and activation offload (auto: on CUDA only)",
     )
     tune.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="search compiled blocks, torch.compile of each block (auto: on CUDA only)",
+    )
+    tune.add_argument(
         "--world-size",
         type=positive_int,
         help="ranks to train on with DDP/FSDP2: under torchrun, the group's size (default); "
@@ -221,6 +227,11 @@ def _add_estimate(sub: Any) -> None:
     est.add_argument(
         "--selective-checkpoint",
         help="blocks to checkpoint selectively (matrix products kept): all, none, or a list",
+    )
+    est.add_argument(
+        "--compile-blocks",
+        choices=("all", "none"),
+        help="blocks to run compiled (torch.compile of each block's forward): all or none",
     )
     est.add_argument(
         "--optimizer", help="adamw, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd"

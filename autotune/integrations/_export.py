@@ -21,6 +21,7 @@ from autotune.integrations._export_file import (
     LIGHTNING_PRECISION,
     Export,
     checkpoint_in_code,
+    compiled_in_code,
     lost_offload_activations,
     offload,
     on_cpu,
@@ -116,6 +117,7 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
             "offload_optimizer: TrainingArguments cannot keep the optimizer on the host; "
             "export --to deepspeed and pass that file as deepspeed=path."
         )
+    warnings += compiled_in_code(c, "TrainingArguments(torch_compile=True)")
     return settings, [*warnings, *launch_warnings(result, "hf")]
 
 
@@ -146,6 +148,7 @@ def to_lightning(result: TuneResult) -> Export:
         f"DataLoader batch_size={c.micro_batch_size}.",
         optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
         *checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
+        *compiled_in_code(c, "Lightning (torch.compile(model) in configure_model)"),
         *offload(
             c,
             "these Trainer settings",
@@ -219,6 +222,7 @@ def to_deepspeed(result: TuneResult) -> Export:
             "activation checkpointing applies to the layers your model runs through "
             f"deepspeed.checkpointing.checkpoint: {', '.join(wrapped)}"
         )
+    warnings += compiled_in_code(c, "DeepSpeed's compile setting")
     return Export("deepspeed", settings, tuple(warnings), tuple(notes))
 
 
@@ -264,6 +268,7 @@ def to_accelerate(result: TuneResult) -> Export:
         warnings += checkpoint_in_code(result, "accelerate has no activation checkpointing setting")
     if c.offload_activations:
         warnings.append(lost_offload_activations(c, "accelerate"))
+    warnings += compiled_in_code(c, "accelerate's dynamo_config")
     usage = "use: accelerate launch --config_file path train.py"
     return Export(
         "accelerate", settings, tuple(warnings), (*origin(result, "accelerate config"), usage)

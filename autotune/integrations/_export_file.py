@@ -20,6 +20,7 @@ __all__ = [
     "TORCH_OPTIMIZER",
     "Export",
     "checkpoint_in_code",
+    "compiled_in_code",
     "lost_offload_activations",
     "offload",
     "on_cpu",
@@ -134,6 +135,18 @@ def checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
             "context_fn=create_selective_checkpoint_contexts(policy))."
         )
     return out
+
+
+def compiled_in_code(c: TrainConfig, where: str) -> list[str]:
+    """The warning for compiled blocks, which no trainer's setting names: ``where``
+    compiles the whole model or nothing."""
+    if not c.compile_blocks:
+        return []
+    return [
+        f"compile_blocks ({len(c.compile_blocks)} blocks): {where} compiles the whole model "
+        "or nothing, which holds other memory than tuned; autotune.apply(model, result) "
+        "compiles exactly these blocks' forwards (regional compilation), as tuned."
+    ]
 
 
 def optimizer_in_code(c: TrainConfig, how: str) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from autotune.config import timeline_key
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._devices import Transfer
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
@@ -44,13 +45,16 @@ def memory_profile(
     context_bytes: int,
     transfer: Transfer | None = None,
     selective: bool = False,
+    compiled: bool = False,
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
     Optimizers are measured at micro-batch 2, precisions at 2 and 4; at 1 and 2 when
     the device cannot hold those. A precision that runs out of device memory is left out.
     With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
-    host step are measured too; with ``selective``, the selectively checkpointed variant.
+    host step are measured too; with ``selective``, the selectively checkpointed variant;
+    with ``compiled``, each precision's timeline with every block compiled (kept and
+    checkpointed), unless compiling fails (a note says why).
 
     Raises:
         ProfileError: nothing fits the device.
@@ -89,6 +93,8 @@ def memory_profile(
             except NonFiniteError:
                 notes.append(f"{p}: the loss is not finite on the sample batch; not searched")
         if memory:
+            if compiled:
+                memory.update(_compiled(profiler, tuple(memory), optimizers[0], b1, b2, notes))
             break
     if not memory:
         raise ProfileError(
@@ -118,6 +124,33 @@ def memory_profile(
         layout=parameter_layout(profiler.model, blocks),
     )
     return profile, notes
+
+
+def _compiled(
+    profiler: Profiler,
+    precisions: Sequence[str],
+    optimizer: str,
+    b1: int,
+    b2: int,
+    notes: list[str],
+) -> dict[str, PrecisionProfile]:
+    """The compiled timeline of each of ``precisions`` (by its key); none once compiling
+    fails, with a note that says why (no compiler, an op the compiler rejects, ...)."""
+    out = {}
+    for p in precisions:
+        key = timeline_key(p, True)
+        try:
+            out[key] = profiler.memory(key, optimizer, b1, b2)
+        except torch.OutOfMemoryError:
+            notes.append(f"{key}: out of device memory while profiling at micro-batch {b2}")
+        except NonFiniteError:
+            notes.append(f"{key}: the loss is not finite on the sample batch; not searched")
+        except Exception as exc:  # the compiler's own failure: compiling is not searched
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            why = f"{type(exc).__name__}: {first}"
+            notes.append(f"compiled blocks: not searched, compiling failed ({why})")
+            return {}
+    return out
 
 
 def _why(exc: BlockError) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autotune._backend import backend_for
-from autotune.measure._tracker import LiveBytesTracker, PhaseRecord
+from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, tracker_for
 
 __all__ = ["PeakReading", "measure_peak"]
 
@@ -41,6 +41,7 @@ def measure_peak(
     foreign_bytes: int = 0,
     tracker: LiveBytesTracker | None = None,
     resized: Iterable[torch.Tensor] = (),
+    compiled: bool = False,
 ) -> Iterator[PeakReading]:
     """Measure the peak device memory of the block, by the device's definition.
 
@@ -60,11 +61,13 @@ def measure_peak(
             new one otherwise.
         resized: Tensors whose storage is freed and allocated again by resizing, outside
             any op (FSDP2's gathered parameters); the tracker reads their size at every op.
+        compiled: The block runs compiled blocks (see
+            :func:`~autotune.measure._tracker.tracker_for`).
     """
     ops = backend_for(device)
     reading = PeakReading()
     if tracker is None and not ops.caching:
-        tracker = LiveBytesTracker(device.type, budget_bytes=budget_bytes)
+        tracker = tracker_for(compiled, device.type, budget_bytes=budget_bytes)
     if tracker is not None:
         tracker.track(existing)
         tracker.watch(resized)

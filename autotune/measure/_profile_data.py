@@ -117,6 +117,17 @@ class Phase:
     peak: tuple[Line, ...]
     grads: int
     """Gradient bytes alive when the phase begins (for the memory breakdown)."""
+    floor: tuple[Line, ...] = ()
+    """A second line under each variant's peak, where it was profiled at three sizes
+    (compiled blocks): the peak is the larger of the two. A phase's peak is the most of
+    its live bytes over its ops, each linear in the batch size, so it bends where another
+    op's bytes take over; compiled code's backward bends between the smallest sizes."""
+
+    def rise(self, variant: int, b: float) -> float:
+        """The phase's peak above its entry at micro-batch ``b``, block choice ``variant``."""
+        if variant < len(self.floor):
+            return max(self.peak[variant](b), self.floor[variant](b))
+        return self.peak[variant](b)
 
 
 @dataclass(frozen=True)
@@ -271,6 +282,7 @@ def profile_from_json(text: str) -> Profile:
                 lines(ph["delta"]),
                 lines(ph["peak"]),
                 ph["grads"],
+                lines(ph.get("floor", [])),
             )
             for ph in p["phases"]
         )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autotune._backend import backend_for
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, timeline_knobs, timeline_parts
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
 from autotune.measure._profile_data import (
@@ -91,6 +91,10 @@ class Profiler:
             foreign_bytes=self.foreign_bytes,
         )
 
+    def config(self, key: str, b: int, **knobs: Any) -> TrainConfig:
+        """The config of timeline ``key`` (a precision, compiled or not) at micro-batch ``b``."""
+        return TrainConfig(micro_batch_size=b, **timeline_knobs(key, self.blocks), **knobs)
+
     def runner(self, config: TrainConfig) -> Runner:
         return prepare(self.model, config, lr=_PROFILE_LR, loss_fn=self.loss_fn, device=self.device)
 
@@ -156,15 +160,20 @@ class Profiler:
         offload: bool = False,
         selective: bool = False,
     ) -> PrecisionProfile:
-        """The phase timeline of ``precision`` at micro-batch sizes ``b1`` < ``b2``.
+        """The phase timeline of ``precision`` (a timeline key: compiled blocks are a
+        timeline of their own) at micro-batch sizes ``b1`` < ``b2``.
 
         Variants: every block kept, every block checkpointed, (``offload``) every block
         offloaded, with the bytes each block sends to the host, and (``selective``) every
-        block checkpointed selectively. A variant not run takes the kept run's lines.
+        block checkpointed selectively; compiled blocks only kept and checkpointed. A
+        variant not run takes the kept run's lines.
         """
-        runner = self.first_step(
-            TrainConfig(micro_batch_size=b1, precision=precision, optimizer=optimizer), b1
-        )
+        compiled = timeline_parts(precision)[1]
+        at: tuple[int, ...] = (b1, b2)
+        if compiled:  # its peaks bend at small sizes: a third size (see Phase.floor)
+            offload = selective = False
+            at = (b1, b2, 2 * b2)
+        runner = self.first_step(self.config(precision, b1, optimizer=optimizer), b1)
         variants = [KEEP, CHECKPOINT] if self.blocks else [KEEP]
         if self.blocks and offload:
             variants.append(OFFLOAD)
@@ -182,7 +191,10 @@ class Profiler:
                     apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
                 elif variant == OFFLOAD:
                     apply_offloading(self.model, self.blocks, runner.offloader)
-                for b in (b1, b2):
+                if compiled:  # compiled at each size and beneath its wrapper before tracked
+                    for b in at:
+                        runner.step(batching.resize(self.sample, b))
+                for b in at:
                     if self.ops.caching:  # start from no cached blocks, as verify does
                         self.ops.empty_cache()
                     runs[b, variant] = records = tracked_step(
@@ -198,12 +210,9 @@ class Profiler:
                         beyond.setdefault(variant, []).append((b, float(reserved - live)))
         # Every index up to the last variant run; one not run reads as the kept run.
         indices = range(max(variants) + 1)
-        base, phases = fit_phases(
-            b1,
-            [runs.get((b1, v), runs[b1, KEEP]) for v in indices],
-            b2,
-            [runs.get((b2, v), runs[b2, KEEP]) for v in indices],
-        )
+        fitted = [[runs.get((b, v), runs[b, KEEP]) for v in indices] for b in at]
+        third = (at[2], fitted[2]) if compiled else (None, [])
+        base, phases = fit_phases(b1, fitted[0], b2, fitted[1], *third)
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key.micro in (1, 2))
         lines: tuple[Line, ...] = ()
@@ -239,10 +248,15 @@ class Profiler:
         """:meth:`fwd_bwd_time` of each of ``variants`` (KEEP, CHECKPOINT, SELECTIVE), on
         one runner after one warm-up pass, the variants timed in turn (several rounds of
         passes shorter than 0.2 s), so that a slow spell hits them alike."""
-        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        runner = self.runner(self.config(precision, b))
         chunk = batching.resize(self.sample, b)
         times: dict[int, list[float]] = {v: [] for v in variants}
         try:
+            if runner.config.compile_blocks:  # compiled (beneath each wrapper) untimed
+                for v in variants:
+                    self._every(v)
+                    with _model_errors(self.model, chunk, self.loss_fn):
+                        runner.forward_backward(chunk)
             self._every(variants[0])
             with _model_errors(self.model, chunk, self.loss_fn):
                 first = self._timed(lambda: runner.forward_backward(chunk))
@@ -270,7 +284,7 @@ class Profiler:
 
     def block_times(self, precision: str, b: int) -> tuple[tuple[float, ...], float]:
         """(each block's seconds, the whole forward's seconds) of one timed forward."""
-        runner = self.runner(TrainConfig(micro_batch_size=b, precision=precision))
+        runner = self.runner(self.config(precision, b))
         starts: dict[int, float] = {}
         spent = [0.0] * len(self.modules)
         handles = []

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from autotune.config import timeline_parts
 from autotune.errors import BatchError, ProfileError
 from autotune.measure._profile_data import CHECKPOINT, KEEP, SELECTIVE, Profile, TimeCurve
 from autotune.measure._profiler import Profiler
@@ -25,6 +26,10 @@ _SATURATED_S = 0.5
 _LONGEST_PASS_S = 2.0
 _SLOW_PRECISION = 1.6
 """A precision this many times slower than fp32 at the same micro-batch cannot win."""
+_COMPILED_PAYS = 0.97
+"""Compiled blocks are timed in full where a pass takes at most this share of the eager
+pass's time at the probe's micro-batch (they may still save memory; that alone is not
+worth a search of its own)."""
 _TRIED_SIZES = 3
 """The smallest sizes tried before a failure is the model's, not a size's."""
 
@@ -155,9 +160,19 @@ def time_profile(
         b = probe[reference] if probe[reference] <= feasible[p] else probe[p]
         times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
+        eager, compiled = timeline_parts(p)
         if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
             notes.append(_slow_note(p, times[p][b] / ref, device_name))
             del feasible[p], times[p]
+        elif compiled and eager in feasible:
+            twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
+            times[eager][b] = twin
+            if times[p][b] > _COMPILED_PAYS * twin:
+                notes.append(
+                    f"{p}: {times[p][b] / twin:.2f}x the eager time at micro-batch {b} on "
+                    f"{device_name}, not searched"
+                )
+                del feasible[p], times[p]
     precision_profiles = {}
     untrainable = list(draft.untrainable)
     for p, cap in feasible.items():

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from autotune.measure._peak import measure_peak
 from autotune.measure._profile_data import Line, Phase, PhaseKey
-from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
+from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors, tracker_for
 
 __all__ = ["fit_phases", "tracked_step"]
 
@@ -88,7 +88,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
     Returns:
         The phase records; micro-batches are ``micro`` 1 and 2, the optimizer step 3.
     """
-    tracker = LiveBytesTracker(runner.device.type)
+    tracker = tracker_for(bool(runner.config.compile_blocks), runner.device.type)
     rec = _Recorder(tracker, runner.model)
     existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
     with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
@@ -116,8 +116,12 @@ def fit_phases(
     runs1: Sequence[list[PhaseRecord]],
     b2: int,
     runs2: Sequence[list[PhaseRecord]],
+    b3: int | None = None,
+    runs3: Sequence[list[PhaseRecord]] = (),
 ) -> tuple[int, list[Phase]]:
-    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``.
+    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``; with
+    runs at a third size ``b3`` too, each peak is the larger of its lines through the
+    first two sizes and the last two (see :attr:`Phase.floor`).
 
     Phases are matched by label and, for a label seen more than once (a weight-shared
     block called once per layer, ALBERT's), by its occurrence; the sequence is the kept
@@ -136,19 +140,25 @@ def fit_phases(
 
     variants = range(len(runs1))
     tables = [[table(runs1[v]), table(runs2[v])] for v in variants]
+    thirds = [table(runs) for runs in runs3]
     phases = []
     for r, key in zip(reference, _occurrences(reference), strict=True):
-        lines_delta, lines_peak = [], []
+        lines_delta, lines_peak, floor = [], [], []
         for v in variants:
             a = tables[v][0].get(key) or tables[0][0][key]
             b = tables[v][1].get(key) or tables[0][1].get(key) or a
             lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
             lines_peak.append(Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry))
+            if b3 is not None and thirds:
+                c = thirds[v].get(key) or thirds[0].get(key) or b
+                floor.append(Line.through(b2, b.peak - b.entry, b3, c.peak - c.entry))
         # Only a block's own forward and backward are its; what happens between blocks
         # (e.g. autocast dropping cached weight casts when the forward ends) depends on
         # every block's choice, and the cost model interpolates it.
         block = r.key.block if r.key.label in ("fwd", "bwd") else None
-        phases.append(Phase(r.key, block, tuple(lines_delta), tuple(lines_peak), r.grads))
+        phases.append(
+            Phase(r.key, block, tuple(lines_delta), tuple(lines_peak), r.grads, tuple(floor))
+        )
     return base, phases
 
 

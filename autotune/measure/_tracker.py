@@ -35,7 +35,13 @@ from autotune.measure._profile_data import PhaseKey
 from autotune.train._host import in_host_memory, is_host_storage
 from autotune.train._quantized import quantization_state
 
-__all__ = ["CompiledBytesTracker", "LiveBytesTracker", "PhaseRecord", "state_tensors"]
+__all__ = [
+    "CompiledBytesTracker",
+    "LiveBytesTracker",
+    "PhaseRecord",
+    "state_tensors",
+    "tracker_for",
+]
 
 
 @dataclass
@@ -180,6 +186,15 @@ class CompiledBytesTracker(LiveBytesTracker):
     :func:`~autotune.train._compiled.counted_allocations` (else their buffers go unseen)."""
 
     runs_compiled = True
+
+
+def tracker_for(
+    compiled: bool, device_type: str, *, budget_bytes: int | None = None
+) -> LiveBytesTracker:
+    """The tracker of a run whose blocks are ``compiled`` (or not): a compiled block run
+    under the plain tracker would run eagerly, and never compiled again in the process."""
+    kind = CompiledBytesTracker if compiled else LiveBytesTracker
+    return kind(device_type, budget_bytes=budget_bytes)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

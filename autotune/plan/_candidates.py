@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, timeline_knobs, timeline_parts
 from autotune.errors import ConfigError
 from autotune.plan._planner import Candidate, Planner
 from autotune.space import SearchSpace
@@ -142,12 +142,13 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
         for p, h, (ckpt, off) in itertools.product(
             planner.precisions, planner.offload_optimizer, placements
         )
-        if planner.host_fits(
+        if not (off and timeline_parts(p)[1])  # a compiled block is never offloaded
+        and planner.host_fits(
             c := cost.layout.apply(
                 TrainConfig(
                     micro_batch_size=smallest,
                     grad_accum_steps=effective // smallest,
-                    precision=p,
+                    **timeline_knobs(p, cost.profile.blocks),
                     checkpoint=ckpt,
                     offload_activations=off,
                     optimizer=config.optimizer,

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, timeline_parts
 from autotune.measure._profile_data import Profile
 from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
@@ -66,7 +66,9 @@ class CostModel(MemoryModel, TimeModel):
     def can_offload(self) -> bool:
         """Whether offload was profiled (transfer speeds and an offloaded variant)."""
         return self.profile.transfer is not None and all(
-            len(p.moved) == self.n_blocks for p in self.profile.precisions.values()
+            len(p.moved) == self.n_blocks
+            for key, p in self.profile.precisions.items()
+            if not timeline_parts(key)[1]  # a compiled block is never offloaded
         )
 
     def can_select(self, precision: str) -> bool:
@@ -103,7 +105,7 @@ class CostModel(MemoryModel, TimeModel):
             accum,
             limit,
             offload_optimizer,
-            offload_activations and self.can_offload,
+            offload_activations and self.can_offload and not timeline_parts(precision)[1],
             selective and self.can_select(precision),
         )
 
@@ -185,7 +187,7 @@ class CostModel(MemoryModel, TimeModel):
         rank with data parallelism; throughput over all ranks)."""
         peak, breakdown = self.memory(config)
         step = self.step_s(
-            config.precision,
+            config.timeline,
             config.optimizer,
             config.micro_batch_size,
             config.grad_accum_steps,

@@ -176,7 +176,7 @@ class MemoryModel(ProfileView):
                 v = int(mask[ph.block])
                 if v == OFFLOAD and ph.key.label == "bwd":
                     live += _restores(ph.block, offloaded, moved, b)
-                rise, delta = ph.peak[v](b), ph.delta[v](b)
+                rise, delta = ph.rise(v, b), ph.delta[v](b)
             else:  # between blocks: in proportion to each choice's share of the blocks
                 rise, delta = between(ph, b, shares)
             if live + rise > peak:
@@ -205,7 +205,7 @@ class MemoryModel(ProfileView):
         mask = self.mask_of((), config.offload_activations)
         return math.ceil(
             self._host_side(
-                config.precision,
+                config.timeline,
                 config.optimizer,
                 config.micro_batch_size,
                 mask,
@@ -236,7 +236,7 @@ class MemoryModel(ProfileView):
         b, n, p, o = (
             config.micro_batch_size,
             config.grad_accum_steps,
-            config.precision,
+            config.timeline,
             config.optimizer,
         )
         mask = self.config_mask(config)
@@ -262,10 +262,10 @@ def between(ph: Phase, b: int, shares: tuple[float, ...]) -> tuple[float, float]
     toward each choice's run in proportion to its ``shares`` of the blocks (what happens
     between blocks depends on every block's choice, e.g. autocast dropping its weight
     casts when the forward ends)."""
-    rise, delta = ph.peak[KEEP](b), ph.delta[KEEP](b)
+    rise, delta = ph.rise(KEEP, b), ph.delta[KEEP](b)
     for share, v in zip(shares, WRAPPED, strict=True):
         if share:
-            rise += share * (ph.peak[v](b) - ph.peak[KEEP](b))
+            rise += share * (ph.rise(v, b) - ph.rise(KEEP, b))
             delta += share * (ph.delta[v](b) - ph.delta[KEEP](b))
     return rise, delta
 

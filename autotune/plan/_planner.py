@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, timeline_knobs, timeline_parts
 from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, CostModel, Mask, Prediction
 
 __all__ = ["Candidate", "Planner"]
@@ -55,6 +55,11 @@ class Planner:
     offload_activations: bool = False
     """Whether blocks may be offloaded (needs an offload profile)."""
 
+    def offloads_activations(self, precision: str) -> bool:
+        """Whether blocks may be offloaded at timeline ``precision`` (a compiled block
+        never is: its saved tensors are the compiled graph's)."""
+        return self.offload_activations and not timeline_parts(precision)[1]
+
     def accum(self, b: int) -> int:
         """Accumulation steps at micro-batch ``b``."""
         return self.global_batch_size // b if self.global_batch_size else 1
@@ -72,7 +77,7 @@ class Planner:
                 n,
                 self.limit,
                 offload_optimizer=offload,
-                offload_activations=acts and self.offload_activations,
+                offload_activations=acts and self.offloads_activations(precision),
                 selective=self.selective,
             )
         none = (KEEP,) * self.cost.n_blocks
@@ -113,7 +118,7 @@ class Planner:
         config = TrainConfig(
             micro_batch_size=b,
             grad_accum_steps=self.accum(b),
-            precision=precision,
+            **timeline_knobs(precision, blocks),
             checkpoint=named(CHECKPOINT),
             selective_checkpoint=named(SELECTIVE),
             offload_activations=named(OFFLOAD),
@@ -133,7 +138,7 @@ class Planner:
         """Every block checkpointed, or offloaded where that saves more (or kept: no blocks)."""
         n = self.accum(b)
         full: Mask = (CHECKPOINT if self.checkpointing else KEEP,) * self.cost.n_blocks
-        if not (self.offload_activations and self.checkpointing):
+        if not (self.offloads_activations(precision) and self.checkpointing):
             return full
         off: Mask = (OFFLOAD,) * self.cost.n_blocks
         peak_off = self.cost.peak(precision, optimizer, b, n, off, offload_optimizer=offload)

@@ -187,7 +187,7 @@ _NAMES = ("micro_batch_size", "precision", "optimizer", "offload_optimizer")
 
 
 def _key(config: TrainConfig) -> _Key:
-    return (config.micro_batch_size, config.precision, config.optimizer, config.offload_optimizer)
+    return (config.micro_batch_size, config.timeline, config.optimizer, config.offload_optimizer)
 
 
 def _distributions(planner: Planner) -> dict[str, optuna.distributions.BaseDistribution]:

@@ -111,7 +111,7 @@ def _rise_delta(ph: Phase, mask: Mask, b: int, model: MemoryModel) -> tuple[floa
     """A phase's peak above its entry and its net change, each block's variant as masked."""
     if ph.block is not None:
         v = int(mask[ph.block])
-        return ph.peak[v](b), ph.delta[v](b)
+        return ph.rise(v, b), ph.delta[v](b)
     return between(ph, b, model.variant_shares(mask))
 
 

@@ -26,6 +26,7 @@ from autotune.train import _batch as batching
 from autotune.train import _fallback
 from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import check_blocks, named_recompute_errors, remove_checkpointing
+from autotune.train._compiled import uncompile_blocks
 from autotune.train._lengths import Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
@@ -274,7 +275,8 @@ class Applied:
     def close(self) -> None:
         """Release what the handle holds on the model: gradients on both sides, the
         offloaded optimizer's gradient hooks (they keep its pinned host memory alive), the
-        checkpoint and offload wrappers of the blocks, and the allocator's cap. The weights
+        checkpoint and offload wrappers of the blocks, their compiled forwards, and the
+        allocator's cap. The weights
         stay as trained. Closing twice is harmless; the handle cannot train after it.
         """
         self.zero_grad()
@@ -283,6 +285,7 @@ class Applied:
         if self.host is not None:
             self.host.close()
         remove_checkpointing(self.model)
+        uncompile_blocks(self.model)
         self._budget.close()  # the allocator's cap as it was before
         self._closed = True
 

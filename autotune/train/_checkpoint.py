@@ -78,6 +78,7 @@ def check_blocks(model: nn.Module, config: TrainConfig) -> None:
     _resolve(model, config.checkpoint, "checkpoints")
     _resolve(model, config.selective_checkpoint, "checkpoints")
     _resolve(model, config.offload_activations, "offloads")
+    _resolve(model, config.compile_blocks, "compiles")
 
 
 def _resolve(model: nn.Module, names: Sequence[str], verb: str) -> list[nn.Module]:

@@ -21,6 +21,8 @@ it (``ignore_compile_internals``), counts every buffer as it counts an eager op'
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "counted_allocations",
     "decompile",
     "is_compiled",
+    "measured_compiling",
     "uncompile_blocks",
 ]
 
@@ -44,10 +47,11 @@ _EAGER = COMPILED
 """Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
 
 
-def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | None = None) -> None:
+def compile_blocks(model: nn.Module, names: Sequence[str]) -> None:
     """Compile the forward of each block in ``names`` in place (a block compiled already
-    stays as it is). ``dynamic`` is ``torch.compile``'s: ``None`` compiles a shape as
-    seen first and generalises once a second one comes.
+    stays as it is), the first dimension of its tensor arguments (the batch) dynamic from
+    the first call: one graph for every micro-batch size but one (a single sample is
+    specialised), so that a size profiled and a size trained run the same code.
 
     Raises:
         BlockError: a name is no block of ``model``, or a block is wrapped already
@@ -68,7 +72,17 @@ def compile_blocks(model: nn.Module, names: Sequence[str], *, dynamic: bool | No
     for module in modules:
         if _EAGER in module.__dict__:
             continue
-        replace_forward(module, torch.compile(module.forward, dynamic=dynamic), _EAGER)
+        compiled = torch.compile(module.forward)
+        replace_forward(module, functools.partial(_batch_dynamic, compiled), _EAGER)
+
+
+def _batch_dynamic(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``compiled(*args, **kwargs)``, each tensor argument's first dimension marked
+    dynamic (a hint: dynamo specialises it where the code needs a fixed size)."""
+    for t in itertools.chain(args, kwargs.values()):
+        if isinstance(t, torch.Tensor) and t.dim():
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return compiled(*args, **kwargs)
 
 
 def uncompile_blocks(model: nn.Module) -> None:
@@ -125,6 +139,28 @@ def counted_allocations() -> Iterator[None]:
     finally:
         for name, fast in saved.items():
             setattr(guards, name, fast)
+
+
+_RECOMPILES = 64
+"""Graphs of one block class a tuning run may compile: per precision, with and without
+gradients into its input (the first block), the first micro-batch size then any (a
+dynamic batch dimension), one sample (a size of its own), several sequence lengths.
+Past torch's default (8) dynamo would run the block eagerly, and the measurements would
+be of eager code."""
+
+
+@contextlib.contextmanager
+def measured_compiling(enabled: bool = True) -> Iterator[None]:
+    """A tuning run that measures compiled blocks: their allocations counted (see
+    :func:`counted_allocations`) and dynamo's per-function limit of graphs raised to
+    :data:`_RECOMPILES`; nothing where not ``enabled``."""
+    if not enabled:
+        yield
+        return
+    config = torch._dynamo.config
+    limit = max(config.recompile_limit, _RECOMPILES)
+    with counted_allocations(), config.patch(recompile_limit=limit):
+        yield
 
 
 def _dispatched(device: str) -> Callable[..., torch.Tensor]:

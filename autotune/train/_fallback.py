@@ -22,6 +22,7 @@ from autotune.train._checkpoint import (
     check_blocks,
     remove_checkpointing,
 )
+from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
 from autotune.train._steps import make_scaler
 
 if TYPE_CHECKING:
@@ -94,9 +95,9 @@ def switch(applied: Applied, config: TrainConfig) -> None:
 
 
 def wrap(applied: Applied, config: TrainConfig) -> None:
-    """The model-side knobs of ``config`` on ``applied.model``: its blocks checkpointed
-    (fully or selectively) and offloaded, its attention implementation (put back by
-    ``applied.undo()``)."""
+    """The model-side knobs of ``config`` on ``applied.model``: its blocks compiled, then
+    checkpointed (fully or selectively) and offloaded, its attention implementation (put
+    back by ``applied.undo()``)."""
     model = applied.model
     if config.attention is not None and config.attention != attention_of(model):
         put_back = set_attention(model, config.attention)  # first: it may refuse
@@ -104,6 +105,10 @@ def wrap(applied: Applied, config: TrainConfig) -> None:
             applied.attention_put_back = put_back
             applied.on_undo(put_back)
     remove_checkpointing(model)
+    compiled = {n for n, m in model.named_modules() if is_compiled(m)}
+    if compiled != set(config.compile_blocks):  # the compiled code is cached: no recompile
+        uncompile_blocks(model)
+        compile_blocks(model, config.compile_blocks)
     apply_checkpointing(model, config.checkpoint)
     apply_checkpointing(model, config.selective_checkpoint, selective=True)
     apply_offloading(model, config.offload_activations, applied.offloader)

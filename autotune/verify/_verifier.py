@@ -157,10 +157,14 @@ class Verifier:
         # reserved bytes already where it lives on the device). Without a timing window
         # (a fallback's) the first step is the one timed, without the tracker.
         held = batching.tensors_on(batch, self.device)
+        compiled = bool(runner.config.compile_blocks)
         once: list[float] = []
         if timed:
             with measure_peak(
-                self.device, existing=[*self._state(runner), *held], budget_bytes=budget
+                self.device,
+                existing=[*self._state(runner), *held],
+                budget_bytes=budget,
+                compiled=compiled,
             ):
                 runner.step(batch)
         else:
@@ -173,6 +177,7 @@ class Verifier:
                 existing=[*self._state(runner), *held],
                 budget_bytes=budget,
                 resized=gathered_tensors(runner.model),
+                compiled=compiled,
             ) as reading:
                 runner.step(batch)
                 _next_batch(batch)

@@ -101,11 +101,12 @@ def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
 
 def _alike(a: TrainConfig, b: TrainConfig) -> bool:
     """Too like each other to verify both: the same layout (data parallelism, units kept
-    gathered), precision, optimizer and checkpointing, micro-batches within a factor of 1.5."""
+    gathered), precision and compilation, optimizer and checkpointing, micro-batches within
+    a factor of 1.5."""
 
     def idea(c: TrainConfig) -> tuple[object, ...]:
         wrapped = (bool(c.checkpoint), bool(c.selective_checkpoint))
-        return (c.parallel, bool(c.keep_gathered), c.precision, c.optimizer, wrapped)
+        return (c.parallel, bool(c.keep_gathered), c.timeline, c.optimizer, wrapped)
 
     small, large = sorted((a.micro_batch_size, b.micro_batch_size))
     return idea(a) == idea(b) and large < 1.5 * small
@@ -174,6 +175,7 @@ def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
         + len(c.selective_checkpoint)
         + len(c.offload_activations)
         + int(c.offload_optimizer)
+        + int(bool(c.compile_blocks))  # tied with eager code: no compiling
     )
     return wrapped, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
 
