@@ -59,7 +59,8 @@ def profile_model(
         precisions, untrainable, slow, timed = fast_precisions(
             profiler, problem.precisions, problem.sizes, device_name=problem.target.name
         )
-        draft, notes = _memory(profiler, problem, precisions, world, compiled=world == 1)
+        compiled = _worth_compiling(precisions, timed) if world == 1 and problem.compile else ()
+        draft, notes = _memory(profiler, problem, precisions, world, compiled=compiled)
     else:
         log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
         three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
@@ -116,10 +117,10 @@ def _memory(
     precisions: tuple[str, ...],
     world: int,
     *,
-    compiled: bool = False,
+    compiled: tuple[str, ...] = (),
 ) -> tuple[Profile, list[str]]:
-    """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned
-    (and, ``compiled`` where the problem searches it, the compiled blocks' timelines)."""
+    """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned,
+    and the compiled blocks' timelines of the precisions ``compiled``."""
     log.info("profiling memory on %s (%d blocks)", problem.target.name, len(profiler.blocks))
     draft, notes = memory_profile(
         profiler,
@@ -129,11 +130,28 @@ def _memory(
         context_bytes=problem.target.context_bytes,
         transfer=measure_transfer(problem.target) if problem.offload else None,
         selective=problem.space.selective_checkpointing,
-        compiled=compiled and problem.compile,
+        compiled=compiled,
     )
     if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     return draft, notes
+
+
+_COMPILE_WITHIN = 1.15
+"""Precisions whose eager pass takes at most this many times the fastest one's get a
+compiled timeline: compiling a slower precision costs seconds and rarely wins."""
+
+
+def _worth_compiling(
+    precisions: tuple[str, ...], timed: dict[str, dict[int, float]]
+) -> tuple[str, ...]:
+    """The precisions to profile compiled: near the fastest eager one at the first size
+    timed (every one where they were not all timed)."""
+    seconds = {p: min(timed[p].values()) for p in precisions if timed.get(p)}
+    if len(seconds) < len(precisions):
+        return precisions
+    best = min(seconds.values())
+    return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
 
 
 def _caps(problem: Problem, draft: Profile, world: int) -> dict[str, int]:

@@ -45,7 +45,7 @@ def memory_profile(
     context_bytes: int,
     transfer: Transfer | None = None,
     selective: bool = False,
-    compiled: bool = False,
+    compiled: Sequence[str] = (),
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
@@ -53,8 +53,8 @@ def memory_profile(
     the device cannot hold those. A precision that runs out of device memory is left out.
     With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
     host step are measured too; with ``selective``, the selectively checkpointed variant;
-    with ``compiled``, each precision's timeline with every block compiled (kept and
-    checkpointed), unless compiling fails (a note says why).
+    for each of the precisions ``compiled``, its timeline with every block compiled (kept
+    and checkpointed), unless compiling fails (a note says why).
 
     Raises:
         ProfileError: nothing fits the device.
@@ -93,8 +93,8 @@ def memory_profile(
             except NonFiniteError:
                 notes.append(f"{p}: the loss is not finite on the sample batch; not searched")
         if memory:
-            if compiled:
-                memory.update(_compiled(profiler, tuple(memory), optimizers[0], b1, b2, notes))
+            if ranked := [p for p in compiled if p in memory]:
+                memory.update(_compiled(profiler, ranked, optimizers[0], b1, b2, notes))
             break
     if not memory:
         raise ProfileError(

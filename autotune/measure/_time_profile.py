@@ -177,6 +177,8 @@ def time_profile(
     untrainable = list(draft.untrainable)
     for p, cap in feasible.items():
         allowed = [s for s in sizes if s not in untrainable]
+        if timeline_parts(p)[1]:  # one sample is a graph of its own: not compiled for a curve
+            allowed = [s for s in allowed if s > 1] or allowed
         # Every block checkpointed, and selectively: timed on the runner of the kept pass
         # (after its warm-up, in turn with it) at the second size and at the last one.
         variants: tuple[int, ...] = ()

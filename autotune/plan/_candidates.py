@@ -113,7 +113,8 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
 
     Two: the fastest predicted config at 3/4 of the winner's peak, and the most frugal
     one (the smallest micro-batch with at most 64 accumulation steps, every block
-    checkpointed or offloaded, the precision and optimizer placement that need least).
+    checkpointed or offloaded, the precision and optimizer placement that need least,
+    eager where an eager precision is searched).
     """
     effective = config.effective_batch_size
     sizes = [b for b in planner.sizes if effective % b == 0] or [effective]
@@ -137,11 +138,12 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
     placements: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(names, ())]
     if planner.offload_activations:
         placements.append(((), cost.profile.blocks))
+    # The last resort runs eagerly where it can: no graph of its own to compile at the
+    # smallest micro-batch, mid-training, when the fallback is taken.
+    eager = [p for p in planner.precisions if not timeline_parts(p)[1]] or planner.precisions
     frugal = [
         c
-        for p, h, (ckpt, off) in itertools.product(
-            planner.precisions, planner.offload_optimizer, placements
-        )
+        for p, h, (ckpt, off) in itertools.product(eager, planner.offload_optimizer, placements)
         if not (off and timeline_parts(p)[1])  # a compiled block is never offloaded
         and planner.host_fits(
             c := cost.layout.apply(
