@@ -91,7 +91,7 @@ def test_the_compiled_timeline_is_planned_beside_the_eager_one() -> None:
     with measured_compiling():
         profile, notes = memory_profile(
             profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0,
-            selective=True, compiled=True,
+            selective=True, compiled=("fp32",),
         )  # fmt: skip
     assert set(profile.precisions) == {"fp32", "fp32+compiled"} and not notes
     assert (

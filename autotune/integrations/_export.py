@@ -58,9 +58,10 @@ _ADAMW = ("adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw")
 def to_hf(result: TuneResult) -> Export:
     """Keyword arguments of ``transformers.TrainingArguments``.
 
-    The checkpoint mask and activation offload are applied to the model by
-    ``autotune.integrations.transformers.AutotuneCallback``, block by block, never by
-    ``gradient_checkpointing``, which some models reject and which means every layer.
+    The checkpoint mask, activation offload and compiled blocks are applied to the model
+    by ``autotune.integrations.transformers.AutotuneCallback``, block by block, never by
+    ``gradient_checkpointing`` (which some models reject and which means every layer) or
+    ``torch_compile`` (the whole model).
     """
     settings, warnings = hf_settings(result)
     usage = (
@@ -76,6 +77,7 @@ def to_hf(result: TuneResult) -> Export:
             ("checkpoint", c.checkpoint),
             ("selective_checkpoint", c.selective_checkpoint),
             ("offload_activations", c.offload_activations),
+            ("compile_blocks", c.compile_blocks),
         )
         if blocks
     ]
@@ -117,7 +119,6 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
             "offload_optimizer: TrainingArguments cannot keep the optimizer on the host; "
             "export --to deepspeed and pass that file as deepspeed=path."
         )
-    warnings += compiled_in_code(c, "TrainingArguments(torch_compile=True)")
     return settings, [*warnings, *launch_warnings(result, "hf")]
 
 

@@ -266,6 +266,7 @@ def test_no_knob_is_dropped_silently(target: str) -> None:
         offload_activations=("blocks.3",),
         optimizer="adafactor",
         offload_optimizer=True,
+        compile_blocks=("blocks.0", "blocks.1", "blocks.2"),
     )
     out = export(result_for(config), target)
     values, settings = leaves(out.settings), json.dumps(out.settings)
@@ -277,6 +278,7 @@ def test_no_knob_is_dropped_silently(target: str) -> None:
     assert "offload_activations (blocks.3)" in warnings
     assert "cpu" in settings or "offload_optimizer" in warnings
     assert "adafactor" in settings or "Adafactor" in warnings
+    assert "compile_blocks" in warnings  # no target compiles some blocks: all warn
     for warning in out.warnings:
         assert warning in out.text
 

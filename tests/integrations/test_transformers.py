@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 import autotune
 from autotune import TrainConfig, TuneResult
 from autotune.errors import AutotuneWarning, ConfigError, NonFiniteError
+from autotune.train._compiled import is_compiled
 
 transformers = pytest.importorskip("transformers")
 from autotune.integrations.transformers import (  # noqa: E402
@@ -87,6 +88,32 @@ def test_the_trainer_trains_as_tuned_within_the_budget(tuned: TuneResult, tmp_pa
     assert callback.handle is None
     assert not any("forward" in vars(m) for m in model.modules())
     assert model.config.use_cache is trainer.args.use_cache  # as the Trainer set it
+
+
+def test_the_trainer_trains_compiled_blocks_as_tuned(tuned: TuneResult, tmp_path) -> None:
+    """A config that compiles the blocks: the Trainer's steps run them compiled (beneath
+    the checkpoint of the first), with autotune's Runner's losses and weights on the same
+    batches, and the model comes back uncompiled."""
+    blocks = tuned.model.blocks
+    config = tuned.config.replace(
+        checkpoint=blocks[:1], selective_checkpoint=(), compile_blocks=blocks
+    )
+    result = dataclasses.replace(tuned, config=config)
+    model = gpt2()
+    start = fresh(model)
+    recorder = Recorder()
+    recorder.attach(model)
+    compiled: list[bool] = []
+    first = model.get_submodule(blocks[0])
+    hook = first.register_forward_pre_hook(lambda m, a: compiled.append(is_compiled(m)))
+    trainer_for(model, result, tmp_path).train()
+    hook.remove()
+    assert compiled and all(compiled)
+    replay, reference = runner_replay(start, result, recorder, lr=LR, max_grad_norm=1.0)
+    torch.testing.assert_close(torch.stack(recorder.losses), torch.stack(replay.losses))
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert not any(is_compiled(m) or "forward" in vars(m) for m in model.modules())
 
 
 def test_training_arguments_are_real_and_use_transformers_5_names(tuned, tmp_path) -> None:
