@@ -71,13 +71,14 @@ class Row:
 
 
 def short(config: TrainConfig | None, n_blocks: int) -> str:
-    """``b16x2 bf16 ck0/4 adamw``: micro-batch x accumulation, precision, checkpointed
-    blocks (``ck1+s2/4``: one checkpointed, two selectively), optimizer."""
+    """``b16x2 bf16 ck0/4 adamw``: micro-batch x accumulation, precision (``bf16+compiled``:
+    the blocks compiled), checkpointed blocks (``ck1+s2/4``: one checkpointed, two
+    selectively), optimizer."""
     if config is None:
         return "-"
     selective = f"+s{len(config.selective_checkpoint)}" if config.selective_checkpoint else ""
     return (
-        f"b{config.micro_batch_size}x{config.grad_accum_steps} {config.precision} "
+        f"b{config.micro_batch_size}x{config.grad_accum_steps} {config.timeline} "
         f"ck{len(config.checkpoint)}{selective}/{n_blocks} {config.optimizer}"
     )
 

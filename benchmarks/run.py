@@ -255,7 +255,13 @@ def _fill_ratios(
     ]
     row.violations += len(failed)
     row.details["tuned_reruns_failed"] = [p.error for p in failed]
-    grid = {c: m for c, m in medians.items() if (c in top or c == result.config) and m is not None}
+    # The grid is eager: a compiled tuned config is measured against it, not in it.
+    eager = not result.config.compile_blocks
+    grid = {
+        c: m
+        for c, m in medians.items()
+        if (c in top or (c == result.config and eager)) and m is not None
+    }
     if grid:
         best = max(grid, key=grid.__getitem__)
         row.grid_best = short(best, n)
