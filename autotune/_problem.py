@@ -97,7 +97,8 @@ class Problem:
 def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
     """The model to measure: ``model``, or the module a ``torch.compile`` wrapper holds.
 
-    autotune measures and tunes models without compilation; a model compiled with
+    autotune measures a model as the user passed it uncompiled (compiling its blocks is
+    a knob of its own, ``SearchSpace.compile_blocks``); a model compiled with
     ``torch.compile`` (whole, or parts of it) gets a warning that says so, and the tuner's
     copies of it run eagerly (see :func:`autotune.train._compiled.decompile`).
     """
@@ -108,10 +109,10 @@ def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
         )
         warnings.warn(
             f"{where} compiled with torch.compile: autotune measures and tunes it without "
-            "compilation (compiling is not a knob it measures yet), so the peak it predicts "
-            "is the eager model's. Compiled, a model can hold less or more (0.64-1.10x the "
-            "eager peak on autotune's CPU benchmark): train it as tuned, uncompiled, or "
-            "check the compiled run's peak before a long job.",
+            "compilation, so the peak it predicts is the eager model's. Compiled, a model "
+            "can hold less or more (0.64-1.10x the eager peak on autotune's CPU benchmark): "
+            "pass the model uncompiled with SearchSpace(compile_blocks=True) to have its "
+            "blocks compiled and measured, or train it as tuned, uncompiled.",
             AutotuneWarning,
             stacklevel=stacklevel,
         )

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_kit.sh calibrate    # live / allocated / reserved / NVML vs predicted
 #   bash benchmarks/gpu_kit.sh gpt2         # tuner benchmark, GPT-2 124M, 16 and 24 GiB
 #   bash benchmarks/gpu_kit.sh llama        # tuner benchmark, ~1B LLaMA-style, 24 GiB
+#   bash benchmarks/gpu_kit.sh eager        # GPT-2 at 24 GiB without compiled blocks: what
+#                                           # compiling (on by default on CUDA) buys and costs
 #   bash benchmarks/gpu_kit.sh offload      # offload overhead and transfer-time prediction
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,9 @@ case "${1:-}" in
                --rounds 3 --out "$out/tune-gpt2.json" ;;
   llama)     python benchmarks/run.py --device cuda --cases llama-1b --budgets 24GiB \
                --rounds 3 --out "$out/tune-llama.json" ;;
+  eager)     python benchmarks/run.py --device cuda --cases gpt2-124m --budgets 24GiB \
+               --compile off --rounds 3 --out "$out/tune-gpt2-eager.json" ;;
   offload)   python benchmarks/offload.py --device cuda --out "$out/offload.json" ;;
-  *) echo "usage: bash benchmarks/gpu_kit.sh tests|calibrate|gpt2|llama|offload" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_kit.sh tests|calibrate|gpt2|llama|eager|offload" >&2
+     exit 2 ;;
 esac

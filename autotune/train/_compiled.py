@@ -1,5 +1,6 @@
-"""Compiled blocks: each block's forward through ``torch.compile`` (regional compilation),
-and the allocations of compiled code made visible to autotune's live-bytes tracker.
+"""Compiled blocks (``TrainConfig.compile_blocks``): each block's forward through
+``torch.compile`` (regional compilation), and the allocations of compiled code made
+visible to autotune's live-bytes tracker.
 
 Regional compilation compiles each block's own ``forward``, not the model: identical
 blocks share one graph, compile once, and a block's checkpoint or offload wrapper stays
