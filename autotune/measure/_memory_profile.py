@@ -142,7 +142,7 @@ def _compiled(
         try:
             out[key] = profiler.memory(key, optimizer, b1, b2)
         except torch.OutOfMemoryError:
-            notes.append(f"{key}: out of device memory while profiling at micro-batch {b2}")
+            notes.append(f"{key}: out of device memory profiling up to micro-batch {2 * b2}")
         except NonFiniteError:
             notes.append(f"{key}: the loss is not finite on the sample batch; not searched")
         except Exception as exc:  # the compiler's own failure: compiling is not searched

@@ -44,9 +44,6 @@ __all__ = [
     "uncompile_blocks",
 ]
 
-_EAGER = COMPILED
-"""Where a compiled block keeps what its instance's ``forward`` attribute was (or None)."""
-
 
 def compile_blocks(model: nn.Module, names: Sequence[str]) -> None:
     """Compile the forward of each block in ``names`` in place (a block compiled already
@@ -71,10 +68,10 @@ def compile_blocks(model: nn.Module, names: Sequence[str]) -> None:
             )
         modules.append(module)
     for module in modules:
-        if _EAGER in module.__dict__:
+        if COMPILED in module.__dict__:
             continue
         compiled = torch.compile(module.forward)
-        replace_forward(module, functools.partial(_batch_dynamic, compiled), _EAGER)
+        replace_forward(module, functools.partial(_batch_dynamic, compiled), COMPILED)
 
 
 def _batch_dynamic(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -88,12 +85,12 @@ def _batch_dynamic(compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> A
 
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo :func:`compile_blocks` on every block of ``model`` (its wrappers removed first)."""
-    restore_forwards(model, _EAGER)
+    restore_forwards(model, COMPILED)
 
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiled ``module``'s forward."""
-    return _EAGER in module.__dict__
+    return COMPILED in module.__dict__
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
