@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from autotune._version import __version__
 from autotune.config import TrainConfig
 from autotune.errors import (
     AutotuneError,
@@ -36,13 +37,13 @@ from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
     from autotune._blocks import find_blocks
-    from autotune._estimate import estimate
-    from autotune._peak_memory import PeakReading, peak_memory
+    from autotune.measure._peak_memory import PeakReading, peak_memory
     from autotune.train._applied import Applied
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
-    from autotune.tune import autotune
+    from autotune.tuning._autotune import autotune
+    from autotune.tuning._estimate import estimate
 
 __all__ = [
     "Applied",
@@ -78,16 +79,15 @@ __all__ = [
     "prepare",
 ]
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "Applied": "autotune.train._applied",
     "LengthBucketSampler": "autotune.train._sampler",
-    "PeakReading": "autotune._peak_memory",
-    "peak_memory": "autotune._peak_memory",
+    "PeakReading": "autotune.measure._peak_memory",
+    "peak_memory": "autotune.measure._peak_memory",
     "apply": "autotune.train._prepare",
-    "autotune": "autotune.tune",
-    "estimate": "autotune._estimate",
+    "autotune": "autotune.tuning._autotune",
+    "estimate": "autotune.tuning._estimate",
     "find_blocks": "autotune._blocks",
     "prepare": "autotune.train._prepare",
     "Runner": "autotune.train._runner",

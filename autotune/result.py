@@ -8,13 +8,15 @@ an unknown key, a missing required key or a value of the wrong type is a
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from autotune._files import write_atomic
-from autotune._plain import from_plain, to_plain
+from autotune._plain_data import from_plain, to_plain
 from autotune._yaml import MAX_BYTES, read_yaml, too_large
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
@@ -121,6 +123,12 @@ class Spent:
     """Searching the space on the cost model."""
     verification_s: float = 0.0
     """Running candidates and fallbacks for real, and re-timing the contenders."""
+
+    @staticmethod
+    def between(ends: Sequence[float]) -> Spent:
+        """The seconds between clock readings: the start, then the ends of profiling,
+        search and verification."""
+        return Spent(*(b - a for a, b in itertools.pairwise(ends)))
 
     def __add__(self, other: Spent) -> Spent:
         """The seconds of two tuning runs together."""

@@ -129,7 +129,7 @@ class Sweep:
         sample: The sample batch.
         device: The device.
         loss_fn: The case's loss function, or ``None``.
-        context_bytes: CUDA context bytes (from :func:`autotune.measure._devices.discover`).
+        context_bytes: CUDA context bytes (from :func:`autotune.device._target.discover`).
         foreign_bytes: CUDA bytes held by other tensors before the copy was made.
     """
 

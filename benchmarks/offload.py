@@ -27,9 +27,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 import autotune
-from autotune.measure._devices import discover, measure_transfer
+from autotune.device._target import discover
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
+from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.plan._cost import CHECKPOINT, CostModel
 from autotune.verify._verifier import Verifier

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autotune
-from autotune.measure._devices import discover
+from autotune.device._target import discover
 from autotune.train._compiled import measured_compiling
 from benchmarks.baseline import BaselineResult, describe, find_batch_baseline
 from benchmarks.budgets import budgets_for

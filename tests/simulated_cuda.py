@@ -8,7 +8,7 @@ freed and reused by a later request they fit; ``empty_cache`` returns cached seg
 cap makes a request that would reserve past it free the cache, then raise
 ``torch.OutOfMemoryError``. It is a model of the statistics, not of the real allocator's
 block splitting; it runs the same autotune code the GPU runs, behind
-:class:`autotune._backend.Backend`.
+:class:`autotune.device._backend.Backend`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autotune._backend import Backend
-from autotune.train._host import in_host_memory, is_host_storage
+from autotune.device._backend import Backend
+from autotune.device._host import in_host_memory, is_host_storage
 
 _ROUND = 512
 _SMALL = 1 << 20
@@ -158,7 +158,7 @@ class SimulatedStream:
 
 
 class SimulatedCuda(Backend):
-    """:class:`~autotune._backend.Backend` over a :class:`SimulatedAllocator`, with
+    """:class:`~autotune.device._backend.Backend` over a :class:`SimulatedAllocator`, with
     streams that run in order. Host buffers are not pinned (a CPU build cannot pin), but
     are counted as torch's pinned allocator takes them."""
 

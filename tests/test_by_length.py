@@ -21,14 +21,15 @@ from autotune import (
     SearchSpace,
     TuneResult,
 )
-from autotune._by_length import Lengths, tune_by_length
 from autotune.cli import main
 from autotune.cli._commands import _describe
 from autotune.cli._report import render_html
-from autotune.measure._devices import discover
+from autotune.device._target import discover
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.models import GPT, gpt_batch, tiny_gpt
 from autotune.result import ModelInfo
+from autotune.tuning._lengths import Lengths, tune_lengths
+from autotune.tuning._options import TuneOptions
 
 LENGTHS = [16, 32, 64]
 TOKENS = 512  # 32, 16 and 8 samples per step
@@ -171,7 +172,7 @@ def test_the_table_arguments_are_checked_before_anything_runs() -> None:
     assert Lengths.of(sample, [64, 16, 32, 16], None, 2048) == Lengths((16, 32, 64), (128, 64, 32))
 
 
-def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer() -> None:
+def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer(monkeypatch) -> None:
     """The other rows search only the longest's precision and optimizer (the same math)."""
     calls: list[tuple[int, int, SearchSpace]] = []
     gpt = model()
@@ -180,13 +181,14 @@ def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer() -> None:
     fake = TuneResult(config, m, m, 1, discover("cpu").info(), ModelInfo("GPT", "", 0, ()),
                       Breakdown(0, 0, 0, 0, 1))  # fmt: skip
 
-    def tune(model: Any, sample: Any, *, global_batch_size: int, space: SearchSpace) -> Any:
-        calls.append((sample[0].shape[1], global_batch_size, space))
+    def tune(model: Any, sample: Any, options: TuneOptions) -> Any:
+        assert not options.table  # each run is one length's
+        calls.append((sample[0].shape[1], options.global_batch_size, options.space))
         return fake
 
-    lengths = Lengths.of(gpt_batch(gpt.config, 4), [16, 64], 8, None)
-    out = tune_by_length(tune, gpt, gpt_batch(gpt.config, 4), lengths, SearchSpace(),
-                         parallel=False, storage=False)  # fmt: skip
+    monkeypatch.setattr("autotune.tuning._lengths.tune_attentions", tune)
+    options = TuneOptions(sequence_lengths=[16, 64], global_batch_size=8)
+    out = tune_lengths(gpt, gpt_batch(gpt.config, 4), options)
     assert [(n, b) for n, b, _ in calls] == [(64, 8), (16, 8)]
     assert calls[0][2] == SearchSpace()
     assert (calls[1][2].precisions, calls[1][2].optimizers) == (("bf16",), ("adamw",))

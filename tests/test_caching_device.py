@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import autotune
-from autotune._problem import make_problem
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._peak import measure_peak
 from autotune.measure._profile_data import PhaseKey
@@ -24,6 +23,8 @@ from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.space import SearchSpace
+from autotune.tuning._options import TuneOptions
+from autotune.tuning._problem import make_problem
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -128,13 +129,7 @@ def test_foreign_is_what_the_allocator_already_holds(simulated_cuda) -> None:
     held = torch.empty(3 * MIB // 4)
     model = tiny_gpt()
     problem = make_problem(
-        model,
-        gpt_batch(model.config, 4),
-        1.0,
-        loss_fn=None,
-        global_batch_size=None,
-        device="cpu",
-        space=SearchSpace(),
+        model, gpt_batch(model.config, 4), TuneOptions(budget_gb=1.0, device="cpu")
     )
     assert problem.foreign == simulated_cuda.reserved > 4 * MIB  # segments, not tensor bytes
     del held
@@ -239,7 +234,7 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
 
 def test_a_gpu_is_discovered_through_its_backend(simulated_cuda, monkeypatch) -> None:
     from autotune import _backend
-    from autotune.measure._devices import discover
+    from autotune.device._target import discover
 
     monkeypatch.setitem(_backend._BACKENDS, "cuda", _backend._BACKENDS["cpu"])
     simulated_cuda.context = 300 * MIB
@@ -257,14 +252,9 @@ def test_a_gpu_without_bf16_is_not_searched_in_bf16(simulated_cuda, monkeypatch)
     monkeypatch.setattr(SimulatedCuda, "supports_bf16", lambda self: False)
     model = tiny_gpt()
     space = SearchSpace(precisions=("fp32", "bf16"))
-    args = (model, gpt_batch(model.config, 4), 1.0)
-    problem = make_problem(*args, loss_fn=None, global_batch_size=None, device="cpu", space=space)
+    args = (model, gpt_batch(model.config, 4))
+    problem = make_problem(*args, TuneOptions(budget_gb=1.0, device="cpu", space=space))
     assert problem.precisions == ("fp32",)
     with pytest.raises(autotune.BudgetError, match="none of the precisions"):
-        make_problem(
-            *args,
-            loss_fn=None,
-            global_batch_size=None,
-            device="cpu",
-            space=SearchSpace(precisions=("bf16",)),
-        )
+        only_bf16 = SearchSpace(precisions=("bf16",))
+        make_problem(*args, TuneOptions(budget_gb=1.0, device="cpu", space=only_bf16))

@@ -11,7 +11,7 @@ from torch import nn
 
 import autotune
 from autotune import AutotuneWarning, TrainConfig
-from autotune._identity import fingerprint
+from autotune.train._identity import fingerprint
 
 
 class Block(nn.Module):

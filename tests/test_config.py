@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autotune
-from autotune._plain import config_from_dict
+from autotune._plain_data import config_from_dict
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo, TrialRecord, TuneResult

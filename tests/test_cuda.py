@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import autotune
-from autotune._estimate import estimate
 from autotune._format import GIB
-from autotune.measure._devices import discover
+from autotune.device._target import discover
 from autotune.measure._peak import measure_peak
 from autotune.models import gpt_batch, tiny_gpt
+from autotune.tuning._estimate import estimate
 
 pytestmark = pytest.mark.cuda
 MIB = 2**20
@@ -215,7 +215,7 @@ def test_offload_is_predicted_on_cuda() -> None:
 
 
 def test_bandwidth_probe_on_cuda() -> None:
-    from autotune.measure._devices import measure_transfer
+    from autotune.measure._transfer import measure_transfer
 
     facts = measure_transfer(discover("cuda"))
     assert facts.d2h_bytes_per_s > 2e9 and facts.h2d_bytes_per_s > 2e9  # PCIe 3 x16 or better

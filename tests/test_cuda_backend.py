@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from autotune import _backend
-from autotune._backend import CudaBackend, backend_for, pinned_bytes
-from autotune._device import resolve_device
 from autotune._format import GIB
+from autotune.device._backend import CudaBackend, backend_for, pinned_bytes
+from autotune.device._resolve import resolve_device
 
 DEVICE = torch.device("cuda", 1)
 

@@ -1,4 +1,4 @@
-"""Devices in one normal form, decided where they enter (autotune._device)."""
+"""Devices in one normal form, decided where they enter (autotune.device._resolve)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import autotune
-from autotune._device import resolve_device
 from autotune.config import TrainConfig
+from autotune.device._resolve import resolve_device
 from autotune.errors import ConfigError
 from autotune.models import gpt_batch, tiny_gpt
 

@@ -8,6 +8,7 @@ interpreters, over what importing a layer loads.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -21,29 +22,30 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 BASE = {
     "autotune.errors",
     "autotune.config",
-    "autotune._plain",
+    "autotune._plain_data",
     "autotune._yaml",
     "autotune._files",
     "autotune.result",
     "autotune._format",
     "autotune.space",
-    "autotune._backend",
-    "autotune._device",
-    "autotune._identity",
     "autotune._blocks",
+    "autotune._interface",
+    "autotune._version",
     "autotune.models",
 }
 """Records, names and model structure: importable from every layer."""
 
 ALLOWED = {  # layer -> the layers its modules may import (besides BASE and itself)
-    "train": set(),
-    "measure": {"train"},
-    "plan": {"measure"},
-    "verify": {"train", "measure", "plan"},
-    "top": {"train", "measure", "plan", "verify"},
-    "integrations": {"train", "measure", "plan", "verify", "top"},
-    "cli": {"train", "measure", "plan", "verify", "top", "integrations"},
+    "device": set(),
+    "train": {"device"},
+    "measure": {"device", "train"},
+    "plan": {"device", "measure"},
+    "verify": {"device", "train", "measure", "plan"},
+    "tuning": {"device", "train", "measure", "plan", "verify"},
+    "integrations": {"device", "train", "measure", "plan", "verify", "tuning"},
+    "cli": {"device", "train", "measure", "plan", "verify", "tuning", "integrations"},
 }
+LAYERS = set(ALLOWED)
 
 
 def layer(module: str) -> str:
@@ -52,7 +54,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ALLOWED:
         return parts[1]
-    return "top"  # the package, tune, _problem, _estimate
+    return "top"  # the package's __init__: the public names, loaded lazily
 
 
 def module_name(path: Path) -> str:
@@ -67,16 +69,37 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 @cache
-def imports(module: str) -> frozenset[str]:
-    """The autotune modules ``module`` imports when it runs (not under TYPE_CHECKING)."""
+def interface(package: str) -> dict[str, str]:
+    """A subpackage's interface: each name it shows the others, by its defining module
+    (the ``INTERFACE`` table of its ``__init__``)."""
+    tree = ast.parse(MODULES[package].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INTERFACE":
+            table = ast.literal_eval(node.value)
+            assert isinstance(table, dict)
+            return table
+    return {}
+
+
+def parsed(module: str) -> ast.Module:
+    """``module``'s syntax tree, without what runs only for type checking."""
     tree = ast.parse(MODULES[module].read_text())
-    out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             node.body = []  # for typing only: never executed
-    for node in ast.walk(tree):
+    return tree
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """The autotune modules ``module`` imports when it runs (not under TYPE_CHECKING); a
+    name from a subpackage's interface counts as its defining module."""
+    out: set[str] = set()
+    for node in ast.walk(parsed(module)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            table = interface(node.module) if node.module in MODULES else {}
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            names += [table[a.name] for a in node.names if a.name in table]
             out.update(n for n in names if n in MODULES)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in MODULES)
@@ -102,7 +125,9 @@ def closure(module: str) -> set[str]:
 
 
 def test_the_graph_sees_the_package() -> None:
-    assert {"autotune.tune", "autotune.train._runner", "autotune.plan._cost"} <= set(MODULES)
+    assert {"autotune.tuning._autotune", "autotune.train._runner", "autotune.plan._cost"} <= set(
+        MODULES
+    )
     assert "autotune.train._runner" in closure("autotune.train._prepare")
 
 
@@ -119,6 +144,76 @@ def test_imports_point_down(module: str) -> None:
 def test_the_planner_reads_profiles_without_the_training_code() -> None:
     for module in (m for m in MODULES if layer(m) == "plan"):
         assert not any(layer(d) == "train" for d in closure(module)), module
+
+
+def test_a_layer_uses_another_only_through_its_interface() -> None:
+    """Outside a subpackage, nothing imports its private modules: only the names of its
+    ``__init__``'s interface."""
+    reaching = []
+    for module in MODULES:
+        mine = layer(module)
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                private = len(parts) > 2 and parts[2].startswith("_")
+                if private and parts[1] in LAYERS and parts[1] != mine and module != "autotune":
+                    reaching.append(f"{module} -> {target}")
+    assert not reaching, reaching
+
+
+@pytest.mark.parametrize("package", sorted(f"autotune.{p}" for p in LAYERS))
+def test_each_interface_is_what_its_package_loads(package: str) -> None:
+    """The table is the package's ``__all__`` and its typing imports, and every name in it
+    is defined where the table says."""
+    module = importlib.import_module(package)
+    table = interface(package)
+    assert sorted(table) == sorted(module.__all__)
+    typed = {
+        a.asname or a.name: node.module
+        for guard in ast.parse(MODULES[package].read_text()).body
+        if isinstance(guard, ast.If) and getattr(guard.test, "id", None) == "TYPE_CHECKING"
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
+    assert typed == table
+    for name, where in table.items():
+        assert getattr(module, name) is getattr(importlib.import_module(where), name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        module.nope  # noqa: B018
+
+
+def test_no_private_module_at_the_top_but_the_base() -> None:
+    top = {m for m in MODULES if m.count(".") == 1 and m.split(".")[1].startswith("_")}
+    assert top <= BASE, top - BASE
+
+
+def test_no_import_circle() -> None:
+    """No module imports itself back, through any chain of modules that run."""
+    circles = [m for m in MODULES if m != "autotune" and m in closure(m) - {"autotune"}]
+    assert not circles, circles
+
+
+def test_no_function_over_60_lines() -> None:
+    """Counted from ``def`` to the last line, the docstring left out (a public function's
+    documentation is not the length this guards against)."""
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                doc = node.body[0]
+                if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+                    lines -= doc.end_lineno - doc.lineno + 1  # type: ignore[operator]
+                if lines > 60:
+                    long.append(f"{module}.{node.name}: {lines}")
+    assert not long, long
 
 
 def test_the_package_itself_imports_only_the_base() -> None:
@@ -139,11 +234,11 @@ def test_training_loads_neither_optuna_nor_the_tuner() -> None:
     loaded = loaded_after("import autotune; autotune.prepare; autotune.Runner")
     assert "optuna" not in loaded
     assert not {m for m in loaded if m.startswith(("autotune.measure", "autotune.plan"))}
-    assert not {m for m in loaded if m.startswith(("autotune.verify", "autotune.tune"))}
+    assert not {m for m in loaded if m.startswith(("autotune.verify", "autotune.tuning"))}
 
 
 def test_the_cost_model_loads_no_training_code() -> None:
-    loaded = loaded_after("import autotune.plan._cost")
+    loaded = loaded_after("from autotune.plan import CostModel; CostModel")
     assert not {m for m in loaded if m.startswith("autotune.train")}
 
 

@@ -19,11 +19,12 @@ import torch
 
 import autotune
 from autotune.config import TrainConfig
-from autotune.measure._devices import Transfer, discover, measure_transfer
+from autotune.device._target import discover
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
+from autotune.measure._transfer import Transfer, measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, CostModel
 from autotune.plan._knapsack import min_cost_choice as _min_cost_choice

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune._files import check_writable, write_atomic
 from autotune._format import format_bytes
-from autotune._plain import to_plain
+from autotune._plain_data import to_plain
 from autotune.cli._inputs import inputs
 from autotune.cli._progress import progress
 from autotune.cli._ranks import join_torchrun, leave_group
@@ -20,42 +19,22 @@ from autotune.errors import ConfigError
 from autotune.result import PARTS, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
+if TYPE_CHECKING:
+    from autotune.tuning import TuneOptions
+
 __all__ = ["estimate_command", "export_command", "report", "show", "tune"]
 
 
 def tune(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
-    from autotune.tune import autotune  # torch and optuna load only for commands that tune
+    from autotune.tuning import tune as run
 
     model, batch, loss = inputs(args)
-    extra: dict[str, Any] = {}
-    if args.study is not None:
-        if "study_name" not in inspect.signature(autotune).parameters:
-            raise ConfigError("--study needs an autotune() that takes study_name.")
-        extra["study_name"] = args.study
-    space = _space(args)
-    if args.world_size is not None:
-        extra["world_size"] = args.world_size
-    if args.global_batch_tokens is not None:
-        extra["global_batch_tokens"] = args.global_batch_tokens
-    if args.sequence_lengths:
-        extra["sequence_lengths"] = _integers(args.sequence_lengths, "--sequence-lengths")
+    lengths = args.sequence_lengths
+    options = _options(args, loss, _integers(lengths, "--sequence-lengths") if lengths else None)
     first, joined = join_torchrun(args.device)
     with progress(quiet=args.quiet or not first), leave_group(joined):
-        result = autotune(
-            model,
-            batch,
-            args.budget_gb,
-            loss_fn=loss,
-            global_batch_size=args.global_batch,
-            device=args.device,
-            n_trials=args.trials,
-            timeout_s=args.timeout,
-            seed=args.seed,
-            storage=args.storage,
-            space=space,
-            **extra,
-        )
+        result = run(model, batch, options)
     if not first:  # every rank has the same result; rank 0 writes and prints it
         return 0
     path = result.save(args.output)
@@ -65,6 +44,27 @@ def tune(args: argparse.Namespace) -> int:
         print(_describe(result))
         print(f"\nwritten to {path}")
     return 0
+
+
+def _options(args: argparse.Namespace, loss: Any, lengths: tuple[int, ...] | None) -> TuneOptions:
+    """The tuner's options the flags of ``tune`` describe."""
+    from autotune.tuning import TuneOptions
+
+    return TuneOptions(
+        budget_gb=args.budget_gb,
+        loss_fn=loss,
+        global_batch_size=args.global_batch,
+        global_batch_tokens=args.global_batch_tokens,
+        sequence_lengths=lengths,
+        device=args.device,
+        space=_space(args),
+        n_trials=args.trials,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        storage=args.storage,
+        study_name=args.study,
+        world_size=args.world_size,
+    )
 
 
 def _space(args: argparse.Namespace) -> SearchSpace:
@@ -109,8 +109,8 @@ def show(args: argparse.Namespace) -> int:
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    from autotune._estimate import estimate
-    from autotune.measure._devices import discover
+    from autotune.device import discover
+    from autotune.tuning import estimate
 
     model, batch, loss = inputs(args)
     config, blocks = TrainConfig(), None
@@ -171,7 +171,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from autotune.integrations._export import export
+    from autotune.integrations import export
 
     exported = export(load(args.path), args.to, path=args.path)
     for warning in exported.warnings:

@@ -25,10 +25,10 @@ from typing import Any, TextIO
 from autotune.cli import _commands as commands
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._verify import verify
-from autotune.cli._words import cli_words
+from autotune.cli._flag_messages import cli_words
 from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
-from autotune.integrations._export import TARGETS
+from autotune.integrations import TARGETS
 
 __all__ = ["main"]
 

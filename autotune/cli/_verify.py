@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune._format import format_bytes
-from autotune._plain import to_plain
+from autotune._plain_data import to_plain
 from autotune.cli._inputs import inputs
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
@@ -36,11 +36,9 @@ def verify(args: argparse.Namespace) -> int:
     """Exit code 0: every config fits; 1: one does not."""
     import torch
 
-    from autotune._backend import backend_for
-    from autotune._identity import differences, fingerprint
-    from autotune.measure._devices import discover
-    from autotune.train._lengths import truncate
-    from autotune.verify._verifier import Verifier
+    from autotune.device import backend_for, discover
+    from autotune.train import differences, fingerprint, truncate
+    from autotune.verify import Verifier
 
     result = load(args.path)
     model, batch, loss = inputs(args)

@@ -28,7 +28,7 @@ from autotune.config import TrainConfig
 from autotune.errors import AutotuneWarning
 from autotune.integrations._export import LIGHTNING_PRECISION
 from autotune.integrations._lightning_tuning import step_loss
-from autotune.train._applied import Applied
+from autotune.train import Applied
 
 __all__ = ["Ladder", "precision_plugin"]
 

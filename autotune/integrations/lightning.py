@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -35,10 +34,8 @@ from autotune.integrations._lightning_tuning import as_a_model, first_batch, opt
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
-from autotune.train._applied import Applied
-from autotune.train._prepare import apply
-from autotune.train._steps import check_finite
-from autotune.tune import autotune
+from autotune.train import Applied, apply, check_finite
+from autotune.tuning import TuneOptions, tune
 
 __all__ = ["Autotune"]
 
@@ -77,17 +74,18 @@ class Autotune(pl.Callback):
         storage: str | None = None,
         study_name: str | None = None,
     ) -> None:
-        self.budget_gb = budget_gb
-        self.global_batch_size = global_batch_size
         self.batch_arg_name = batch_arg_name
-        self.space = space
-        self.tune_kwargs: dict[str, Any] = dict(
+        self.options = TuneOptions(
+            budget_gb=budget_gb,
+            global_batch_size=global_batch_size,
+            space=space or SearchSpace(),
             n_trials=n_trials,
             timeout_s=timeout_s,
             seed=seed,
             storage=storage,
             study_name=study_name,
         )
+        """The tuner's options; the device and the optimizer are the trainer's at fit start."""
         self.result: TuneResult | None = None
         self.handle: Applied | None = None
         self.ladder: Ladder | None = None
@@ -168,18 +166,11 @@ class Autotune(pl.Callback):
         sample = first_batch(trainer)
         # Lightning steps the optimizer configure_optimizers returned, on the device.
         space = dataclasses.replace(
-            self.space or SearchSpace(), optimizers=(optimizer,), offload_optimizer=False
+            self.options.space, optimizers=(optimizer,), offload_optimizer=False
         )
+        options = self.options.replace(device=trainer.strategy.root_device, space=space)
         with as_a_model(module, trainer, sample):
-            return autotune(
-                module,
-                sample,
-                self.budget_gb,
-                global_batch_size=self.global_batch_size,
-                device=trainer.strategy.root_device,
-                space=space,
-                **self.tune_kwargs,
-            )
+            return tune(module, sample, options)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

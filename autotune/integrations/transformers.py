@@ -30,9 +30,7 @@ from autotune.integrations._export import hf_settings
 from autotune.integrations._export_file import HF_OPTIM_TUNED
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
-from autotune.train._applied import Applied
-from autotune.train._prepare import apply
-from autotune.train._steps import check_finite
+from autotune.train import Applied, apply, check_finite
 
 __all__ = ["AutotuneCallback", "training_arguments"]
 

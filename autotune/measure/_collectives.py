@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from autotune._backend import backend_for
+from autotune.device import backend_for
 from autotune.measure._profile_data import Collectives, Line
-from autotune.train._parallel import agree_max, collective
+from autotune.train import agree_max, collective
 
 __all__ = ["measure_collectives"]
 

@@ -36,7 +36,7 @@ from autotune.measure._profile_data import (
     Profile,
     TimeCurve,
 )
-from autotune.train._quantized import copy_model
+from autotune.train import copy_model
 
 __all__ = ["MIN_BLOCKS", "Shallow", "deepen", "deepen_time", "shallow_copies", "whole_fits"]
 

@@ -14,12 +14,11 @@ from torch import nn
 
 from autotune.config import timeline_key
 from autotune.errors import BlockError, NonFiniteError, ProfileError
-from autotune.measure._devices import Transfer
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
 from autotune.measure._profiler import Profiler
-from autotune.train import _batch as batching
-from autotune.train._quantized import copy_model
+from autotune.measure._transfer import Transfer
+from autotune.train import bytes_per_sample, copy_model
 
 __all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 
@@ -120,7 +119,7 @@ def memory_profile(
         transfer=transfer,
         host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
         host_is_device=profiler.ops.host_is_device,
-        input_bytes_per_sample=batching.bytes_per_sample(profiler.sample, profiler.device),
+        input_bytes_per_sample=bytes_per_sample(profiler.sample, profiler.device),
         layout=parameter_layout(profiler.model, blocks),
     )
     return profile, notes

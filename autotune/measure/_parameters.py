@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from autotune.train._quantized import one_per_storage, quantization_state
+from autotune.train import one_per_storage, quantization_state
 
 __all__ = ["block_parameter_bytes", "parameter_bytes", "parameter_layout"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autotune._backend import backend_for
+from autotune.device import backend_for
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, tracker_for
 
 __all__ = ["PeakReading", "measure_peak"]
@@ -64,29 +64,29 @@ def measure_peak(
         compiled: The block runs compiled blocks (see
             :func:`~autotune.measure._tracker.tracker_for`).
     """
-    ops = backend_for(device)
+    backend = backend_for(device)
     reading = PeakReading()
-    if tracker is None and not ops.caching:
+    if tracker is None and not backend.caching:
         tracker = tracker_for(compiled, device.type, budget_bytes=budget_bytes)
     if tracker is not None:
         tracker.track(existing)
         tracker.watch(resized)
         tracker.peak = tracker.live
     cap = None
-    if ops.caching and budget_bytes is not None:
+    if backend.caching and budget_bytes is not None:
         cap = budget_bytes - context_bytes + foreign_bytes
-    with ops.cap(cap):
-        ops.synchronize()
-        ops.reset_peak()
+    with backend.cap(cap):
+        backend.synchronize()
+        backend.reset_peak()
         with tracker if tracker is not None else contextlib.nullcontext():
             yield reading
-        ops.synchronize()
+        backend.synchronize()
     if tracker is not None:
         tracker.close()
         reading.phases = tracker.phases
         reading.live_peak_bytes = tracker.peak
-    if ops.caching:
-        reading.peak_bytes = max(ops.max_reserved() - foreign_bytes, 0) + context_bytes
+    if backend.caching:
+        reading.peak_bytes = max(backend.max_reserved() - foreign_bytes, 0) + context_bytes
     else:
         assert tracker is not None
         reading.peak_bytes = tracker.peak

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from autotune.measure._devices import Transfer
+from autotune.measure._transfer import Transfer
 
 __all__ = [
     "CHECKPOINT",

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
 from autotune.config import TrainConfig, timeline_knobs, timeline_parts
+from autotune.device import backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
 from autotune.measure._profile_data import (
@@ -37,11 +37,21 @@ from autotune.measure._profile_data import (
 )
 from autotune.measure._timeline import fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
-from autotune.train import _batch as batching
-from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
-from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
-from autotune.train._prepare import prepare
-from autotune.train._runner import Runner
+from autotune.train import (
+    LossFn,
+    Runner,
+    Workload,
+    apply_checkpointing,
+    apply_offloading,
+    batch_size,
+    call_model,
+    compute_loss,
+    describe_call,
+    prepare,
+    raised_in,
+    remove_checkpointing,
+    resize,
+)
 
 __all__ = ["Profiler"]
 
@@ -77,8 +87,20 @@ class Profiler:
         self.device = device
         self.loss_fn = loss_fn
         self.foreign_bytes = foreign_bytes
-        self.ops = backend_for(device)
+        self.backend = backend_for(device)
         self.repeats = 3
+
+    @staticmethod
+    def of(work: Workload) -> Profiler:
+        """The profiler of ``work``."""
+        return Profiler(
+            work.model,
+            work.sample,
+            work.blocks,
+            device=work.device,
+            loss_fn=work.loss_fn,
+            foreign_bytes=work.foreign_bytes,
+        )
 
     def over(self, model: nn.Module) -> Profiler:
         """A profiler of the same sample, blocks, device and loss over ``model``, a copy."""
@@ -102,7 +124,7 @@ class Profiler:
         """Build a runner and take one step; user-model failures become ProfileError."""
         runner = self.runner(config)
         try:
-            batch = batching.resize(self.sample, b)
+            batch = resize(self.sample, b)
             with _model_errors(self.model, batch, self.loss_fn):
                 runner.step(batch)
         except BaseException:
@@ -114,7 +136,7 @@ class Profiler:
         """State bytes, step transient and step time of optimizer ``name``."""
         runner = self.first_step(TrainConfig(micro_batch_size=b, optimizer=name), b)
         with runner:
-            chunk = batching.resize(self.sample, b)
+            chunk = resize(self.sample, b)
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runner.forward_backward(chunk)
             tracker = LiveBytesTracker(self.device.type)
@@ -138,7 +160,7 @@ class Profiler:
         )
         with runner:
             assert runner.host is not None
-            chunk = batching.resize(self.sample, b)
+            chunk = resize(self.sample, b)
             times = []
             for _ in range(self.repeats):
                 runner.forward_backward(chunk)
@@ -193,19 +215,19 @@ class Profiler:
                     apply_offloading(self.model, self.blocks, runner.offloader)
                 if compiled:  # compiled at each size and beneath its wrapper before tracked
                     for b in at:
-                        runner.step(batching.resize(self.sample, b))
+                        runner.step(resize(self.sample, b))
                 for b in at:
-                    if self.ops.caching:  # start from no cached blocks, as verify does
-                        self.ops.empty_cache()
+                    if self.backend.caching:  # start from no cached blocks, as verify does
+                        self.backend.empty_cache()
                     runs[b, variant] = records = tracked_step(
-                        runner, batching.resize(self.sample, b), self.modules
+                        runner, resize(self.sample, b), self.modules
                     )
                     if variant == OFFLOAD:
                         moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
                         copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
-                    if self.ops.caching:
+                    if self.backend.caching:
                         # Same step, two views: live tensor bytes and what the allocator reserved.
-                        reserved = self.ops.max_reserved() - self.foreign_bytes
+                        reserved = self.backend.max_reserved() - self.foreign_bytes
                         live = max(r.peak for r in records)
                         beyond.setdefault(variant, []).append((b, float(reserved - live)))
         # Every index up to the last variant run; one not run reads as the kept run.
@@ -249,7 +271,7 @@ class Profiler:
         one runner after one warm-up pass, the variants timed in turn (several rounds of
         passes shorter than 0.2 s), so that a slow spell hits them alike."""
         runner = self.runner(self.config(precision, b))
-        chunk = batching.resize(self.sample, b)
+        chunk = resize(self.sample, b)
         times: dict[int, list[float]] = {v: [] for v in variants}
         try:
             if runner.config.compile_blocks:  # compiled (beneath each wrapper) untimed
@@ -301,7 +323,7 @@ class Profiler:
             )
         try:
             with torch.no_grad():
-                whole = self._timed(lambda: runner.forward_loss(batching.resize(self.sample, b)))
+                whole = self._timed(lambda: runner.forward_loss(resize(self.sample, b)))
         finally:
             for h in handles:
                 h.remove()
@@ -309,7 +331,7 @@ class Profiler:
         return tuple(spent), whole
 
     def _now(self) -> float:
-        self.ops.synchronize()
+        self.backend.synchronize()
         return time.perf_counter()
 
     def _timed(self, fn: Callable[[], Any]) -> float:
@@ -328,7 +350,7 @@ def _model_errors(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Itera
     except (AutotuneError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
-        b = batching.batch_size(batch)
+        b = batch_size(batch)
         cut = f"cut to {b} sample{'s' if b != 1 else ''}"
         failed = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
         if raised_in(exc, call_model):

@@ -4,7 +4,7 @@
 allocates and is told (by a weak-reference finalizer) when it is freed. Storages that
 existed before the measured region (parameters, buffers, gradients, optimizer state) are
 registered with :meth:`LiveBytesTracker.track`. Host memory that offload keeps on purpose
-is left out where it is not the device's memory (see :mod:`autotune.train._host`); on the
+is left out where it is not the device's memory (see :mod:`autotune.device._host`); on the
 CPU it is the same memory, so it counts and offload saves nothing.
 
 On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget
@@ -30,10 +30,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from autotune._backend import backend_for
+from autotune.device import backend_for, in_host_memory, is_host_storage
 from autotune.measure._profile_data import PhaseKey
-from autotune.train._host import in_host_memory, is_host_storage
-from autotune.train._quantized import quantization_state
+from autotune.train import quantization_state
 
 __all__ = [
     "CompiledBytesTracker",

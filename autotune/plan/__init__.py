@@ -1,11 +1,71 @@
 """Planning on the cost model: pure arithmetic over a profile, no device, no training code.
 
-* ``_memory_model``: peak device bytes, the phase timeline replayed for any config.
-* ``_time_model``: seconds per step, offload copies included.
+* ``_memory_model``: peak device bytes, the phase timeline replayed for any config;
+  ``_sharded``: per rank under DDP and FSDP2, with ``_layout`` (what a layout makes of
+  each unit's bytes).
+* ``_time_model``: seconds per step, offload copies included; ``_comm``: collectives'.
 * ``_cost``: ``CostModel``, both together, and the exact per-block knapsack (``_knapsack``).
-* ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits.
+* ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits;
+  ``_planners``: a run's planners, one per layout.
 * ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,
   exhaustive best, fallback candidates); ``_too_small``: the error when nothing fits.
 
-Nothing is re-exported here: importing one module loads only what it needs.
+The interface the other layers use is the table below (see :mod:`autotune._interface`);
+each name loads its module on first use.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autotune._interface import interface
+
+if TYPE_CHECKING:
+    from autotune.plan._candidates import (
+        fallback_candidates,
+        largest_fitting,
+        micro_batch_candidates,
+    )
+    from autotune.plan._cost import CostModel
+    from autotune.plan._layout import Layout
+    from autotune.plan._planner import Candidate, Planner
+    from autotune.plan._planners import Bounds, layouts, planner_of, planners
+    from autotune.plan._search import quiet_optuna, search
+    from autotune.plan._too_small import too_small
+
+INTERFACE = {
+    "Bounds": "autotune.plan._planners",
+    "Candidate": "autotune.plan._planner",
+    "CostModel": "autotune.plan._cost",
+    "Layout": "autotune.plan._layout",
+    "Planner": "autotune.plan._planner",
+    "fallback_candidates": "autotune.plan._candidates",
+    "largest_fitting": "autotune.plan._candidates",
+    "layouts": "autotune.plan._planners",
+    "micro_batch_candidates": "autotune.plan._candidates",
+    "planner_of": "autotune.plan._planners",
+    "planners": "autotune.plan._planners",
+    "quiet_optuna": "autotune.plan._search",
+    "search": "autotune.plan._search",
+    "too_small": "autotune.plan._too_small",
+}
+"""What the other layers may import from here, by the private module that defines it."""
+
+__all__ = [
+    "Bounds",
+    "Candidate",
+    "CostModel",
+    "Layout",
+    "Planner",
+    "fallback_candidates",
+    "largest_fitting",
+    "layouts",
+    "micro_batch_candidates",
+    "planner_of",
+    "planners",
+    "quiet_optuna",
+    "search",
+    "too_small",
+]
+
+__getattr__, __dir__ = interface(__name__, INTERFACE)

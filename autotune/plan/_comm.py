@@ -10,7 +10,7 @@ they block it.
 from __future__ import annotations
 
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Profile
+from autotune.measure import Profile
 from autotune.plan._layout import Units
 
 __all__ = ["comm_seconds", "parallel_step_s"]

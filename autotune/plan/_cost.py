@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig, timeline_parts
-from autotune.measure._profile_data import Profile
+from autotune.measure import Profile
 from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
 from autotune.plan._layout import Layout

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Profile
+from autotune.measure import Profile
 
 __all__ = ["Layout", "Units"]
 

@@ -12,17 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autotune._backend import pinned_bytes
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import (
-    CHECKPOINT,
-    KEEP,
-    OFFLOAD,
-    SELECTIVE,
-    Line,
-    Phase,
-    Profile,
-)
+from autotune.device import pinned_bytes
+from autotune.measure import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
 from autotune.result import Breakdown
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]

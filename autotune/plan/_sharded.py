@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Phase
+from autotune.measure import Phase
 from autotune.plan._layout import Layout, Units
 from autotune.plan._memory_model import CHECKPOINT, SELECTIVE, Mask, MemoryModel, between
 from autotune.result import Breakdown

@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
-from autotune._device import resolve_device
 from autotune.config import TrainConfig
+from autotune.device import backend_for, resolve_device
 from autotune.errors import ConfigError
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
@@ -70,7 +69,7 @@ class Applied:
         self.model = model
         self.config = config
         self.device = device = resolve_device(device)
-        self.ops = backend_for(device)
+        self.backend = backend_for(device)
         self.lr = lr
         self.rows = Rows.of(table, config)
         """A table tuned per sequence length: each batch trains with its length's row."""
@@ -242,7 +241,7 @@ class Applied:
 
     def snapshot(self) -> Callable[[], None]:
         """A function that puts the random state and buffers back as they are now."""
-        return _fallback.snapshot(self.model, self.ops)
+        return _fallback.snapshot(self.model, self.backend)
 
     def rebuild_optimizer(self, offload: bool) -> None:
         """The optimizer built again on the host or the device, its state kept."""
@@ -263,10 +262,10 @@ class Applied:
         ``budget_bytes`` until :meth:`close`, as verification did; ``foreign_bytes``, what
         the allocator holds for other tensors, comes on top. A device without a caching
         allocator is not capped."""
-        if not self.ops.caching:
+        if not self.backend.caching:
             return
         self._budget.close()
-        self._budget.enter_context(self.ops.cap(budget_bytes - context_bytes + foreign_bytes))
+        self._budget.enter_context(self.backend.cap(budget_bytes - context_bytes + foreign_bytes))
 
     def on_undo(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in :meth:`undo`, to put back a change made when applying."""

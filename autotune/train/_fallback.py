@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from autotune._backend import Backend
 from autotune.config import TrainConfig
+from autotune.device import Backend
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import (
@@ -46,7 +46,7 @@ def run(applied: Applied, step: Callable[..., T], *args: Any, **kwargs: Any) -> 
     # With a table, the step may move to a row with fallbacks: snapshot if any row has.
     rows = (applied.fallbacks, *(r.fallbacks for r in applied.rows))
     while True:
-        restore = snapshot(applied.model, applied.ops) if any(rows) else None
+        restore = snapshot(applied.model, applied.backend) if any(rows) else None
         applied.stepping = False
         try:
             return step(*args, **kwargs)
@@ -129,19 +129,19 @@ def select(applied: Applied, batch: Any) -> None:
         applied.row, applied.fallbacks = row, row.fallbacks
 
 
-def snapshot(model: nn.Module, ops: Backend) -> Callable[[], None]:
+def snapshot(model: nn.Module, backend: Backend) -> Callable[[], None]:
     """A function that puts the random state and ``model``'s buffers back as they are now."""
     cpu_rng = torch.random.get_rng_state()
-    device_rng = ops.rng_state()
+    device_rng = backend.rng_state()
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
 
     def restore() -> None:
         torch.random.set_rng_state(cpu_rng)
         if device_rng is not None:
-            ops.set_rng_state(device_rng)
+            backend.set_rng_state(device_rng)
         with torch.no_grad():
             for live, saved in buffers:
                 live.copy_(saved)
-        ops.empty_cache()
+        backend.empty_cache()
 
     return restore

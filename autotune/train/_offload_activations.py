@@ -7,7 +7,7 @@ this block's backward computes.
 
 It runs on any device. On CPU the host is the device: the copies are plain copies, the
 math is the same, and the host side is allocated inside
-:func:`~autotune.train._host.host_memory` so that tests can check the accounting
+:func:`~autotune.device._host.host_memory` so that tests can check the accounting
 without a GPU.
 """
 
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
-from autotune.train._host import host_empty
+from autotune.device import backend_for, host_empty
 
 __all__ = ["ActivationOffloader"]
 
@@ -94,10 +93,10 @@ class ActivationOffloader:
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
-        self.ops = backend_for(device)
-        self.streams = self.ops.streams  # copies on side streams, overlapping compute
-        self._d2h = self.ops.new_stream() if self.streams else None
-        self._h2d = self.ops.new_stream() if self.streams else None
+        self.backend = backend_for(device)
+        self.streams = self.backend.streams  # copies on side streams, overlapping compute
+        self._d2h = self.backend.new_stream() if self.streams else None
+        self._h2d = self.backend.new_stream() if self.streams else None
         # Parameters and buffers stay on the device whatever is saved of them.
         held = (*model.parameters(), *model.buffers())
         self._resident = {t.untyped_storage().data_ptr() for t in held}
@@ -118,9 +117,9 @@ class ActivationOffloader:
         self.copies[block] = []
         if self.streams:  # bound the copies in flight (and the device memory they pin)
             while len(self._in_flight) >= _IN_FLIGHT:
-                self.ops.current_stream().wait_event(self._in_flight.popleft())
+                self.backend.current_stream().wait_event(self._in_flight.popleft())
             assert self._d2h is not None
-            self._d2h.wait_stream(self.ops.current_stream())
+            self._d2h.wait_stream(self.backend.current_stream())
         try:
             pack = functools.partial(self._pack, call)
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
@@ -166,13 +165,13 @@ class ActivationOffloader:
         """Start copying bytes ``start`` to ``stop`` of ``storage`` to the host."""
         whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         data = whole[start:stop]
-        host = host_empty(data, pinned=self.ops.pins)
+        host = host_empty(data, pinned=self.backend.pins)
         if self.streams:
             assert self._d2h is not None
-            self._d2h.wait_stream(self.ops.current_stream())
-            with self.ops.use_stream(self._d2h):
+            self._d2h.wait_stream(self.backend.current_stream())
+            with self.backend.use_stream(self._d2h):
                 host.copy_(data, non_blocking=True)
-            self.ops.record_stream(data, self._d2h)  # its memory is reused only after the copy
+            self.backend.record_stream(data, self._d2h)  # its memory is reused only after the copy
         else:
             host.copy_(data)
         self.moved_bytes[call.block] += host.nbytes
@@ -181,7 +180,7 @@ class ActivationOffloader:
 
     def host_bytes(self) -> int:
         """Host bytes the last forward call of every block holds, as allocated."""
-        return sum(self.ops.host_bytes(n) for sizes in self.copies.values() for n in sizes)
+        return sum(self.backend.host_bytes(n) for sizes in self.copies.values() for n in sizes)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         """A saved tensor needed in backward: restored (and the block below prefetched)."""
@@ -194,7 +193,7 @@ class ActivationOffloader:
                 self._restore(call)
             self._prefetch_below(call)
         if self.streams and call.restore_event is not None:
-            self.ops.current_stream().wait_event(call.restore_event)
+            self.backend.current_stream().wait_event(call.restore_event)
         return packed.restored()
 
     def _offloadable(self, t: torch.Tensor) -> bool:
@@ -214,15 +213,15 @@ class ActivationOffloader:
         moved = list({id(p.moved): p.moved for p in packs if p.moved.restored is None}.values())
         if self.streams:
             assert self._h2d is not None and self._d2h is not None
-            self._h2d.wait_stream(self.ops.current_stream())
+            self._h2d.wait_stream(self.backend.current_stream())
             self._h2d.wait_stream(self._d2h)  # the forward copies must have landed
         for m in moved:
             dev = torch.empty_like(m.host, device=self.device)
             if self.streams:
                 assert self._h2d is not None
-                with self.ops.use_stream(self._h2d):
+                with self.backend.use_stream(self._h2d):
                     dev.copy_(m.host, non_blocking=True)
-                self.ops.record_stream(dev, self._h2d)
+                self.backend.record_stream(dev, self._h2d)
             else:
                 dev.copy_(m.host)
             m.restored = dev

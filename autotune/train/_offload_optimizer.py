@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
-from autotune.train._host import host_empty, host_memory, mark_host
+from autotune.device import backend_for, host_empty, host_memory, mark_host
 
 __all__ = ["OptimizerOffloader"]
 
@@ -38,17 +37,17 @@ class OptimizerOffloader:
         build: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     ) -> None:
         self.device = device
-        self.ops = backend_for(device)
-        self.streams = self.ops.streams  # copies on side streams, overlapping compute
+        self.backend = backend_for(device)
+        self.streams = self.backend.streams  # copies on side streams, overlapping compute
         self.params = list(params)
         self.masters = []
         for p in self.params:
-            master = host_empty(p, pinned=self.ops.pins)
+            master = host_empty(p, pinned=self.backend.pins)
             master.copy_(p.detach())
             master.requires_grad_(p.requires_grad)
             self.masters.append(master)
-        self._d2h = self.ops.new_stream() if self.streams else None
-        self._h2d = self.ops.new_stream() if self.streams else None
+        self._d2h = self.backend.new_stream() if self.streams else None
+        self._h2d = self.backend.new_stream() if self.streams else None
         with host_memory():
             self.optimizer = build(self.masters)
         self.collect = False
@@ -64,13 +63,13 @@ class OptimizerOffloader:
         p, master = self.params[i], self.masters[i]
         assert p.grad is not None
         if master.grad is None:
-            master.grad = host_empty(p.grad, pinned=self.ops.pins)
+            master.grad = host_empty(p.grad, pinned=self.backend.pins)
         if self.streams:
             assert self._d2h is not None
-            self._d2h.wait_stream(self.ops.current_stream())
-            with self.ops.use_stream(self._d2h):
+            self._d2h.wait_stream(self.backend.current_stream())
+            with self.backend.use_stream(self._d2h):
                 master.grad.copy_(p.grad, non_blocking=True)
-            self.ops.record_stream(p.grad, self._d2h)
+            self.backend.record_stream(p.grad, self._d2h)
         else:
             master.grad.copy_(p.grad)
         p.grad = None  # freed on the device once the copy is done
@@ -104,13 +103,13 @@ class OptimizerOffloader:
                     p.copy_(master)
             return
         assert self._h2d is not None
-        self._h2d.wait_stream(self.ops.current_stream())
-        with self.ops.use_stream(self._h2d):
+        self._h2d.wait_stream(self.backend.current_stream())
+        with self.backend.use_stream(self._h2d):
             for p, master in zip(self.params, self.masters, strict=True):
                 p.data.copy_(master, non_blocking=True)
         # Whatever runs next on the compute stream (the next forward, a state_dict copy)
         # sees the new weights; the CPU is not blocked.
-        self.ops.current_stream().wait_stream(self._h2d)
+        self.backend.current_stream().wait_stream(self._h2d)
 
     def zero_grad(self) -> None:
         """Drop the gradients, on the host and on the device."""
@@ -127,7 +126,7 @@ class OptimizerOffloader:
         takes them), and optimizer state."""
         pinned = self.pinned_tensors()
         state = [t for s in self.optimizer.state.values() for t in _tensors(s)]
-        return sum(self.ops.host_bytes(t.untyped_storage().nbytes()) for t in pinned) + sum(
+        return sum(self.backend.host_bytes(t.untyped_storage().nbytes()) for t in pinned) + sum(
             t.untyped_storage().nbytes() for t in state
         )
 

@@ -10,15 +10,15 @@ bf16 autocast, and an offloaded optimizer is FSDP's ``CPUOffloadPolicy``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from autotune._blocks import find_blocks
 from autotune.config import TrainConfig
-from autotune.errors import DistributedError
+from autotune.errors import AutotuneError, DistributedError
 
 __all__ = [
     "Parallel",
@@ -29,6 +29,7 @@ __all__ = [
     "gathered_tensors",
     "group_size",
     "rank",
+    "rank_zero",
 ]
 
 
@@ -78,6 +79,26 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     with collective("receiving rank 0's results"):
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+T = TypeVar("T")
+
+
+def rank_zero(fn: Callable[[], T]) -> T:
+    """``fn()`` run on rank 0 and its result sent to every rank (just ``fn()`` alone); an
+    :class:`AutotuneError` it raises is raised on every rank."""
+    if group_size() == 1:
+        return fn()
+    outcome: tuple[T | None, AutotuneError | None] = (None, None)
+    if rank() == 0:
+        try:
+            outcome = (fn(), None)
+        except AutotuneError as exc:  # every rank raises what rank 0 found
+            outcome = (None, exc)
+    value, error = broadcast(outcome)
+    if error is not None:
+        raise error
+    return value  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

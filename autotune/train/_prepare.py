@@ -9,14 +9,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
-from autotune._device import resolve_device
-from autotune._identity import differences
 from autotune.config import TrainConfig
+from autotune.device import backend_for, resolve_device
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
+from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
 from autotune.train._loss import LossFn
 from autotune.train._parallel import check_group
@@ -184,8 +183,8 @@ def _default_device(device: torch.device | str | None, result: TuneResult | None
 
 def _foreign_bytes(model: nn.Module, device: torch.device) -> int:
     """What the allocator of ``device`` holds for tensors other than ``model``'s."""
-    ops = backend_for(device)
-    if not ops.caching:
+    backend = backend_for(device)
+    if not backend.caching:
         return 0
     own = {id(t): t for t in model_tensors(model) if t.device == device}
-    return max(ops.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)
+    return max(backend.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)

@@ -39,7 +39,7 @@ from optuna.exceptions import DuplicatedStudyError
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 
-from autotune.plan._search import quiet_optuna
+from autotune.plan import quiet_optuna
 from autotune.verify._database import open_database
 
 __all__ = ["BEAT_S", "GRACE_S", "NAME_ROOM", "Claim", "Claims", "Holder", "job_id", "storage_of"]

@@ -26,11 +26,11 @@ from typing import Any
 import optuna
 from optuna.storages.journal import JournalFileBackend
 
-from autotune._plain import from_plain, to_plain
+from autotune._plain_data import from_plain, to_plain
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.measure._profile_data import Profile, profile_from_json
-from autotune.plan._search import quiet_optuna
+from autotune.measure import Profile, profile_from_json
+from autotune.plan import quiet_optuna
 from autotune.result import TrialRecord
 from autotune.verify import _claims
 from autotune.verify._claims import NAME_ROOM, Claims, job_id, storage_of

@@ -18,18 +18,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
 from autotune.config import TrainConfig
+from autotune.device import backend_for
 from autotune.errors import NonFiniteError
-from autotune.measure._peak import measure_peak
-from autotune.measure._tracker import state_tensors
+from autotune.measure import measure_peak, state_tensors
 from autotune.result import Measurement, TrialRecord
-from autotune.train import _batch as batching
-from autotune.train._loss import LossFn
-from autotune.train._parallel import agree_max, collective, gathered_tensors
-from autotune.train._prepare import prepare
-from autotune.train._quantized import copy_model
-from autotune.train._runner import Runner
+from autotune.train import (
+    LossFn,
+    Runner,
+    Workload,
+    agree_max,
+    batch_size,
+    collective,
+    copy_model,
+    gathered_tensors,
+    map_tensors,
+    prepare,
+    resize,
+    tensors_on,
+)
 
 __all__ = ["Verifier"]
 
@@ -82,7 +89,22 @@ class Verifier:
         self.context_bytes = context_bytes
         self.foreign_bytes = foreign_bytes
         self.steps = steps
-        self.ops = backend_for(device)
+        self.backend = backend_for(device)
+
+    @staticmethod
+    def of(work: Workload, budget_bytes: int, context_bytes: int = 0) -> Verifier:
+        """The verifier of ``work`` under ``budget_bytes`` (a CUDA context of
+        ``context_bytes`` counted in each peak)."""
+        return Verifier(
+            work.model,
+            work.sample,
+            device=work.device,
+            budget_bytes=budget_bytes,
+            loss_fn=work.loss_fn,
+            context_bytes=context_bytes,
+            foreign_bytes=work.foreign_bytes,
+            blocks=work.blocks,
+        )
 
     def run(
         self, config: TrainConfig, *, timed: bool = True
@@ -93,9 +115,9 @@ class Verifier:
         of them (a fallback's, which only orders the ladder).
         """
         n = config.effective_batch_size
-        batch = batching.resize(self.sample, n)
-        if n < batching.batch_size(self.sample):  # views: they would hold the whole sample
-            batch = batching.map_tensors(batch, torch.clone)  # a loader's batch holds n rows
+        batch = resize(self.sample, n)
+        if n < batch_size(self.sample):  # views: they would hold the whole sample
+            batch = map_tensors(batch, torch.clone)  # a loader's batch holds n rows
         runner: Runner | None = None
         error: str | None = None
         peak, step_s = 0, 0.0
@@ -140,7 +162,7 @@ class Verifier:
 
     def _measure(self, runner: Runner, batch: Any, timed: bool = True) -> tuple[int, float]:
         budget = self.budget_bytes
-        if self.ops.caching:
+        if self.backend.caching:
             with measure_peak(
                 self.device,
                 budget_bytes=budget,
@@ -156,7 +178,7 @@ class Verifier:
         # The batch counts: training holds it through the step (on CUDA it is in the
         # reserved bytes already where it lives on the device). Without a timing window
         # (a fallback's) the first step is the one timed, without the tracker.
-        held = batching.tensors_on(batch, self.device)
+        held = tensors_on(batch, self.device)
         compiled = bool(runner.config.compile_blocks)
         once: list[float] = []
         if timed:
@@ -214,7 +236,7 @@ class Verifier:
         allocator's blocks taken): the median of three or more steps leaves one slow step
         out, where a warm-up step of its own would cost a step more per timing.
         """
-        batch = batching.resize(self.sample, config.effective_batch_size)
+        batch = resize(self.sample, config.effective_batch_size)
         self._release(before=True)
         runner = self._prepare(config)
         try:
@@ -248,22 +270,22 @@ class Verifier:
         return time.perf_counter() - start
 
     def _sync(self) -> None:
-        self.ops.synchronize()
+        self.backend.synchronize()
 
     def _release(self, *, before: bool = False) -> None:
         """Free what earlier runs left: after a run, always (its cycles hold tensors);
         ``before`` one, only where the device caches freed blocks (CUDA: they would count
         in the reserved peak). The CPU's peak counts the run's own tensors only, and a full
         collection there costs a tenth of a second in a process holding transformers."""
-        if before and not self.ops.caching:
+        if before and not self.backend.caching:
             return
         gc.collect()
-        self.ops.empty_cache()
-        self.ops.empty_host_cache()  # pinned buffers of an offloading config, between configs
+        self.backend.empty_cache()
+        self.backend.empty_host_cache()  # pinned buffers of an offloading config, between configs
 
 
 def _next_batch(batch: Any) -> None:
     """Make a batch like ``batch`` beside it and free it: a training loop's loader makes
     the next step's batch while the last one is still held (``for batch in loader``)."""
-    made = batching.map_tensors(batch, torch.clone)
+    made = map_tensors(batch, torch.clone)
     del made

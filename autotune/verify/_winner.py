@@ -13,7 +13,7 @@ from collections.abc import Callable
 from autotune._format import format_bytes
 from autotune.config import TrainConfig
 from autotune.errors import VerificationError
-from autotune.plan._planner import Candidate
+from autotune.plan import Candidate
 from autotune.result import Measurement, TrialRecord
 from autotune.verify import _lead
 from autotune.verify._lead import ahead, lead

@@ -24,11 +24,11 @@ import torch
 import yaml
 
 import autotune
-from autotune._estimate import estimate
 from autotune.cli import main
 from autotune.cli._progress import Progress
 from autotune.config import TrainConfig
 from autotune.result import PARTS, TuneResult
+from autotune.tuning._estimate import estimate
 from autotune.verify._verifier import Verifier
 
 MODELS = """
@@ -141,7 +141,7 @@ def test_tune_passes_storage_and_study(
         seen.update(kw, study_name=study_name, budget_gb=budget_gb)
         return tuned.result()
 
-    monkeypatch.setattr("autotune.tune.autotune", fake)
+    monkeypatch.setattr("autotune.tuning._autotune.autotune", fake)
     args = [*tuned.inputs(), "--budget-gb", "2", "--storage", "sqlite:///x.db", "--study", "s1"]
     code, _, _ = run(capsys, "tune", *args, "-q", "-o", os.devnull)
     assert code == 0
@@ -151,7 +151,9 @@ def test_tune_passes_storage_and_study(
     def older(model: Any, batch: Any, budget_gb: float, **kw: Any) -> Any:
         return tuned.result()
 
-    monkeypatch.setattr("autotune.tune.autotune", older)  # no study_name: --study is refused
+    monkeypatch.setattr(
+        "autotune.tuning._autotune.autotune", older
+    )  # no study_name: --study is refused
     code, _, err = run(capsys, "tune", *args, "-q", "-o", os.devnull)
     assert code == 2
     assert_one_error_line(err, "--study")

@@ -144,7 +144,7 @@ def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
 
     first = next(p for p in module.parameters() if p.requires_grad)
     first.register_hook(lambda g: g * float("nan") if poison[0] else g)
-    from autotune._identity import fingerprint
+    from autotune.train._identity import fingerprint
 
     # The result as tuned on this module: its blocks sit under the module's "model."
     c, info = tuned.config, tuned.model

@@ -15,11 +15,11 @@ from test_lightning import LR, STEPS, LitGPT, trainer_with
 
 import autotune
 from autotune import SearchSpace, TrainConfig, TuneResult
-from autotune._identity import fingerprint
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.result import ModelInfo
+from autotune.train._identity import fingerprint
 
 pl = pytest.importorskip("lightning.pytorch")
 from autotune.integrations.lightning import Autotune  # noqa: E402

@@ -281,8 +281,9 @@ def test_a_qlora_llama_is_tuned_with_its_peak_predicted_within_1_percent(
 
 
 def test_paged_optimizers_are_their_unpaged_twins_off_cuda(base: Path) -> None:
-    from autotune._problem import make_problem
     from autotune.train._optimizers import build_optimizer
+    from autotune.tuning._options import TuneOptions
+    from autotune.tuning._problem import make_problem
 
     model = qlora(base)
     for paged, twin in (("paged_adamw8bit", "AdamW8bit"), ("paged_adamw", "AdamW32bit")):
@@ -292,7 +293,7 @@ def test_paged_optimizers_are_their_unpaged_twins_off_cuda(base: Path) -> None:
     space = SearchSpace(optimizers=["paged_adamw8bit", "adamw8bit", "paged_adamw"])
     with pytest.warns(AutotuneWarning, match="paged_adamw8bit as adamw8bit"):
         problem = make_problem(
-            model, batch(), 1.0, loss_fn=None, global_batch_size=None, device="cpu", space=space
+            model, batch(), TuneOptions(budget_gb=1.0, device="cpu", space=space)
         )
     assert problem.space.optimizers == ("adamw8bit", "adamw")
 

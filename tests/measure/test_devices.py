@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fake_nvml import FakeNvml, Proc
 
-from autotune._backend import context_bytes
-from autotune.measure._devices import discover
+from autotune.device._backend import context_bytes
+from autotune.device._target import discover
 
 GIB = 2**30
 

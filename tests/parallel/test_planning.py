@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import autotune
-from autotune._data_parallel import per_rank_batch, world_of
 from autotune.cli._commands import _describe
 from autotune.errors import BudgetTooSmallError, ConfigError, DistributedError
 from autotune.measure._depth import shallow_copies
 from autotune.models import GPT, gpt_batch, tiny_gpt
+from autotune.tuning._problem import per_rank_batch, world_of
 
 
 @pytest.mark.parametrize(
@@ -116,10 +116,10 @@ def test_a_model_too_large_for_the_device_whole_is_planned_from_shallow_copies(
     whole = autotune.estimate(model, sample, config, device="cpu")[0]
     deepened = []
     monkeypatch.setattr("autotune.measure._depth._WHOLE_SHARE", 0.0)
-    for where in ("autotune._estimate", "autotune._profiling"):
-        monkeypatch.setattr(
-            f"{where}.shallow_copies", lambda *a: deepened.append(1) or shallow_copies(*a)
-        )
+    monkeypatch.setattr(
+        "autotune.tuning._pieces.shallow_copies",
+        lambda *a: deepened.append(1) or shallow_copies(*a),
+    )
     assert autotune.estimate(model, sample, config, device="cpu")[0] == whole
     result = autotune.autotune(
         model, sample, whole * 1.2 / 2**30, global_batch_size=16, world_size=4, device="cpu"

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 import autotune
-from autotune._identity import fingerprint
 from autotune.config import TrainConfig
+from autotune.device._target import discover
 from autotune.errors import AutotuneWarning, ConfigError
-from autotune.measure._devices import discover
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.result import Breakdown, Measurement, ModelInfo, TuneResult
+from autotune.train._identity import fingerprint
 from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")

@@ -39,8 +39,8 @@ WORKER = textwrap.dedent(
     from autotune.verify import _claims, _verifier
     _claims.BEAT_S = 0.2
     _claims.GRACE_S = float(os.environ.get("GRACE_S", "600"))
-    import autotune._data_parallel as layouts, autotune._shared as shared
-    import autotune.tune as tuning
+    import autotune.tuning._data_parallel as layouts, autotune.tuning._study as shared
+    import autotune.tuning._once as tuning
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
     where = {{"record": (_verifier.Verifier, "record"), "settle": (shared, "settle"),

@@ -51,7 +51,7 @@ def test_resume_reuses_the_profile_and_the_verifications(tmp_path, monkeypatch) 
     def boom(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr("autotune.tune.profile_model", boom)
+    monkeypatch.setattr("autotune.tuning._once.profile_model", boom)
     monkeypatch.setattr("autotune.verify._verifier.Verifier.record", boom)
     again = tune(path)
     assert again.config == first.config and again.measured == first.measured
@@ -124,7 +124,7 @@ def test_importing_autotune_sets_no_logging_state() -> None:
     code = textwrap.dedent(
         """
         import logging
-        import autotune.tune, autotune.cli._main
+        import autotune.tuning._autotune, autotune.cli._main
         for name in ("", "autotune"):
             log = logging.getLogger(name)
             assert not log.handlers, (name, log.handlers)

@@ -15,24 +15,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from autotune.config import MAX_BATCH
+from autotune.config import MAX_BATCH, TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import LengthRow, Spent, TuneResult
 from autotune.space import SearchSpace
-from autotune.train._lengths import sequence_length, truncate
+from autotune.train import group_size, sequence_length, truncate
+from autotune.tuning._attention import tune_attentions
+from autotune.tuning._options import TuneOptions
 
-__all__ = ["Lengths", "tune_by_length"]
+__all__ = ["Lengths", "tune_lengths"]
 
 log = logging.getLogger("autotune")
-
-TuneOne = Callable[..., TuneResult]
-"""``tune(model, sample, global_batch_size=, space=)``: one length's tuning run."""
 
 
 def _positive(value: Any) -> bool:
@@ -106,28 +105,24 @@ class Lengths:
         return Lengths(ordered, samples)
 
 
-def tune_by_length(
-    tune: TuneOne,
-    model: nn.Module,
-    sample: Any,
-    lengths: Lengths,
-    space: SearchSpace,
-    *,
-    parallel: bool,
-    storage: bool,
-) -> TuneResult:
-    """Tune each length (the longest first) and join the rows into one result: the
-    longest's, with ``by_length``.
+def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
+    """Tune each length of the table ``options`` asks for (the longest first) and join
+    the rows into one result: the longest's, with ``by_length``.
 
     Raises:
-        ConfigError: data parallelism or a storage were asked for (not supported yet).
+        ConfigError: the table's arguments are wrong, or data parallelism or a storage
+            were asked for (not supported yet).
+        BatchError: the sample batch has no sequence dimension.
     """
-    if parallel:
+    lengths = Lengths.of(
+        sample, options.sequence_lengths, options.global_batch_size, options.global_batch_tokens
+    )
+    if options.parallel or group_size() > 1:
         raise ConfigError(
             "sequence_lengths and global_batch_tokens are not supported with data "
             "parallelism yet; tune at the longest length with global_batch_size."
         )
-    if storage:
+    if options.storage is not None:
         raise ConfigError(
             "sequence_lengths and global_batch_tokens are not supported with storage= yet; "
             "leave storage out."
@@ -135,25 +130,31 @@ def tune_by_length(
     started = time.perf_counter()
     rows: list[LengthRow] = []
     results: list[TuneResult] = []
+    run = options.replace(sequence_lengths=None, global_batch_tokens=None)
     for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
         log.info("tuning at sequence length %d (%d samples per step)", length, samples)
-        result = tune(model, truncate(sample, length), global_batch_size=samples, space=space)
+        run = run.replace(global_batch_size=samples)
+        result = tune_attentions(model, truncate(sample, length), run)
         if not results:  # the longest fixes the math of every row, and where the state lives
-            c = result.config
-            space = dataclasses.replace(
-                space,
-                precisions=(c.precision,),
-                optimizers=(c.optimizer,),
-                offload_optimizer=space.offload_optimizer if c.offload_optimizer else False,
-            )
+            run = run.replace(space=_as_tuned(run.space, result.config))
         results.append(result)
         rows.insert(
             0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)
         )
-    spent = sum((r.spent for r in results), Spent())
     return dataclasses.replace(
         results[0],
         by_length=tuple(rows),
         tuning_s=time.perf_counter() - started,
-        spent=spent,
+        spent=sum((r.spent for r in results), Spent()),
+    )
+
+
+def _as_tuned(space: SearchSpace, config: TrainConfig) -> SearchSpace:
+    """``space`` with the precision and optimizer of ``config`` (the longest length's),
+    and its optimizer on the device where that one's is."""
+    return dataclasses.replace(
+        space,
+        precisions=(config.precision,),
+        optimizers=(config.optimizer,),
+        offload_optimizer=space.offload_optimizer if config.offload_optimizer else False,
     )

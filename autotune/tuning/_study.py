@@ -16,26 +16,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune import __version__
-from autotune._identity import fingerprint
-from autotune._plain import from_plain, to_plain
-from autotune._problem import Problem
+from autotune._plain_data import from_plain, to_plain
+from autotune._version import __version__
 from autotune.config import TrainConfig
-from autotune.measure._profile_data import Profile, profile_from_json, profile_to_json
-from autotune.plan._cost import CostModel
-from autotune.plan._planner import Candidate
+from autotune.measure import Profile, profile_from_json, profile_to_json
+from autotune.plan import Candidate, CostModel
 from autotune.result import Measurement, TrialRecord
-from autotune.verify._claims import job_id
-from autotune.verify._studies import PROFILE_JOB, StudyStore, resolve_storage
-from autotune.verify._verifier import Verifier
-from autotune.verify._winner import Measure, settle
+from autotune.train import fingerprint
+from autotune.tuning._options import TuneOptions
+from autotune.tuning._problem import Problem
+from autotune.verify import (
+    PROFILE_JOB,
+    Measure,
+    StudyStore,
+    Verifier,
+    job_id,
+    resolve_storage,
+    settle,
+)
 
 __all__ = ["measure_with", "open_store", "shared_candidates", "shared_profile", "shared_settle"]
 
 
-def open_store(
-    model: nn.Module, problem: Problem, storage: str, study_name: str | None
-) -> StudyStore:
+def open_store(model: nn.Module, problem: Problem, options: TuneOptions) -> StudyStore:
     """The study kept in ``storage`` for this run (made for this release, model, budget
     and space; the default name says so, so another release starts a study of its own)."""
     key = {
@@ -47,8 +50,9 @@ def open_store(
         "space": repr(problem.space),
         "torch": str(torch.__version__),
     }
-    name = study_name or f"autotune-{job_id(json.dumps(key, sort_keys=True))[:16]}"
-    return StudyStore(resolve_storage(storage), name, key)
+    name = options.study_name or f"autotune-{job_id(json.dumps(key, sort_keys=True))[:16]}"
+    assert options.storage is not None
+    return StudyStore(resolve_storage(options.storage), name, key)
 
 
 def shared_profile(store: StudyStore, measure: Callable[[], Profile]) -> Profile:

@@ -1,8 +1,7 @@
 """The tuner's profile: memory first (cheap, decides what fits), then time only what can fit.
 
-A model trained sharded over several ranks may not fit the one device its profile runs on;
-then, where its blocks are one container's uniform layers, it is profiled on copies with 3
-and 4 of them and extended to its depth (:mod:`autotune.measure._depth`).
+The model is profiled whole, or on shallow copies where it does not fit the device whole
+(see :mod:`autotune.tuning._pieces`).
 """
 
 from __future__ import annotations
@@ -13,29 +12,29 @@ import time
 
 from torch import nn
 
-from autotune._backend import backend_for
-from autotune._data_parallel import layouts
-from autotune._problem import Problem
-from autotune.measure._depth import deepen, deepen_time, shallow_copies
-from autotune.measure._devices import measure_transfer
-from autotune.measure._memory_profile import memory_profile, sharded_precisions
-from autotune.measure._profile_data import Profile
-from autotune.measure._profiler import Profiler
-from autotune.measure._time_profile import fast_precisions, time_profile
-from autotune.plan._candidates import largest_fitting
-from autotune.plan._cost import CostModel
-from autotune.plan._too_small import too_small
+from autotune.device import backend_for
+from autotune.measure import (
+    Profile,
+    Profiler,
+    deepen_time,
+    fast_precisions,
+    measure_transfer,
+    memory_profile,
+    sharded_precisions,
+    time_profile,
+)
+from autotune.plan import largest_fitting, planners, too_small
+from autotune.tuning._pieces import Pieces
+from autotune.tuning._problem import Problem
 
 __all__ = ["profile_model"]
 
 log = logging.getLogger("autotune")
 
 
-def profile_model(
-    work: nn.Module, problem: Problem, world: int = 1, *, whole: bool = True
-) -> Profile:
+def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> Profile:
     """The profile of ``work`` (the tuner's copy), what fits decided over the data
-    parallelism of ``world`` ranks.
+    parallelism of the problem's ranks.
 
     Not ``whole`` (see :func:`~autotune.measure._depth.whole_fits`), ``work`` is on the
     host and profiled on shallow copies where it can be (else moved to the device and
@@ -48,50 +47,19 @@ def profile_model(
     """
     t0 = time.perf_counter()
     device = problem.target.device
-    copies = None
-    if not whole:
-        copies = shallow_copies(work, problem.blocks)
-        if copies is None:
-            log.info("the blocks are not uniform layers: profiling the whole model")
-            work.to(device)
-    if copies is None:
-        profiler = _profiler(work, problem)
-        precisions, untrainable, slow, timed = fast_precisions(
-            profiler, problem.precisions, problem.sizes, device_name=problem.target.name
-        )
-        compiled = _worth_compiling(precisions, timed) if world == 1 and problem.compile else ()
-        draft, notes = _memory(profiler, problem, precisions, world, compiled=compiled)
-    else:
-        log.info("profiling copies with 3 and 4 of the %d blocks", len(problem.blocks))
-        three, blocks3 = copies.copy(3)  # each copy on the device only while it is measured
-        shallow = _profiler(three.to(device), problem, blocks3)
-        precisions, untrainable, slow, _ = fast_precisions(
-            shallow, problem.precisions, problem.sizes, device_name=problem.target.name
-        )
-        timed = {}  # timed on the copy of 3 blocks, not on the copy the time profile runs on
-        draft3, _ = _memory(shallow, problem, precisions, world)
-        del shallow, three
-        backend_for(device).empty_cache()
-        four, blocks4 = copies.copy(4)
-        profiler = _profiler(four.to(device), problem, blocks4)
-        draft, notes = _memory(profiler, problem, precisions, world)
-        draft = deepen(draft3, draft, work, problem.blocks)
+    pieces = Pieces(work, problem.blocks, fits=whole, device=device, whole=lambda: work.to(device))
+    profiler, draft, notes, timed = _memory_on(pieces, problem)
     # Training steps have run: the context now holds cuBLAS workspaces and the kernels
     # loaded lazily, which discover() could not see yet.
     context = max(problem.target.context_bytes, backend_for(device).context_bytes())
-    draft = dataclasses.replace(
-        draft,
-        context_bytes=context,
-        notes=(*slow, *notes, *draft.notes),
-        untrainable=untrainable,
-    )
-    feasible = _caps(problem, draft, world)
+    draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
+    feasible = _caps(problem, draft)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
-    sizes = [s for s in problem.sizes if s not in untrainable]
+    sizes = [s for s in problem.sizes if s not in draft.untrainable]
     profile = time_profile(
         profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
     )
-    if copies is not None:
+    if pieces.shallow:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))
         profile = deepen_time(profile, seconds, forward_s)
@@ -100,22 +68,45 @@ def profile_model(
     return dataclasses.replace(profile, seconds=time.perf_counter() - t0)
 
 
-def _profiler(model: nn.Module, problem: Problem, blocks: tuple[str, ...] = ()) -> Profiler:
-    return Profiler(
-        model,
-        problem.sample,
-        blocks or problem.blocks,
-        device=problem.target.device,
-        loss_fn=problem.loss_fn,
-        foreign_bytes=problem.foreign,
+def _memory_on(
+    pieces: Pieces, problem: Problem
+) -> tuple[Profiler, Profile, list[str], dict[str, dict[int, float]]]:
+    """The memory profile of ``pieces`` in the precisions fast enough to search: (the
+    profiler the time profile runs on, the last piece's; the profile; notes; the passes
+    timed while choosing the precisions, by precision and size).
+
+    On shallow copies the precisions are timed on the copy of 3 blocks, not on the copy
+    the time profile runs on, and no compiled timeline is profiled.
+    """
+    each = pieces.each()
+    model, blocks = next(each)
+    profiler = Profiler.of(problem.workload(model, blocks))
+    del model
+    precisions, untrainable, slow, timed = fast_precisions(
+        profiler, problem.precisions, problem.sizes, device_name=problem.target.name
     )
+    if not pieces.shallow:
+        compiled = (
+            _worth_compiling(precisions, timed) if problem.world == 1 and problem.compile else ()
+        )
+        draft, notes = _memory(profiler, problem, precisions, compiled=compiled)
+    else:
+        timed = {}
+        three, _ = _memory(profiler, problem, precisions)
+        del profiler
+        model, blocks = next(each)
+        profiler = Profiler.of(problem.workload(model, blocks))
+        del model
+        four, notes = _memory(profiler, problem, precisions)
+        draft = pieces.deepened(three, four)
+    draft = dataclasses.replace(draft, untrainable=untrainable)
+    return profiler, draft, [*slow, *notes], timed
 
 
 def _memory(
     profiler: Profiler,
     problem: Problem,
     precisions: tuple[str, ...],
-    world: int,
     *,
     compiled: tuple[str, ...] = (),
 ) -> tuple[Profile, list[str]]:
@@ -132,7 +123,7 @@ def _memory(
         selective=problem.space.selective_checkpointing,
         compiled=compiled,
     )
-    if world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
+    if problem.world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     return draft, notes
 
@@ -154,21 +145,18 @@ def _worth_compiling(
     return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
 
 
-def _caps(problem: Problem, draft: Profile, world: int) -> dict[str, int]:
+def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
     """Per precision, the largest micro-batch that fits some layout and optimizer.
 
     Raises:
         BudgetTooSmallError: none fits.
     """
-    planners = [
-        problem.planner(CostModel(draft, layout), tuple(draft.precisions))
-        for layout in layouts(world, draft.blocks)
-    ]
+    found = planners(draft, problem, problem.world)
     caps = {
         p: max(
             (
                 b
-                for q in planners
+                for q in found
                 for o in q.optimizers
                 if p in q.precisions and (b := largest_fitting(q, p, o))
             ),
@@ -179,5 +167,5 @@ def _caps(problem: Problem, draft: Profile, world: int) -> dict[str, int]:
     feasible = {p: b for p, b in caps.items() if b is not None}
     if not feasible:
         helps = not backend_for(problem.target.device).host_is_device
-        raise too_small(planners[0], problem.space, problem.budget, offload_helps=helps)
+        raise too_small(found[0], problem.space, problem.budget, offload_helps=helps)
     return feasible

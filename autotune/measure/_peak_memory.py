@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 
-from autotune._device import resolve_device
-from autotune.measure._devices import discover
+from autotune.device import discover, resolve_device
 from autotune.measure._peak import PeakReading, measure_peak
 from autotune.measure._tracker import state_tensors
-from autotune.train._applied import Applied
-from autotune.train._compiled import measured_compiling
+from autotune.train import Applied, measured_compiling
 
 __all__ = ["PeakReading", "peak_memory"]
 

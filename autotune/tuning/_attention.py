@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -20,41 +19,34 @@ from torch import nn
 from autotune.config import TrainConfig
 from autotune.errors import BatchError, BudgetTooSmallError, ProfileError, VerificationError
 from autotune.result import Spent, TuneResult
-from autotune.space import SearchSpace
-from autotune.train._attention import set_attention
+from autotune.train import set_attention
+from autotune.tuning._once import tune_once
+from autotune.tuning._options import TuneOptions
 
-__all__ = ["tune_attention"]
+__all__ = ["tune_attentions"]
 
 log = logging.getLogger("autotune")
 
 
-def tune_attention(
-    tune: Callable[..., TuneResult],
-    model: nn.Module,
-    sample: Any,
-    *,
-    global_batch_size: int | None,
-    space: SearchSpace,
-) -> TuneResult:
-    """``tune(model, sample, ...)`` once per implementation of ``space.attention`` (once
-    with the model's own where it names none); the fastest verified result, with every
-    run's trials and seconds.
+def tune_attentions(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
+    """One tuning run per implementation of ``options.space.attention`` (one with the
+    model's own where it names none); the fastest verified result, with every run's
+    trials and seconds.
 
     Raises:
         ConfigError: the model has no implementation to choose, or one is not installed.
         BudgetTooSmallError, BatchError, ProfileError, VerificationError: no
-            implementation fits or runs
-            (the first's error).
+            implementation fits or runs (the first's error).
     """
-    if not space.attention:
-        return tune(model, sample, global_batch_size=global_batch_size, space=space)
+    if not options.space.attention:
+        return tune_once(model, sample, options)
     results: list[TuneResult] = []
     failed: list[Exception] = []
-    for name in space.attention:
+    for name in options.space.attention:
         put_back = set_attention(model, name)
         try:
             log.info("tuning with attention %s", name)
-            result = tune(model, sample, global_batch_size=global_batch_size, space=space)
+            result = tune_once(model, sample, options)
         except (BudgetTooSmallError, BatchError, ProfileError, VerificationError) as exc:
             log.info("attention %s: %s", name, str(exc).splitlines()[0])
             failed.append(exc)

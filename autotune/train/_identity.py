@@ -11,8 +11,8 @@ import hashlib
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
 from autotune._blocks import eager_module
+from autotune.device import backend_for
 from autotune.result import TuneResult
 
 __all__ = ["differences", "fingerprint"]

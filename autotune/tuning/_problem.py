@@ -9,24 +9,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from autotune._backend import backend_for
 from autotune._blocks import eager_module, resolve_blocks
-from autotune.config import BITSANDBYTES_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS
+from autotune.config import MAX_BATCH, PAGED_OPTIMIZERS
+from autotune.device import Target, backend_for, budget_bytes, discover
 from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
-from autotune.measure._devices import Target, budget_bytes, discover
-from autotune.plan._candidates import micro_batch_candidates
-from autotune.plan._cost import CostModel
-from autotune.plan._planner import Planner
+from autotune.plan import micro_batch_candidates
 from autotune.space import SearchSpace
-from autotune.train import _batch as batching
-from autotune.train._compiled import compiled_parts
-from autotune.train._loss import LossFn
-from autotune.train._optimizers import available, build_optimizer
+from autotune.train import (
+    LossFn,
+    Workload,
+    available,
+    batch_size,
+    build_optimizer,
+    compiled_parts,
+    group_size,
+)
+from autotune.tuning._options import TuneOptions
 
-__all__ = ["Problem", "make_problem", "uncompiled"]
+__all__ = ["Problem", "make_problem", "per_rank_batch", "uncompiled", "world_of"]
 
 _MARGIN = {"cpu": 0.01, "cuda": 0.04}
 """Head-room the search keeps below the budget; verification is the final judge."""
@@ -54,6 +56,10 @@ class Problem:
     """The budget less the search's head-room: what a prediction may reach."""
     foreign: int
     """CUDA bytes held by other tensors of the process when tuning began."""
+    world: int = 1
+    """Ranks of data parallelism tuned for."""
+    here: bool = True
+    """Whether those ranks are all here to verify on (else the run is planned only)."""
 
     @property
     def compile(self) -> bool:
@@ -70,28 +76,22 @@ class Problem:
         target = dataclasses.replace(self.target, context_bytes=context_bytes)
         return dataclasses.replace(self, target=target)
 
-    def planner(self, cost: CostModel, precisions: Sequence[str]) -> Planner:
-        """The planner of this run's space on ``cost``; offload only where it was profiled."""
-        offload_optimizer, offload_activations = self.space.offloads(self.target.device.type)
-        optimizers = self.space.optimizers
-        if cost.layout.parallel != "none":  # what data parallelism trains (see TrainConfig)
-            offload_optimizer = offload_activations = False
-            optimizers = tuple(o for o in optimizers if o not in BITSANDBYTES_OPTIMIZERS)
-            optimizers = optimizers or ("adamw",)
-            if cost.layout.parallel == "fsdp":
-                precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
-        return Planner(
-            cost=cost,
-            sizes=tuple(s for s in self.sizes if s not in cost.profile.untrainable),
-            precisions=tuple(precisions),
-            optimizers=optimizers,
-            global_batch_size=self.global_batch_size,
-            limit=self.limit,
-            checkpointing=self.space.checkpointing,
-            selective=self.space.selective_checkpointing,
-            offload_optimizer=(False, True) if offload_optimizer and cost.can_offload else (False,),
-            offload_activations=offload_activations and cost.can_offload,
+    def workload(self, model: nn.Module, blocks: tuple[str, ...] = ()) -> Workload:
+        """The run's workload on ``model`` (the tuner's copy; with ``blocks``, a shallow
+        copy's)."""
+        return Workload(
+            model,
+            self.sample,
+            self.loss_fn,
+            blocks or self.blocks,
+            self.target.device,
+            self.foreign,
         )
+
+    @property
+    def device_type(self) -> str:
+        """The target's device type."""
+        return self.target.device.type
 
 
 def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
@@ -119,17 +119,16 @@ def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
     return eager_module(model) if isinstance(model, nn.Module) else model
 
 
-def make_problem(
-    model: nn.Module,
-    sample_batch: Any,
-    budget_gb: float,
-    *,
-    loss_fn: LossFn | None,
-    global_batch_size: int | None,
-    device: torch.device | str | None,
-    space: SearchSpace,
-) -> Problem:
-    """Validate the inputs (fast, before anything runs) and set the run up on the target."""
+def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> Problem:
+    """Validate the inputs (fast, before anything runs) and set the run up on the target.
+
+    ``options.global_batch_size`` is the global batch; the problem's is one rank's.
+    """
+    world, here = world_of(options.world_size)
+    if options.storage is not None and world > 1:
+        raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
+    global_batch_size = per_rank_batch(options.global_batch_size, world)
+    loss_fn, space = options.loss_fn, options.space
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -147,8 +146,8 @@ def make_problem(
     for name in space.optimizers:
         if not available(name):
             build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
-    target = discover(device)
-    budget = budget_bytes(budget_gb, target)
+    target = discover(options.device)
+    budget = budget_bytes(options.budget_gb, target)
     space = _unpaged_off_cuda(space, target)
     if backend_for(target.device).host_is_device and any(space.offloads(target.device.type)):
         warnings.warn(
@@ -158,7 +157,7 @@ def make_problem(
             stacklevel=3,
         )
         space = dataclasses.replace(space, offload_optimizer=False, offload_activations=False)
-    batching.batch_size(sample_batch)
+    batch_size(sample_batch)
     return Problem(
         sample=sample_batch,
         loss_fn=loss_fn,
@@ -172,6 +171,8 @@ def make_problem(
         limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
         # What the allocator already holds for other tensors (their blocks, cached ones).
         foreign=backend_for(target.device).reserved(),
+        world=world,
+        here=here,
     )
 
 
@@ -198,3 +199,43 @@ def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
     )
     names = dict.fromkeys(PAGED_OPTIMIZERS.get(o, o) for o in space.optimizers)
     return dataclasses.replace(space, optimizers=tuple(names))
+
+
+def world_of(world_size: int | None) -> tuple[int, bool]:
+    """(the ranks to tune for, whether they are all here to verify on).
+
+    Raises:
+        ConfigError: ``world_size`` is not a positive integer, or differs from the size of
+            the process group this runs in.
+    """
+    here = group_size()
+    if world_size is None:
+        return here, True
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r:.40}.")
+    if world_size == here:
+        return here, True
+    if here > 1:
+        raise ConfigError(
+            f"world_size is {world_size} but this process group has {here} ranks; leave "
+            "world_size out to tune for the group, or plan other sizes in one process."
+        )
+    return world_size, False
+
+
+def per_rank_batch(global_batch_size: int | None, world: int) -> int | None:
+    """Samples per optimizer step on each rank, the global batch kept exact.
+
+    Raises:
+        ConfigError: the global batch does not split evenly over the ranks.
+    """
+    if global_batch_size is None or world == 1:
+        return global_batch_size
+    if not isinstance(global_batch_size, int) or not 1 <= global_batch_size <= MAX_BATCH:
+        return global_batch_size  # make_problem says what is wrong with it
+    if global_batch_size % world:
+        raise ConfigError(
+            f"global_batch_size {global_batch_size} does not split over {world} ranks; "
+            f"use a multiple of {world} (micro-batch x accumulation x world size)."
+        )
+    return global_batch_size // world

@@ -16,21 +16,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._backend import backend_for
 from autotune._blocks import find_blocks, resolve_blocks
-from autotune._problem import uncompiled
 from autotune.config import TrainConfig
+from autotune.device import Target, backend_for, discover
 from autotune.errors import BlockError, ProfileError
-from autotune.measure._depth import deepen, shallow_copies, whole_fits
-from autotune.measure._devices import discover, measure_transfer
-from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
-from autotune.measure._profile_data import Profile
-from autotune.measure._profiler import Profiler
-from autotune.plan._cost import CostModel
+from autotune.measure import (
+    Profile,
+    Profiler,
+    Transfer,
+    measure_transfer,
+    memory_profile,
+    sharded_precisions,
+    whole_fits,
+    working_copy,
+)
+from autotune.plan import CostModel
 from autotune.result import Breakdown
-from autotune.train import _batch as batching
-from autotune.train._compiled import measured_compiling
-from autotune.train._loss import LossFn
+from autotune.train import LossFn, Workload, batch_size, measured_compiling
+from autotune.tuning._pieces import Pieces
+from autotune.tuning._problem import uncompiled
 
 __all__ = ["estimate"]
 
@@ -66,57 +70,71 @@ def estimate(
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     model = uncompiled(model)
-    batching.batch_size(sample_batch)  # a clear BatchError before anything runs
+    batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
-    names = _blocks(model, blocks, wrapped)
+    names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
+    foreign = backend_for(target.device).reserved()
+    work = Workload(model, sample_batch, loss_fn, names, target.device, foreign)
+    # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
+    pieces = Pieces(
+        model,
+        names,
+        fits=whole_fits(model, target.free_bytes, config.world_size),
+        device=target.device,
+        whole=lambda: working_copy(model, target.device),
+    )
+    offloads = bool(config.offload_activations or config.offload_optimizer)
+    transfer = measure_transfer(target) if offloads else None
+    profiles = []
+    with measured_compiling(bool(config.compile_blocks) and not pieces.shallow):
+        for piece, piece_blocks in pieces.each():
+            profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
+            del piece  # off the device before the next piece comes on
+    profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
+    # After the profile's training steps the context holds what loads lazily too.
+    context = max(target.context_bytes, backend_for(target.device).context_bytes())
+    return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)
+
+
+def _memory(
+    work: Workload, config: TrainConfig, target: Target, transfer: Transfer | None
+) -> Profile:
+    """The memory profile of ``config``'s timeline and optimizer, measured on ``work``."""
+    work.model.to(target.device)
+    profiler = Profiler.of(work)
+    try:
+        profile, _ = memory_profile(
+            profiler,
+            (config.timeline,),
+            (config.optimizer,),
+            device_name=target.name,
+            context_bytes=target.context_bytes,
+            transfer=transfer,
+            selective=bool(config.selective_checkpoint),
+        )
+        if config.parallel == "fsdp":
+            profile = sharded_precisions(profiler, profile, config.optimizer)
+        return profile
+    finally:
+        del work, profiler
+        gc.collect()
+        backend_for(target.device).empty_cache()
+
+
+def _compiled_all_or_none(config: TrainConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names``, where ``config`` compiles every block or none.
+
+    Raises:
+        BlockError: it compiles some of them.
+    """
     if config.compile_blocks and set(config.compile_blocks) != set(names):
         raise BlockError(
             f"the config compiles {len(config.compile_blocks)} blocks of {len(names)}; autotune "
             "predicts every block compiled, or none: compile_blocks must name the blocks "
             f"({', '.join(names) or 'none'})."
         )
-    ops = backend_for(target.device)
-    foreign = ops.reserved()
-    offloads = bool(config.offload_activations or config.offload_optimizer)
-    offload_facts = measure_transfer(target) if offloads else None
-
-    def measured(work: nn.Module, blocks: tuple[str, ...]) -> Profile:
-        work.to(target.device)
-        try:
-            profiler = Profiler(
-                work, sample_batch, blocks, device=target.device, loss_fn=loss_fn,
-                foreign_bytes=foreign,
-            )  # fmt: skip
-            profile, _ = memory_profile(
-                profiler,
-                (config.timeline,),
-                (config.optimizer,),
-                device_name=target.name,
-                context_bytes=target.context_bytes,
-                transfer=offload_facts,
-                selective=bool(config.selective_checkpoint),
-            )
-            if config.parallel == "fsdp":
-                profile = sharded_precisions(profiler, profile, config.optimizer)
-            return profile
-        finally:
-            del work
-            gc.collect()
-            ops.empty_cache()
-
-    # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
-    whole = whole_fits(model, target.free_bytes, config.world_size)
-    copies = None if whole else shallow_copies(model, names)
-    if copies is None:
-        with measured_compiling(bool(config.compile_blocks)):
-            profile = measured(working_copy(model, target.device), names)
-    else:
-        shallow = measured(*copies.copy(3))  # each copy on the device only while measured
-        profile = deepen(shallow, measured(*copies.copy(4)), model, names)
-    # After the profile's training steps the context holds what loads lazily too.
-    context = max(target.context_bytes, ops.context_bytes())
-    return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)
+    return names
 
 
 def _blocks(

@@ -1,0 +1,3 @@
+"""The package version, in a module of its own that imports nothing."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,44 @@
+"""The orchestration of a tuning run: the pipeline's stages called in order.
+
+* ``_autotune``: ``autotune()``, and the runs one call makes: one per sequence length
+  (``_lengths``), each one per attention implementation (``_attention``), each one run
+  (``_once``: profile, planners, search, verification, result).
+* ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
+  ``_problem``: those inputs validated, and what follows from them on the target.
+* ``_profiling``: the run's profile, memory then time; ``_pieces``: the model whole, or
+  shallow copies of it where it does not fit the device whole.
+* ``_study``: a run kept in a study, each expensive job done once among processes;
+  ``_data_parallel``: searching every layout, and results planned for ranks not here.
+* ``_estimate``: ``estimate()``, one config's peak without tuning.
+
+The interface the other layers use is the table below (see :mod:`autotune._interface`);
+each name loads its module on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autotune._interface import interface
+
+if TYPE_CHECKING:
+    from autotune.tuning._autotune import autotune, tune
+    from autotune.tuning._estimate import estimate
+    from autotune.tuning._options import TuneOptions
+
+INTERFACE = {
+    "TuneOptions": "autotune.tuning._options",
+    "autotune": "autotune.tuning._autotune",
+    "estimate": "autotune.tuning._estimate",
+    "tune": "autotune.tuning._autotune",
+}
+"""What the other layers may import from here, by the private module that defines it."""
+
+__all__ = [
+    "TuneOptions",
+    "autotune",
+    "estimate",
+    "tune",
+]
+
+__getattr__, __dir__ = interface(__name__, INTERFACE)

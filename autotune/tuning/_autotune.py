@@ -1,0 +1,123 @@
+"""``autotune()``: the tuner's entry, and the runs it makes of one call.
+
+A call is a table of runs: one per sequence length (``sequence_lengths``; else the
+sample's), each of them one per attention implementation (``SearchSpace.attention``; else
+the model's), each a tuning run of its own (:func:`~autotune.tuning._once.tune_once`).
+The loops are :func:`~autotune.tuning._lengths.tune_lengths` and
+:func:`~autotune.tuning._attention.tune_attentions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.errors import ConfigError
+from autotune.result import TuneResult
+from autotune.space import SearchSpace
+from autotune.train import LossFn
+from autotune.tuning._attention import tune_attentions
+from autotune.tuning._lengths import tune_lengths
+from autotune.tuning._options import TuneOptions
+from autotune.tuning._problem import uncompiled
+
+__all__ = ["autotune", "tune"]
+
+
+def autotune(
+    model: nn.Module,
+    sample_batch: Any,
+    budget_gb: float = 24.0,
+    *,
+    loss_fn: LossFn | None = None,
+    global_batch_size: int | None = None,
+    global_batch_tokens: int | None = None,
+    sequence_lengths: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    space: SearchSpace | None = None,
+    n_trials: int | None = None,
+    timeout_s: float | None = None,
+    seed: int = 0,
+    storage: str | None = None,
+    study_name: str | None = None,
+    world_size: int | None = None,
+) -> TuneResult:
+    """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
+
+    Args:
+        model: The model to tune; left exactly as it was.
+        sample_batch: One batch (Tensor, tuple/list or dict; batch dimension 0); batches of
+            any size are made from it. Tune at the longest sequence you will train on.
+        budget_gb: Device memory the training run may use, in GiB.
+        loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
+            ``output.loss``, or the first element of a tuple output.
+        global_batch_size: Samples per optimizer step, kept exact with accumulation;
+            default: no accumulation, the micro-batch is the batch.
+        global_batch_tokens: Tokens per optimizer step instead (``global_batch_size``
+            samples of the sequence length): at each length, ``tokens / length`` samples,
+            exact, so every length must divide it.
+        sequence_lengths: Tune a table: for each of these lengths (the sample batch at
+            the longest), the fastest verified config for batches padded up to it, in
+            ``result.by_length``; the runner trains each batch with its length's row and
+            :class:`autotune.LengthBucketSampler` makes the batches. Every row keeps the
+            optimizer step's meaning (the global batch, in samples or tokens), the
+            precision and the optimizer of the longest, so the math is the same.
+        device: Target device; default CUDA if available, else CPU.
+        space: Knobs to search; default :class:`SearchSpace()`.
+        n_trials: Optuna trials on the cost model, for a space too large to enumerate
+            (default: scaled to the space); a space of up to 4096 settings that can fit
+            is enumerated exactly.
+        timeout_s: Time limit of the Optuna study (a large space only).
+        seed: Seed of the study; the same profile gives the same configuration.
+        storage: Where to keep the study, to resume it or share it between processes: an
+            Optuna URL (``sqlite:///tune.db``, ``postgresql://...``), a ``*.journal`` file
+            path (a journal file, for several processes), or another path (SQLite). The
+            study keeps the profile and every verification, which are not redone.
+        study_name: Name of the study in the storage; default: from the model and budget.
+        world_size: Ranks to train on with data parallelism (DDP or FSDP2, searched). Inside
+            a process group (``torchrun``) every rank calls this and the group is tuned on
+            (default: its size); every rank returns the same result. In one process, a
+            world size other than 1 is planned without running it, and the result's
+            ``unverified`` says what that leaves out. The global batch is
+            ``micro x accumulation x world_size``.
+
+    Returns:
+        The verified winner, its predicted and measured numbers, and fallbacks (with
+        ``sequence_lengths``: those of the longest, and the table).
+
+    Raises:
+        BudgetError, BudgetTooSmallError, BatchError, LossError, BlockError, ProfileError,
+        VerificationError: each with a message that says what to do.
+    """
+    options = TuneOptions(
+        budget_gb=budget_gb,
+        loss_fn=loss_fn,
+        global_batch_size=global_batch_size,
+        global_batch_tokens=global_batch_tokens,
+        sequence_lengths=sequence_lengths,
+        device=device,
+        space=space or SearchSpace(),
+        n_trials=n_trials,
+        timeout_s=timeout_s,
+        seed=seed,
+        storage=storage,
+        study_name=study_name,
+        world_size=world_size,
+    )
+    return tune(model, sample_batch, options)
+
+
+def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResult:
+    """:func:`autotune` with its options in one record (what the Lightning callback and
+    the command line call)."""
+    model = uncompiled(model, stacklevel=4)
+    if options.storage is not None and options.space.attention:
+        raise ConfigError(
+            "SearchSpace.attention is not supported with storage= yet; leave one of them out."
+        )
+    if options.table:
+        return tune_lengths(model, sample_batch, options)
+    return tune_attentions(model, sample_batch, options)
