@@ -7,15 +7,16 @@
 ...     runner.step(batch)
 
 The names below are the public API; the modules behind them are private. The names that
-need torch (and the tuner, which needs optuna) load on first use, so that importing one
-layer, e.g. ``autotune.train`` in a training job, loads nothing it does not need.
+need torch (and the tuner, which needs optuna) load on first use (as each subpackage's
+interface does, :mod:`autotune._interface`), so that importing one layer, e.g.
+``autotune.train`` in a training job, loads nothing it does not need.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from autotune._interface import interface
 from autotune._version import __version__
 from autotune.config import TrainConfig
 from autotune.errors import (
@@ -95,13 +96,4 @@ _LAZY = {
 """Public names that import torch, by the module that defines them."""
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups find it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = interface(__name__, _LAZY)

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from autotune.cli import _commands as commands
+from autotune.cli._flag_messages import cli_words
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._verify import verify
-from autotune.cli._flag_messages import cli_words
 from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning
 from autotune.integrations import TARGETS
@@ -134,6 +134,28 @@ def _add_tune(sub: Any) -> None:
     )
     tune.add_argument("--timeout", type=seconds, help="time limit of the search, seconds")
     tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
+    _add_space(tune)
+    tune.add_argument(
+        "--world-size",
+        type=positive_int,
+        help="ranks to train on with DDP/FSDP2: under torchrun, the group's size (default); "
+        "in one process, plan that many without running them",
+    )
+    tune.add_argument("--storage", help="keep the study: sqlite:///tune.db, a *.journal file...")
+    tune.add_argument("--study", help="name of the study in --storage")
+    tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
+    tune.add_argument("--json", action="store_true", help="print the result as JSON")
+    tune.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    tune.set_defaults(run=commands.tune)
+
+    show = sub.add_parser("show", help="print a tuned YAML file for people")
+    show.add_argument("path", help="a tuned YAML file")
+    show.add_argument("--json", action="store_true", help="print as JSON")
+    show.set_defaults(run=commands.show)
+
+
+def _add_space(tune: Any) -> None:
+    """The flags of ``tune`` that narrow or widen the search space."""
     tune.add_argument(
         "--optimizers",
         help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw)",
@@ -166,23 +188,6 @@ def _add_tune(sub: Any) -> None:
         default="auto",
         help="search compiled blocks, torch.compile of each block (auto: on CUDA only)",
     )
-    tune.add_argument(
-        "--world-size",
-        type=positive_int,
-        help="ranks to train on with DDP/FSDP2: under torchrun, the group's size (default); "
-        "in one process, plan that many without running them",
-    )
-    tune.add_argument("--storage", help="keep the study: sqlite:///tune.db, a *.journal file...")
-    tune.add_argument("--study", help="name of the study in --storage")
-    tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
-    tune.add_argument("--json", action="store_true", help="print the result as JSON")
-    tune.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    tune.set_defaults(run=commands.tune)
-
-    show = sub.add_parser("show", help="print a tuned YAML file for people")
-    show.add_argument("path", help="a tuned YAML file")
-    show.add_argument("--json", action="store_true", help="print as JSON")
-    show.set_defaults(run=commands.show)
 
 
 def _add_checks(sub: Any) -> None:

@@ -66,7 +66,9 @@ def discover(device: torch.device | str | None = None) -> Target:
             f"device {device} was asked for but CUDA is not available here; pass device='cpu'."
         )
     backend.start()
-    return Target(device, backend.name(), backend.total(), backend.free(), backend.context_bytes(), host)
+    return Target(
+        device, backend.name(), backend.total(), backend.free(), backend.context_bytes(), host
+    )
 
 
 def budget_bytes(budget_gb: float, target: Target) -> int:

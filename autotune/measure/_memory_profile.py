@@ -59,6 +59,28 @@ def memory_profile(
         ProfileError: nothing fits the device.
     """
     notes: list[str] = []
+    memory, measured = _measure(
+        profiler, precisions, optimizers, transfer, selective, compiled, notes
+    )
+    if not memory:
+        raise ProfileError(
+            f"the model does not fit {device_name} even at micro-batch 2 without "
+            "checkpointing; use a larger device or a smaller model."
+        )
+    return _profile(profiler, memory, measured, context_bytes, transfer), notes
+
+
+def _measure(
+    profiler: Profiler,
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    transfer: Transfer | None,
+    selective: bool,
+    compiled: Sequence[str],
+    notes: list[str],
+) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
+    """Each precision's timeline and each optimizer's step, at micro-batches 2 and 4 (1
+    and 2 where those do not fit); what is left out is said in ``notes``."""
     memory: dict[str, PrecisionProfile] = {}
     measured: dict[str, OptimizerProfile] = {}
     for b1, b2 in ((2, 4), (1, 2)):
@@ -95,18 +117,24 @@ def memory_profile(
             if ranked := [p for p in compiled if p in memory]:
                 memory.update(_compiled(profiler, ranked, optimizers[0], b1, b2, notes))
             break
-    if not memory:
-        raise ProfileError(
-            f"the model does not fit {device_name} even at micro-batch 2 without "
-            "checkpointing; use a larger device or a smaller model."
-        )
+    return memory, measured
+
+
+def _profile(
+    profiler: Profiler,
+    memory: dict[str, PrecisionProfile],
+    measured: dict[str, OptimizerProfile],
+    context_bytes: int,
+    transfer: Transfer | None,
+) -> Profile:
+    """The memory profile of ``profiler``'s model from its measurements."""
     params = {id(p): p for p in profiler.model.parameters()}
     every, trainable = parameter_bytes(profiler.model)
     blocks = profiler.blocks
     # An offloaded optimizer's master weights and gradient buffers, one host buffer each,
     # of the trained parameters (a frozen one, a LoRA base, has neither).
     host = [p.untyped_storage().nbytes() for p in params.values() if p.requires_grad] * 2
-    profile = Profile(
+    return Profile(
         profiler.device.type,
         blocks,
         tuple(1.0 / max(len(blocks), 1) for _ in blocks),  # time shares: measured later
@@ -117,12 +145,11 @@ def memory_profile(
         context_bytes=context_bytes,
         block_bytes=block_parameter_bytes(profiler.model, blocks),
         transfer=transfer,
-        host_param_bytes=sum(profiler.ops.host_bytes(n) for n in host) if transfer else 0,
-        host_is_device=profiler.ops.host_is_device,
+        host_param_bytes=sum(profiler.backend.host_bytes(n) for n in host) if transfer else 0,
+        host_is_device=profiler.backend.host_is_device,
         input_bytes_per_sample=bytes_per_sample(profiler.sample, profiler.device),
         layout=parameter_layout(profiler.model, blocks),
     )
-    return profile, notes
 
 
 def _compiled(

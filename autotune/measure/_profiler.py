@@ -36,7 +36,7 @@ from autotune.measure._profile_data import (
     PrecisionProfile,
 )
 from autotune.measure._timeline import fit_phases, tracked_step
-from autotune.measure._tracker import LiveBytesTracker, state_tensors
+from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
 from autotune.train import (
     LossFn,
     Runner,
@@ -203,33 +203,8 @@ class Profiler:
             variants.append(SELECTIVE)
         with runner:
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
-            runs = {}
-            moved: dict[int, list[int]] = {}
-            copies: dict[int, list[list[int]]] = {}
-            beyond: dict[int, list[tuple[int, float]]] = {}
-            for variant in variants:
-                remove_checkpointing(self.model)
-                if variant in (CHECKPOINT, SELECTIVE):
-                    apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
-                elif variant == OFFLOAD:
-                    apply_offloading(self.model, self.blocks, runner.offloader)
-                if compiled:  # compiled at each size and beneath its wrapper before tracked
-                    for b in at:
-                        runner.step(resize(self.sample, b))
-                for b in at:
-                    if self.backend.caching:  # start from no cached blocks, as verify does
-                        self.backend.empty_cache()
-                    runs[b, variant] = records = tracked_step(
-                        runner, resize(self.sample, b), self.modules
-                    )
-                    if variant == OFFLOAD:
-                        moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
-                        copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
-                    if self.backend.caching:
-                        # Same step, two views: live tensor bytes and what the allocator reserved.
-                        reserved = self.backend.max_reserved() - self.foreign_bytes
-                        live = max(r.peak for r in records)
-                        beyond.setdefault(variant, []).append((b, float(reserved - live)))
+            tracked = self._tracked(runner, variants, at, compiled=compiled)
+        runs, moved, copies, beyond = tracked.runs, tracked.moved, tracked.copies, tracked.beyond
         # Every index up to the last variant run; one not run reads as the kept run.
         indices = range(max(variants) + 1)
         fitted = [[runs.get((b, v), runs[b, KEEP]) for v in indices] for b in at]
@@ -260,6 +235,36 @@ class Profiler:
             copies=sizes,
             selective=SELECTIVE in variants,
         )
+
+    def _tracked(
+        self, runner: Runner, variants: Sequence[int], at: Sequence[int], *, compiled: bool
+    ) -> _Tracked:
+        """The tracked steps of each variant at each size of ``at``, on ``runner``."""
+        out = _Tracked()
+        for variant in variants:
+            remove_checkpointing(self.model)
+            if variant in (CHECKPOINT, SELECTIVE):
+                apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
+            elif variant == OFFLOAD:
+                apply_offloading(self.model, self.blocks, runner.offloader)
+            if compiled:  # compiled at each size and beneath its wrapper before tracked
+                for b in at:
+                    runner.step(resize(self.sample, b))
+            for b in at:
+                if self.backend.caching:  # start from no cached blocks, as verify does
+                    self.backend.empty_cache()
+                out.runs[b, variant] = records = tracked_step(
+                    runner, resize(self.sample, b), self.modules
+                )
+                if variant == OFFLOAD:
+                    out.moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
+                    out.copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
+                if self.backend.caching:
+                    # Same step, two views: live tensor bytes and what the allocator reserved.
+                    reserved = self.backend.max_reserved() - self.foreign_bytes
+                    live = max(r.peak for r in records)
+                    out.beyond.setdefault(variant, []).append((b, float(reserved - live)))
+        return out
 
     def fwd_bwd_time(self, precision: str, b: int, *, every: int = KEEP) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``, with every
@@ -402,3 +407,15 @@ def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
         return tuple(line - extra if v == OFFLOAD else line for v, line in enumerate(lines))
 
     return dataclasses.replace(phase, delta=own(phase.delta), peak=own(phase.peak))
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One precision's tracked steps: the phase records of each (size, variant); per
+    size, the bytes each block sent to the host and its copies (offloaded); per variant,
+    what the allocator reserved beyond the live bytes at each size (a caching device)."""
+
+    runs: dict[tuple[int, int], list[PhaseRecord]] = dataclasses.field(default_factory=dict)
+    moved: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    copies: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)
+    beyond: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)

@@ -17,7 +17,14 @@ import torch
 
 from autotune.config import timeline_parts
 from autotune.errors import BatchError, ProfileError
-from autotune.measure._profile_data import CHECKPOINT, KEEP, SELECTIVE, Profile, TimeCurve
+from autotune.measure._profile_data import (
+    CHECKPOINT,
+    KEEP,
+    SELECTIVE,
+    PrecisionProfile,
+    Profile,
+    TimeCurve,
+)
 from autotune.measure._profiler import Profiler
 
 __all__ = ["Fast", "fast_precisions", "time_profile"]
@@ -154,55 +161,14 @@ def time_profile(
     times = {p: dict((timed or {}).get(p, {})) for p in feasible}
     probe[reference], seconds = _probe(profiler, reference, probe[reference], sizes, times)
     times[reference][probe[reference]] = seconds
-    for p in list(feasible):
-        if p == reference:
-            continue
-        b = probe[reference] if probe[reference] <= feasible[p] else probe[p]
-        times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
-        ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
-        eager, compiled = timeline_parts(p)
-        if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
-            notes.append(_slow_note(p, times[p][b] / ref, device_name))
-            del feasible[p], times[p]
-        elif compiled and eager in feasible:
-            twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
-            times[eager][b] = twin
-            if times[p][b] > _COMPILED_PAYS * twin:
-                notes.append(
-                    f"{p}: {times[p][b] / twin:.2f}x the eager time at micro-batch {b} on "
-                    f"{device_name}, not searched"
-                )
-                del feasible[p], times[p]
-    precision_profiles = {}
+    first = probe[reference]  # each precision timed where the reference was, if it fits
+    at = {p: first if first <= feasible[p] else probe[p] for p in feasible}
+    _drop_slow(profiler, feasible, times, at, reference, notes, device_name)
     untrainable = list(draft.untrainable)
-    for p, cap in feasible.items():
-        allowed = [s for s in sizes if s not in untrainable]
-        if timeline_parts(p)[1]:  # one sample is a graph of its own: not compiled for a curve
-            allowed = [s for s in allowed if s > 1] or allowed
-        # Every block checkpointed, and selectively: timed on the runner of the kept pass
-        # (after its warm-up, in turn with it) at the second size and at the last one.
-        variants: tuple[int, ...] = ()
-        if profiler.blocks:
-            variants = (CHECKPOINT, SELECTIVE) if draft.precisions[p].selective else (CHECKPOINT,)
-        wrapped: dict[int, dict[int, float]] = {}
-        planned = _ladder(allowed, cap)
-        ladder = _time_ladder(profiler, p, planned, times[p], notes, untrainable, variants, wrapped)
-        xs = tuple(sorted(times[p]))
-        ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if variants else []
-        for b in ckpt_points:
-            if b not in wrapped:  # the ladder stopped early, or timed it before
-                wrapped[b] = {KEEP: times[p][b], **profiler.fwd_bwd_times(p, b, variants)}
-        ratios = {
-            v: tuple(wrapped[b][v] / wrapped[b][KEEP] - 1 for b in ckpt_points) for v in variants
-        }
-        curve = TimeCurve(
-            xs,
-            tuple(times[p][x] for x in xs),
-            tuple(ckpt_points),
-            ratios.get(CHECKPOINT, ()),
-            ratios.get(SELECTIVE, ()),
-        )
-        precision_profiles[p] = dataclasses.replace(draft.precisions[p], time=curve)
+    precision_profiles = {
+        p: _timed(profiler, draft, p, cap, sizes, times[p], notes, untrainable)
+        for p, cap in feasible.items()
+    }
     weights = profiler.block_weights(reference, probe[reference]) if profiler.blocks else ()
     return dataclasses.replace(
         draft,
@@ -317,3 +283,75 @@ def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
 
 def _nearest(sizes: Sequence[int], b: int) -> int:
     return min(sizes, key=lambda s: (abs(s - b), s))
+
+
+def _drop_slow(
+    profiler: Profiler,
+    feasible: dict[str, int],
+    times: dict[str, dict[int, float]],
+    at: Mapping[str, int],
+    reference: str,
+    notes: list[str],
+    device_name: str,
+) -> None:
+    """Time each precision against the reference at its size ``at``; drop from
+    ``feasible`` and ``times`` (with a note) a precision much slower than fp32 and a
+    compiled timeline slower than its eager twin."""
+    for p in list(feasible):
+        if p == reference:
+            continue
+        b = at[p]
+        times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
+        ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
+        eager, compiled = timeline_parts(p)
+        if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
+            notes.append(_slow_note(p, times[p][b] / ref, device_name))
+            del feasible[p], times[p]
+        elif compiled and eager in feasible:
+            twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
+            times[eager][b] = twin
+            if times[p][b] > _COMPILED_PAYS * twin:
+                notes.append(
+                    f"{p}: {times[p][b] / twin:.2f}x the eager time at micro-batch {b} on "
+                    f"{device_name}, not searched"
+                )
+                del feasible[p], times[p]
+
+
+def _timed(
+    profiler: Profiler,
+    draft: Profile,
+    p: str,
+    cap: int,
+    sizes: Sequence[int],
+    times: dict[int, float],
+    notes: list[str],
+    untrainable: list[int],
+) -> PrecisionProfile:
+    """Precision ``p``'s memory profile with its time curve: forward+backward seconds at
+    the sizes of its ladder up to ``cap`` (``times``: those timed already, added to)."""
+    allowed = [s for s in sizes if s not in untrainable]
+    if timeline_parts(p)[1]:  # one sample is a graph of its own: not compiled for a curve
+        allowed = [s for s in allowed if s > 1] or allowed
+    # Every block checkpointed, and selectively: timed on the runner of the kept pass
+    # (after its warm-up, in turn with it) at the second size and at the last one.
+    variants: tuple[int, ...] = ()
+    if profiler.blocks:
+        variants = (CHECKPOINT, SELECTIVE) if draft.precisions[p].selective else (CHECKPOINT,)
+    wrapped: dict[int, dict[int, float]] = {}
+    planned = _ladder(allowed, cap)
+    ladder = _time_ladder(profiler, p, planned, times, notes, untrainable, variants, wrapped)
+    xs = tuple(sorted(times))
+    ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if variants else []
+    for b in ckpt_points:
+        if b not in wrapped:  # the ladder stopped early, or timed it before
+            wrapped[b] = {KEEP: times[b], **profiler.fwd_bwd_times(p, b, variants)}
+    ratios = {v: tuple(wrapped[b][v] / wrapped[b][KEEP] - 1 for b in ckpt_points) for v in variants}
+    curve = TimeCurve(
+        xs,
+        tuple(times[x] for x in xs),
+        tuple(ckpt_points),
+        ratios.get(CHECKPOINT, ()),
+        ratios.get(SELECTIVE, ()),
+    )
+    return dataclasses.replace(draft.precisions[p], time=curve)

@@ -64,7 +64,7 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
             found = planners(profile, problem, problem.world)
             candidates = rank_zero(lambda: search_layouts(found, store, options))
             clock.append(time.perf_counter())
-            if not problem.here:
+            if not problem.verifiable:
                 clock.append(time.perf_counter())
                 info = model_info(model, profile.blocks)
                 return planned_result(info, problem, profile, candidates, started, clock)

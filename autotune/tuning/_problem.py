@@ -58,8 +58,9 @@ class Problem:
     """CUDA bytes held by other tensors of the process when tuning began."""
     world: int = 1
     """Ranks of data parallelism tuned for."""
-    here: bool = True
-    """Whether those ranks are all here to verify on (else the run is planned only)."""
+    verifiable: bool = True
+    """Whether those ranks are this process group's, to verify on (else the run is
+    planned in one process, not run)."""
 
     @property
     def compile(self) -> bool:
@@ -124,7 +125,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
 
     ``options.global_batch_size`` is the global batch; the problem's is one rank's.
     """
-    world, here = world_of(options.world_size)
+    world, verifiable = world_of(options.world_size)
     if options.storage is not None and world > 1:
         raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
     global_batch_size = per_rank_batch(options.global_batch_size, world)
@@ -172,7 +173,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         # What the allocator already holds for other tensors (their blocks, cached ones).
         foreign=backend_for(target.device).reserved(),
         world=world,
-        here=here,
+        verifiable=verifiable,
     )
 
 
@@ -208,16 +209,16 @@ def world_of(world_size: int | None) -> tuple[int, bool]:
         ConfigError: ``world_size`` is not a positive integer, or differs from the size of
             the process group this runs in.
     """
-    here = group_size()
+    group = group_size()
     if world_size is None:
-        return here, True
+        return group, True
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r:.40}.")
-    if world_size == here:
-        return here, True
-    if here > 1:
+    if world_size == group:
+        return group, True
+    if group > 1:
         raise ConfigError(
-            f"world_size is {world_size} but this process group has {here} ranks; leave "
+            f"world_size is {world_size} but this process group has {group} ranks; leave "
             "world_size out to tune for the group, or plan other sizes in one process."
         )
     return world_size, False

@@ -28,6 +28,7 @@ from autotune.cli import main
 from autotune.cli._progress import Progress
 from autotune.config import TrainConfig
 from autotune.result import PARTS, TuneResult
+from autotune.tuning import TuneOptions
 from autotune.tuning._estimate import estimate
 from autotune.verify._verifier import Verifier
 
@@ -135,28 +136,19 @@ def test_tune_quiet_json(capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_p
 def test_tune_passes_storage_and_study(
     capsys: pytest.CaptureFixture[str], tuned: Tuned, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: dict[str, Any] = {}
+    seen: list[TuneOptions] = []
 
-    def fake(model: Any, batch: Any, budget_gb: float, *, study_name: Any = None, **kw: Any) -> Any:
-        seen.update(kw, study_name=study_name, budget_gb=budget_gb)
+    def fake(model: Any, batch: Any, options: TuneOptions) -> Any:
+        seen.append(options)
         return tuned.result()
 
-    monkeypatch.setattr("autotune.tuning._autotune.autotune", fake)
+    monkeypatch.setattr("autotune.tuning.tune", fake)  # the name the command imports
     args = [*tuned.inputs(), "--budget-gb", "2", "--storage", "sqlite:///x.db", "--study", "s1"]
     code, _, _ = run(capsys, "tune", *args, "-q", "-o", os.devnull)
     assert code == 0
-    assert seen["storage"] == "sqlite:///x.db" and seen["study_name"] == "s1"
-    assert seen["budget_gb"] == 2.0
-
-    def older(model: Any, batch: Any, budget_gb: float, **kw: Any) -> Any:
-        return tuned.result()
-
-    monkeypatch.setattr(
-        "autotune.tuning._autotune.autotune", older
-    )  # no study_name: --study is refused
-    code, _, err = run(capsys, "tune", *args, "-q", "-o", os.devnull)
-    assert code == 2
-    assert_one_error_line(err, "--study")
+    (options,) = seen
+    assert (options.storage, options.study_name, options.budget_gb) == ("sqlite:///x.db", "s1", 2.0)
+    assert (options.seed, options.world_size, options.sequence_lengths) == (0, None, None)
 
 
 def test_tune_takes_the_search_space_flags(capsys, tuned: Tuned, tmp_path: Path) -> None:
