@@ -2,7 +2,8 @@
 
 * ``_prepare``: ``prepare()`` and ``apply()``, a model and a config made into a
   ``Runner`` (``_runner``) or an ``Applied`` handle (``_applied``) for any loop;
-  ``_fallback``: the handle's fallback ladder, switched mid-training.
+  ``_fallback``: the handle's fallback ladder (``Ladder``, owned by the handle, which
+  switches its own config mid-training).
 * ``_checkpoint``, ``_selective``: checkpointed and offloaded blocks;
   ``_offload_activations`` and ``_offload_optimizer``: offload to host memory;
   ``_compiled``: compiled blocks.

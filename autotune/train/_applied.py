@@ -3,7 +3,9 @@
 The model-side knobs (the checkpoint mask, activation offload) are applied in place, and
 the handle holds the rest of the config for the loop that trains: the micro-batch split
 with exact mean-loss weights, autocast, fp16's GradScaler, the optimizer the config names
-(offloaded to the host if it says so), and the fallback ladder on an out-of-memory error.
+(offloaded to the host if it says so), and the fallback ladder on an out-of-memory error
+(a :class:`~autotune.train._fallback.Ladder` the handle owns, which switches the handle's
+config with :meth:`Applied.switch`).
 :class:`~autotune.train._runner.Runner` is this handle plus a loss and a loop, so a loop
 written with these pieces trains exactly as the runner does.
 """
@@ -22,11 +24,17 @@ from autotune.device import backend_for, resolve_device
 from autotune.errors import ConfigError
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
-from autotune.train import _fallback
 from autotune.train._attention import attention_of, set_attention
-from autotune.train._checkpoint import check_blocks, named_recompute_errors, remove_checkpointing
-from autotune.train._compiled import uncompile_blocks
-from autotune.train._lengths import Rows
+from autotune.train._checkpoint import (
+    apply_checkpointing,
+    apply_offloading,
+    check_blocks,
+    named_recompute_errors,
+    remove_checkpointing,
+)
+from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
+from autotune.train._fallback import Ladder, snapshot
+from autotune.train._lengths import Row, Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
@@ -71,11 +79,8 @@ class Applied:
         self.device = device = resolve_device(device)
         self.backend = backend_for(device)
         self.lr = lr
-        self.rows = Rows.of(table, config)
-        """A table tuned per sequence length: each batch trains with its length's row."""
-        self.row = self.rows.first(config)
-        self.fallbacks = self.row.fallbacks if self.row else Rows.usable(fallbacks, config)
-        """The current config's fallbacks still left (its row's, with a table)."""
+        self.ladder = Ladder(config, fallbacks, table)
+        """The fallback ladder: the fallbacks left, and the table's rows and row in use."""
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
         self.host: OptimizerOffloader | None = None
@@ -85,12 +90,10 @@ class Applied:
         self.offloader = ActivationOffloader(model, device)
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
-        _fallback.wrap(self, config)
+        self._wrap(config)
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
         self.params = [p for p in model.parameters() if p.requires_grad]  # FSDP's: shards
-        self.stepping = False
-        """The optimizer step has begun: an out-of-memory error is no longer retried."""
         self._closed = False
         self._budget = contextlib.ExitStack()
 
@@ -143,8 +146,8 @@ class Applied:
 
     def select(self, batch: Any) -> None:
         """With a table tuned per sequence length, train with the row of ``batch``'s
-        length from now on (see :func:`~autotune.train._fallback.select`)."""
-        _fallback.select(self, batch)
+        length from now on (see :meth:`~autotune.train._fallback.Ladder.select`)."""
+        self.ladder.select(self, batch)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast context of the config's precision (a no-op for fp32)."""
@@ -223,13 +226,49 @@ class Applied:
             self.host.collect = last
         self.parallel.last_micro_batch(last)
 
-    # --- the fallback ladder (autotune.train._fallback) -------------------------------
+    # --- the fallback ladder (autotune.train._fallback), and switching config ----------
+
+    @property
+    def fallbacks(self) -> list[TrainConfig]:
+        """The current config's fallbacks still left (its row's, with a table)."""
+        return self.ladder.fallbacks
+
+    @fallbacks.setter
+    def fallbacks(self, fallbacks: list[TrainConfig]) -> None:
+        self.ladder.fallbacks = fallbacks
+
+    @property
+    def rows(self) -> Rows:
+        """A table tuned per sequence length: each batch trains with its length's row."""
+        return self.ladder.rows
+
+    @rows.setter
+    def rows(self, rows: Rows) -> None:
+        self.ladder.rows = rows
+
+    @property
+    def row(self) -> Row | None:
+        """The table's row in use (``None`` without a table)."""
+        return self.ladder.row
+
+    @row.setter
+    def row(self, row: Row | None) -> None:
+        self.ladder.row = row
+
+    @property
+    def stepping(self) -> bool:
+        """The optimizer step has begun: an out-of-memory error is no longer retried."""
+        return self.ladder.stepping
+
+    @stepping.setter
+    def stepping(self, stepping: bool) -> None:
+        self.ladder.stepping = stepping
 
     def run(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``step(*args, **kwargs)``, one optimizer step, run again on a fallback after an
-        out-of-memory error (see :func:`~autotune.train._fallback.run`)."""
+        out-of-memory error (see :meth:`~autotune.train._fallback.Ladder.run`)."""
         self._check_open()
-        return _fallback.run(self, step, *args, **kwargs)
+        return self.ladder.run(self, step, *args, **kwargs)
 
     def switch(self, config: TrainConfig) -> None:
         """Train with ``config`` from the next step on, keeping weights and optimizer state.
@@ -237,11 +276,41 @@ class Applied:
         Raises:
             ConfigError: ``config`` names another optimizer (its state could not be kept).
         """
-        _fallback.switch(self, config)
+        if config.optimizer != self.config.optimizer:
+            raise ConfigError(
+                f"cannot switch from optimizer {self.config.optimizer} to {config.optimizer} "
+                "mid-training; apply the new config to the model instead."
+            )
+        check_blocks(self.model, config)
+        self.parallel.switch(config)
+        self._wrap(config)
+        if config.offload_optimizer != self.config.offload_optimizer:
+            self.rebuild_optimizer(config.offload_optimizer)
+        self.scaler = make_scaler(config, self.device, self.scaler)
+        self.config = config
+
+    def _wrap(self, config: TrainConfig) -> None:
+        """The model-side knobs of ``config`` on the model: its blocks compiled, then
+        checkpointed (fully or selectively) and offloaded, its attention implementation
+        (put back by :meth:`undo`)."""
+        model = self.model
+        if config.attention is not None and config.attention != attention_of(model):
+            put_back = set_attention(model, config.attention)  # first: it may refuse
+            if self.attention_put_back is None:  # the model's own comes back at undo
+                self.attention_put_back = put_back
+                self.on_undo(put_back)
+        remove_checkpointing(model)
+        compiled = {n for n, m in model.named_modules() if is_compiled(m)}
+        if compiled != set(config.compile_blocks):  # the compiled code is cached: no recompile
+            uncompile_blocks(model)
+            compile_blocks(model, config.compile_blocks)
+        apply_checkpointing(model, config.checkpoint)
+        apply_checkpointing(model, config.selective_checkpoint, selective=True)
+        apply_offloading(model, config.offload_activations, self.offloader)
 
     def snapshot(self) -> Callable[[], None]:
         """A function that puts the random state and buffers back as they are now."""
-        return _fallback.snapshot(self.model, self.backend)
+        return snapshot(self.model, self.backend)
 
     def rebuild_optimizer(self, offload: bool) -> None:
         """The optimizer built again on the host or the device, its state kept."""
