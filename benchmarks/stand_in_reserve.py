@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from simulated_cuda import SimulatedAllocator, SimulatedCuda
 
-from autotune import _backend
 from autotune.config import TrainConfig
+from autotune.device import _backend
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt

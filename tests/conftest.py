@@ -91,7 +91,7 @@ def simulated_cuda(monkeypatch: pytest.MonkeyPatch):
 
     from simulated_cuda import SimulatedAllocator, SimulatedCuda
 
-    from autotune import _backend
+    from autotune.device import _backend
 
     allocator = SimulatedAllocator(total=8 * 2**30)
     backend = functools.partial(SimulatedCuda, allocator=allocator)

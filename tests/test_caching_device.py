@@ -233,7 +233,7 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
 
 
 def test_a_gpu_is_discovered_through_its_backend(simulated_cuda, monkeypatch) -> None:
-    from autotune import _backend
+    from autotune.device import _backend
     from autotune.device._target import discover
 
     monkeypatch.setitem(_backend._BACKENDS, "cuda", _backend._BACKENDS["cpu"])

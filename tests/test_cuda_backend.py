@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from autotune import _backend
 from autotune._format import GIB
+from autotune.device import _backend
 from autotune.device._backend import CudaBackend, backend_for, pinned_bytes
 from autotune.device._resolve import resolve_device
 

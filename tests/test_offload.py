@@ -42,7 +42,7 @@ FAST = Transfer(d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12, host_limit_bytes=2**
 def separate_host() -> Iterator[None]:
     from simulated_cuda import SeparateHost
 
-    from autotune import _backend
+    from autotune.device import _backend
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(_backend._BACKENDS, "cpu", SeparateHost)
@@ -51,7 +51,7 @@ def separate_host() -> Iterator[None]:
 
 @pytest.fixture
 def real_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autotune import _backend
+    from autotune.device import _backend
 
     monkeypatch.setitem(_backend._BACKENDS, "cpu", _backend.Backend)
 

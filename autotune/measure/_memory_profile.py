@@ -7,6 +7,7 @@ Cheap (a few tracked steps at micro-batch 2 and 4), and enough to decide what ca
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -84,6 +85,9 @@ def _measure(
     memory: dict[str, PrecisionProfile] = {}
     measured: dict[str, OptimizerProfile] = {}
     for b1, b2 in ((2, 4), (1, 2)):
+        if b1 == 1:  # what the attempt at 2 and 4 left (an out-of-memory step's graph) goes
+            gc.collect()
+            profiler.backend.empty_cache()
         try:
             measured = {o: profiler.optimizer(o, b1) for o in optimizers}
             if transfer is not None:

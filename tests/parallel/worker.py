@@ -114,12 +114,12 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         _verifier.Verifier.run = die  # type: ignore[method-assign]
     deepened = []
     if job.get("shallow"):  # as if the whole model did not fit the device: copies of 3 and 4
-        from autotune import _profiling
         from autotune.measure import _depth
+        from autotune.tuning import _pieces
 
         _depth._WHOLE_SHARE = 0.0
-        deepen = _profiling.deepen
-        _profiling.deepen = lambda *a: deepened.append(1) or deepen(*a)  # type: ignore[assignment]
+        deepen = _pieces.deepen
+        _pieces.deepen = lambda *a: deepened.append(1) or deepen(*a)  # type: ignore[assignment]
     model, loss_fn, data = model_and_data(job["model"], 8)
     result = autotune.autotune(
         model,
