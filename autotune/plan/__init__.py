@@ -1,5 +1,6 @@
 """Planning on the cost model: pure arithmetic over a profile, no device, no training code.
 
+* ``_knobs``: ``Knobs``, what the cost model reads of a configuration, as one record.
 * ``_memory_model``: peak device bytes, the phase timeline replayed for any config;
   ``_sharded``: per rank under DDP and FSDP2, with ``_layout`` (what a layout makes of
   each unit's bytes).

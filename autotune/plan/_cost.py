@@ -17,8 +17,9 @@ from autotune.config import TrainConfig, timeline_parts
 from autotune.measure import Profile
 from autotune.plan._comm import comm_seconds, parallel_step_s
 from autotune.plan._knapsack import min_cost_choice
+from autotune.plan._knobs import Knobs, Mask
 from autotune.plan._layout import Layout
-from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Mask, MemoryModel
+from autotune.plan._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, MemoryModel
 from autotune.plan._sharded import per_rank_peak, sharded_memory
 from autotune.plan._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
@@ -37,30 +38,19 @@ class Prediction:
 class CostModel(MemoryModel, TimeModel):
     """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`.
 
-    With a data-parallel ``layout``, :meth:`peak` and :meth:`plan` are per rank under it.
+    With a data-parallel ``layout``, :meth:`peak_of` and :meth:`plan_of` are per rank under
+    it.
     """
 
     def __init__(self, profile: Profile, layout: Layout | None = None) -> None:
         super().__init__(profile)
         self.layout = layout or Layout()
 
-    def peak(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        mask: Mask,
-        *,
-        offload_optimizer: bool = False,
-    ) -> int:
-        """Predicted peak device bytes (of one rank under the layout)."""
+    def peak_of(self, knobs: Knobs) -> int:
+        """Predicted peak device bytes of ``knobs`` (of one rank under the layout)."""
         if self.layout.parallel == "none":
-            return super().peak(
-                precision, optimizer, b, accum, mask, offload_optimizer=offload_optimizer
-            )
-        knobs = (precision, optimizer, b, accum, mask)
-        return per_rank_peak(self, self.layout, *knobs, offload_optimizer=offload_optimizer)[0]
+            return super().peak_of(knobs)
+        return per_rank_peak(self, self.layout, knobs)[0]
 
     @property
     def can_offload(self) -> bool:
@@ -91,40 +81,48 @@ class CostModel(MemoryModel, TimeModel):
         offload_activations: bool = False,
         selective: bool = True,
     ) -> Mask | None:
-        """The mask of least added time whose peak fits ``limit``, or None.
+        """:meth:`plan_of` the knobs given one by one (no block choices: what it solves)."""
+        knobs = Knobs(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=b,
+            accum=accum,
+            offload_optimizer=offload_optimizer,
+        )
+        return self.plan_of(
+            knobs, limit, offload_activations=offload_activations, selective=selective
+        )
+
+    def plan_of(
+        self,
+        knobs: Knobs,
+        limit: int,
+        *,
+        offload_activations: bool = False,
+        selective: bool = True,
+    ) -> Mask | None:
+        """The mask of least added time whose peak fits ``limit`` with ``knobs`` (their own
+        mask aside), or None.
 
         Each block is kept, checkpointed, (``selective``, where profiled) checkpointed
         selectively or (``offload_activations``) offloaded: an exact multiple-choice
         knapsack over the Pareto frontier of (bytes saved, seconds added), checked against
         the simulated peak and tightened until it fits.
         """
+        precision = knobs.precision
         return self._plan(
-            precision,
-            optimizer,
-            b,
-            accum,
+            knobs.masked(()),  # one cache entry whatever mask they came with
             limit,
-            offload_optimizer,
             offload_activations and self.can_offload and not timeline_parts(precision)[1],
             selective and self.can_select(precision),
         )
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
     def _plan(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        limit: int,
-        offload_optimizer: bool,
-        offload_activations: bool,
-        selective: bool,
+        self, knobs: Knobs, limit: int, offload_activations: bool, selective: bool
     ) -> Mask | None:
         def peak(mask: Mask) -> int:
-            return self.peak(
-                precision, optimizer, b, accum, mask, offload_optimizer=offload_optimizer
-            )
+            return self.peak_of(knobs.masked(mask))
 
         none: Mask = (KEEP,) * self.n_blocks
         need = peak(none) - limit
@@ -132,7 +130,7 @@ class CostModel(MemoryModel, TimeModel):
             return none
         if not self.n_blocks:
             return None
-        options = self._options(precision, b, offload_activations, selective)
+        options = self._options(knobs.precision, knobs.micro_batch, offload_activations, selective)
         frugal: Mask = tuple(_most_saving(o) for o in options)
         if peak(frugal) > limit:
             full: Mask = (CHECKPOINT,) * self.n_blocks
@@ -150,25 +148,25 @@ class CostModel(MemoryModel, TimeModel):
         return _relaxed(found, options, lambda m: peak(m) <= limit)
 
     def _options(
-        self, precision: str, b: int, offload: bool, selective: bool
+        self, precision: str, micro_batch: int, offload: bool, selective: bool
     ) -> list[list[tuple[float, float]]]:
         """Per block: (bytes saved through the forward, seconds added) of each choice, at
         the index of its mask value; a choice not allowed saves nothing."""
         prof = self.profile.precisions[precision]
         curve = prof.time
-        recompute = curve.recompute(b) if curve is not None else 0.0
-        partial = curve.selective(b) if curve is not None else 0.0
+        recompute = curve.recompute(micro_batch) if curve is not None else 0.0
+        partial = curve.selective(micro_batch) if curve is not None else 0.0
         saved = [[0.0] * (SELECTIVE + 1) for _ in range(self.n_blocks)]
         for ph in prof.phases:
             if ph.key.micro == 1 and ph.block is not None and ph.key.label == "fwd":
                 for v in range(1, len(ph.delta)):
-                    saved[ph.block][v] += ph.delta[KEEP](b) - ph.delta[v](b)
+                    saved[ph.block][v] += ph.delta[KEEP](micro_batch) - ph.delta[v](micro_batch)
         out = []
         for i in range(self.n_blocks):
             weight = self.profile.block_weights[i]
             choices = [(0.0, 0.0), (saved[i][CHECKPOINT], weight * recompute)]
             if offload or selective:
-                off = self.offload_cost(precision, b, i) if offload else 0.0
+                off = self.offload_cost(precision, micro_batch, i) if offload else 0.0
                 choices.append((saved[i][OFFLOAD] if offload else 0.0, off))
             if selective:
                 choices.append((saved[i][SELECTIVE], weight * partial))
@@ -186,14 +184,7 @@ class CostModel(MemoryModel, TimeModel):
         """Predicted peak, step time, throughput and memory breakdown of ``config`` (per
         rank with data parallelism; throughput over all ranks)."""
         peak, breakdown = self.memory(config)
-        step = self.step_s(
-            config.timeline,
-            config.optimizer,
-            config.micro_batch_size,
-            config.grad_accum_steps,
-            self.config_mask(config),
-            offload_optimizer=config.offload_optimizer,
-        )
+        step = self.step_s_of(self.knobs(config))
         if config.parallel == "fsdp":  # the optimizer steps a shard
             step -= self.profile.optimizers[config.optimizer].step_s * (1 - 1 / config.world_size)
         comm = comm_seconds(self.profile, config)

@@ -9,19 +9,17 @@ quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from autotune.config import TrainConfig
 from autotune.device import pinned_bytes
 from autotune.measure import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
+from autotune.plan._knobs import Knobs, Mask
 from autotune.result import Breakdown
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
-
-Mask = tuple[int, ...]
-"""Per block: KEEP, CHECKPOINT, OFFLOAD or SELECTIVE (a bool mask reads as kept or
-checkpointed)."""
 
 WRAPPED = (CHECKPOINT, OFFLOAD, SELECTIVE)
 """The choices other than keeping, in the order of :meth:`MemoryModel.variant_shares`."""
@@ -52,6 +50,10 @@ class ProfileView:
             config.checkpoint, config.offload_activations, config.selective_checkpoint
         )
 
+    def knobs(self, config: TrainConfig) -> Knobs:
+        """What the cost model reads of ``config``: its knobs, with its block choices."""
+        return Knobs.of(config, self.config_mask(config))
+
 
 class MemoryModel(ProfileView):
     """Predicts peak device bytes from a :class:`~autotune.measure._profile_data.Profile`."""
@@ -76,8 +78,20 @@ class MemoryModel(ProfileView):
         *,
         offload_optimizer: bool = False,
     ) -> int:
-        """Predicted peak device bytes."""
-        return self.simulate(precision, optimizer, b, accum, mask, offload_optimizer)[0]
+        """Predicted peak device bytes: :meth:`peak_of` the knobs given one by one."""
+        knobs = Knobs(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=b,
+            accum=accum,
+            mask=mask,
+            offload_optimizer=offload_optimizer,
+        )
+        return self.peak_of(knobs)
+
+    def peak_of(self, knobs: Knobs) -> int:
+        """Predicted peak device bytes of ``knobs``."""
+        return self.peaks_of(knobs)[0]
 
     def simulate(
         self,
@@ -88,30 +102,45 @@ class MemoryModel(ProfileView):
         mask: Mask,
         offload_optimizer: bool = False,
     ) -> tuple[int, int, int]:
-        """(device peak bytes, live peak bytes, gradient bytes at the peak)."""
-        if offload_optimizer and self.profile.host_is_device:
+        """:meth:`peaks_of` the knobs given one by one."""
+        knobs = Knobs(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=b,
+            accum=accum,
+            mask=mask,
+            offload_optimizer=offload_optimizer,
+        )
+        return self.peaks_of(knobs)
+
+    def peaks_of(self, knobs: Knobs) -> tuple[int, int, int]:
+        """(device peak bytes, live peak bytes, gradient bytes at the peak) of ``knobs``."""
+        if knobs.offload_optimizer and self.profile.host_is_device:
             # The CPU: state, gradients and the step's transient are the same bytes on the
             # "host", plus the master weights of the trained parameters (a frozen one, a
             # LoRA base, has none; an offloaded block's host copies are in its measured
             # variant already).
-            device, live_peak, held = self.simulate(precision, optimizer, b, accum, mask)
+            on_device = dataclasses.replace(knobs, offload_optimizer=False)
+            device, live_peak, held = self.peaks_of(on_device)
             masters = self.profile.grad_bytes
             return device + masters, live_peak + masters, held
+        precision, accum, mask = knobs.precision, knobs.accum, knobs.mask
+        micro_batch, offload_optimizer = knobs.micro_batch, knobs.offload_optimizer
         first, later = self._micro[precision]
-        opt = self.profile.optimizers[optimizer]
+        opt = self.profile.optimizers[knobs.optimizer]
         state = 0 if offload_optimizer else opt.state_bytes
         shares = self.variant_shares(mask)
         moved = self.profile.precisions[precision].moved
         start = float(self.profile.precisions[precision].base_bytes + state)
-        batch = self.profile.input_bytes_per_sample * b * accum
+        batch = self.profile.input_bytes_per_sample * micro_batch * accum
         start += batch  # the step's batch, held through the step
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
         peak, live, grads = self._replay(
-            first, start, b, mask, shares, moved, release if accum == 1 else None
+            first, start, micro_batch, mask, shares, moved, release if accum == 1 else None
         )
         if accum >= 2:
-            top, end, grads2 = self._replay(later, live, b, mask, shares, moved, None)
+            top, end, grads2 = self._replay(later, live, micro_batch, mask, shares, moved, None)
             # Micro-batches 2..accum repeat micro-batch 2; a net growth would compound.
             net = end - live
             top += (accum - 2) * max(net, 0.0)
@@ -119,7 +148,9 @@ class MemoryModel(ProfileView):
                 peak, grads = top, grads2
             live += (accum - 2) * net
             if release is not None:  # the last micro-batch sends the gradients down
-                top, end, grads2 = self._replay(later, live, b, mask, shares, moved, release)
+                top, end, grads2 = self._replay(
+                    later, live, micro_batch, mask, shares, moved, release
+                )
                 if top > peak:
                     peak, grads = top, grads2
                 live = end
@@ -133,7 +164,7 @@ class MemoryModel(ProfileView):
         if start + batch > peak:
             peak, grads = start + batch, 0
         live_peak = math.ceil(max(peak, start))
-        return self.device_bytes(live_peak, precision, b, shares), live_peak, grads
+        return self.device_bytes(live_peak, precision, micro_batch, shares), live_peak, grads
 
     def variant_shares(self, mask: Mask) -> tuple[float, ...]:
         """Parameter shares of the blocks of each choice of :data:`WRAPPED` (checkpointed,
@@ -194,50 +225,37 @@ class MemoryModel(ProfileView):
     def host_bytes(self, config: TrainConfig) -> int:
         """Host bytes offload holds at most: optimizer side and one micro-batch's
         activations, each host buffer as the host allocator takes it."""
-        mask = self.mask_of((), config.offload_activations)
-        return math.ceil(
-            self._host_side(
-                config.timeline,
-                config.optimizer,
-                config.micro_batch_size,
-                mask,
-                config.offload_optimizer,
-            )
-        )
+        offloaded = Knobs.of(config, self.mask_of((), config.offload_activations))
+        return math.ceil(self._host_side(offloaded))
 
-    def _host_side(
-        self, precision: str, optimizer: str, b: int, mask: Mask, offload_optimizer: bool
-    ) -> float:
-        """Host bytes of the offloaded optimizer and of one micro-batch's offloaded blocks."""
+    def _host_side(self, knobs: Knobs) -> float:
+        """Host bytes of the offloaded optimizer and of one micro-batch's offloaded blocks
+        (those ``knobs`` offload)."""
         prof = self.profile
+        micro_batch = knobs.micro_batch
         total = 0.0
-        if offload_optimizer:
+        if knobs.offload_optimizer:
             total += prof.host_param_bytes or 2 * prof.grad_bytes
-            total += prof.optimizers[optimizer].state_bytes
+            total += prof.optimizers[knobs.optimizer].state_bytes
         rounds = prof.transfer is not None and prof.transfer.rounds_host
-        variant = prof.precisions[precision]
-        for i in (i for i, m in enumerate(mask) if m == OFFLOAD):
+        variant = prof.precisions[knobs.precision]
+        for i in (i for i, m in enumerate(knobs.mask) if m == OFFLOAD):
             if rounds and variant.copies:
-                total += sum(pinned_bytes(math.ceil(c(b))) for c in variant.copies[i])
+                total += sum(pinned_bytes(math.ceil(c(micro_batch))) for c in variant.copies[i])
             else:
-                total += variant.moved[i](b)
+                total += variant.moved[i](micro_batch)
         return total
 
     def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
         """Predicted peak device bytes of ``config`` and what holds them at the peak."""
-        b, n, p, o = (
-            config.micro_batch_size,
-            config.grad_accum_steps,
-            config.timeline,
-            config.optimizer,
-        )
-        mask = self.config_mask(config)
-        device_peak, live_peak, grads = self.simulate(p, o, b, n, mask, config.offload_optimizer)
+        knobs = self.knobs(config)
+        device_peak, live_peak, grads = self.peaks_of(knobs)
         prof = self.profile
-        state = 0 if config.offload_optimizer else prof.optimizers[o].state_bytes
-        batch = prof.input_bytes_per_sample * b * n
-        other = prof.precisions[p].base_bytes - prof.param_bytes + math.ceil(batch)
-        if live_peak <= math.ceil(prof.precisions[p].base_bytes + state + 2 * batch):
+        state = 0 if knobs.offload_optimizer else prof.optimizers[knobs.optimizer].state_bytes
+        batch = prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum
+        base = prof.precisions[knobs.precision].base_bytes
+        other = base - prof.param_bytes + math.ceil(batch)
+        if live_peak <= math.ceil(base + state + 2 * batch):
             other += math.ceil(batch)  # the peak is the next batch made beside this one
         acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
         return device_peak, Breakdown(

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.config import TrainConfig, timeline_knobs, timeline_parts
-from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, CostModel, Mask, Prediction
+from autotune.config import TrainConfig, timeline_parts
+from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, CostModel, Prediction
+from autotune.plan._knobs import Knobs, Mask
 
 __all__ = ["Candidate", "Planner"]
 
@@ -60,72 +61,63 @@ class Planner:
         never is: its saved tensors are the compiled graph's)."""
         return self.offload_activations and not timeline_parts(precision)[1]
 
-    def accum(self, b: int) -> int:
-        """Accumulation steps at micro-batch ``b``."""
-        return self.global_batch_size // b if self.global_batch_size else 1
+    def accum(self, micro_batch: int) -> int:
+        """Accumulation steps at ``micro_batch`` samples per micro-batch."""
+        return self.global_batch_size // micro_batch if self.global_batch_size else 1
 
-    def mask(
-        self, precision: str, optimizer: str, b: int, offload: bool = False, *, acts: bool = True
-    ) -> Mask | None:
-        """The cheapest fitting mask, or None when nothing fits."""
-        n = self.accum(b)
+    def knobs(
+        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
+    ) -> Knobs:
+        """The cost model's knobs of a setting of the sampled ones (``offload``: the
+        optimizer's): accumulation derived, the block choices still to be solved."""
+        return Knobs(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=micro_batch,
+            accum=self.accum(micro_batch),
+            offload_optimizer=offload,
+        )
+
+    def mask(self, knobs: Knobs, *, acts: bool = True) -> Mask | None:
+        """The cheapest fitting block choices of ``knobs`` (``acts``: offloading blocks
+        allowed where the planner allows it), or None when nothing fits."""
         if self.checkpointing:
-            return self.cost.plan(
-                precision,
-                optimizer,
-                b,
-                n,
+            return self.cost.plan_of(
+                knobs,
                 self.limit,
-                offload_optimizer=offload,
-                offload_activations=acts and self.offloads_activations(precision),
+                offload_activations=acts and self.offloads_activations(knobs.precision),
                 selective=self.selective,
             )
         none = (KEEP,) * self.cost.n_blocks
-        fits = self.cost.peak(precision, optimizer, b, n, none, offload_optimizer=offload)
+        fits = self.cost.peak_of(knobs.masked(none))
         return none if fits <= self.limit else None
 
     def candidate(
-        self, precision: str, optimizer: str, b: int, offload: bool = False
+        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
     ) -> Candidate | None:
         """The cheapest fitting configuration of these knobs and its prediction, or None."""
-        config = self.config(precision, optimizer, b, offload)
+        config = self.config(precision, optimizer, micro_batch, offload)
         return None if config is None else Candidate(config, self.cost.predict(config))
 
     def config(
-        self, precision: str, optimizer: str, b: int, offload: bool = False
+        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
     ) -> TrainConfig | None:
         """The cheapest fitting configuration of these knobs, host memory allowing."""
+        knobs = self.knobs(precision, optimizer, micro_batch, offload)
         for acts in (True, False):  # without offloaded activations if the host is too small
-            mask = self.mask(precision, optimizer, b, offload, acts=acts)
+            mask = self.mask(knobs, acts=acts)
             if mask is None:
                 return None
-            config = self.with_mask(precision, optimizer, b, offload, mask)
+            config = self.config_of(knobs.masked(mask))
             if self.host_fits(config):
                 return config
             if not config.offload_activations:
                 break
         return None
 
-    def with_mask(
-        self, precision: str, optimizer: str, b: int, offload: bool, mask: Mask
-    ) -> TrainConfig:
-        """The configuration of these knobs with block choices ``mask``."""
-        blocks = self.cost.profile.blocks
-
-        def named(choice: int) -> tuple[str, ...]:
-            return tuple(n for n, m in zip(blocks, mask, strict=True) if m == choice)
-
-        config = TrainConfig(
-            micro_batch_size=b,
-            grad_accum_steps=self.accum(b),
-            **timeline_knobs(precision, blocks),
-            checkpoint=named(CHECKPOINT),
-            selective_checkpoint=named(SELECTIVE),
-            offload_activations=named(OFFLOAD),
-            optimizer=optimizer,
-            offload_optimizer=offload,
-        )
-        return self.cost.layout.apply(config)
+    def config_of(self, knobs: Knobs) -> TrainConfig:
+        """The configuration of ``knobs`` (block choices included) under the layout."""
+        return self.cost.layout.apply(knobs.config(self.cost.profile.blocks))
 
     def host_fits(self, config: TrainConfig) -> bool:
         """Whether the host memory offload would pin stays within the host's limit."""
@@ -134,20 +126,17 @@ class Planner:
             return True
         return self.cost.host_bytes(config) <= transfer.host_limit_bytes
 
-    def frugal_mask(self, precision: str, optimizer: str, b: int, offload: bool) -> Mask:
-        """Every block checkpointed, or offloaded where that saves more (or kept: no blocks)."""
-        n = self.accum(b)
-        full: Mask = (CHECKPOINT if self.checkpointing else KEEP,) * self.cost.n_blocks
-        if not (self.offloads_activations(precision) and self.checkpointing):
+    def frugal(self, knobs: Knobs) -> Knobs:
+        """``knobs`` with every block checkpointed, or offloaded where that saves more (or
+        kept: no blocks)."""
+        full = knobs.masked((CHECKPOINT if self.checkpointing else KEEP,) * self.cost.n_blocks)
+        if not (self.offloads_activations(knobs.precision) and self.checkpointing):
             return full
-        off: Mask = (OFFLOAD,) * self.cost.n_blocks
-        peak_off = self.cost.peak(precision, optimizer, b, n, off, offload_optimizer=offload)
-        peak_full = self.cost.peak(precision, optimizer, b, n, full, offload_optimizer=offload)
-        return off if peak_off < peak_full else full
+        off = knobs.masked((OFFLOAD,) * self.cost.n_blocks)
+        return off if self.cost.peak_of(off) < self.cost.peak_of(full) else full
 
-    def frugal_peak(self, precision: str, optimizer: str, b: int, offload: bool) -> int:
-        """Predicted peak of :meth:`frugal_mask`: the least these knobs can need."""
-        mask = self.frugal_mask(precision, optimizer, b, offload)
-        return self.cost.peak(
-            precision, optimizer, b, self.accum(b), mask, offload_optimizer=offload
+    def frugal_peak(self, precision: str, optimizer: str, micro_batch: int, offload: bool) -> int:
+        """Predicted peak of :meth:`frugal`: the least these knobs can need."""
+        return self.cost.peak_of(
+            self.frugal(self.knobs(precision, optimizer, micro_batch, offload))
         )

@@ -30,8 +30,9 @@ import math
 
 from autotune.config import TrainConfig
 from autotune.measure import Phase
+from autotune.plan._knobs import Knobs, Mask
 from autotune.plan._layout import Layout, Units
-from autotune.plan._memory_model import CHECKPOINT, SELECTIVE, Mask, MemoryModel, between
+from autotune.plan._memory_model import CHECKPOINT, SELECTIVE, MemoryModel, between
 from autotune.result import Breakdown
 
 __all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
@@ -39,55 +40,49 @@ __all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
 
 def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dict[str, int]]:
     """(device peak bytes, live peak bytes, what holds them) of one rank of ``config``."""
-    c = config
-    mask = model.config_mask(c)
-    knobs = (c.precision, c.optimizer, c.micro_batch_size, c.grad_accum_steps, mask)
-    return per_rank_peak(model, Layout.of(c), *knobs, offload_optimizer=c.offload_optimizer)
+    return per_rank_peak(model, Layout.of(config), model.knobs(config))
 
 
 def per_rank_peak(
-    model: MemoryModel,
-    layout: Layout,
-    p: str,
-    optimizer: str,
-    b: int,
-    n: int,
-    mask: Mask,
-    *,
-    offload_optimizer: bool = False,
+    model: MemoryModel, layout: Layout, knobs: Knobs
 ) -> tuple[int, int, dict[str, int]]:
-    """:func:`sharded_peak` of precision ``p``, micro-batch ``b``, ``n`` micro-batches and
-    block ``mask`` under ``layout``: what the planner asks, many times, with no config."""
+    """:func:`sharded_peak` of ``knobs`` under ``layout``: what the planner asks, many
+    times, with no config."""
+    precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
     prof = model.profile
-    opt = prof.optimizers[optimizer]
-    batch = prof.input_bytes_per_sample * b * n
-    others = prof.precisions[p].base_bytes - prof.param_bytes
+    opt = prof.optimizers[knobs.optimizer]
+    batch = prof.input_bytes_per_sample * micro_batch * knobs.accum
+    others = prof.precisions[precision].base_bytes - prof.param_bytes
     if layout.parallel == "ddp":
         state = opt.state_bytes
-        start = prof.precisions[p].base_bytes + state + batch + prof.grad_bytes
-        later = [ph for ph in prof.precisions[p].phases if ph.key.micro == 2]
-        live, peak = _ddp(later, mask, b, n, model)
+        start = prof.precisions[precision].base_bytes + state + batch + prof.grad_bytes
+        later = [ph for ph in prof.precisions[precision].phases if ph.key.micro == 2]
+        live, peak = _ddp(later, knobs, model)
         step = opt.step_peak_bytes
         parts = {"parameters": prof.param_bytes, "gradients": prof.grad_bytes, "optimizer": state}
     else:
-        timeline = prof.sharded.get(p)  # measured with the parameters in bf16, as FSDP has
-        units = Units.of(prof, layout.world_size, p, cast=timeline is not None)
+        timeline = prof.sharded.get(precision)  # measured with the parameters in bf16, as FSDP has
+        units = Units.of(prof, layout.world_size, precision, cast=timeline is not None)
         ratio = sum(units.grad_shard) / prof.grad_bytes if prof.grad_bytes else 0.0
         state = math.ceil(opt.state_bytes * ratio)
         params = sum(units.shard)
         grads = sum(units.grad_shard)
-        if offload_optimizer and not prof.host_is_device:
+        if knobs.offload_optimizer and not prof.host_is_device:
             state = params = grads = 0  # FSDP's CPUOffloadPolicy: all three on the host
         start = others + params + state + batch
-        every = (timeline or prof.precisions[p]).phases
-        casts = timeline is None and p != "fp32"  # the timeline is autocast's over fp32
-        fsdp = _Fsdp(units, layout, model, mask, b, grads, casts=casts)
-        live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], n, every)
-        step = 0 if offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
+        every = (timeline or prof.precisions[precision]).phases
+        casts = timeline is None and precision != "fp32"  # the timeline is autocast's over fp32
+        fsdp = _Fsdp(units, layout, model, mask, micro_batch, grads, casts=casts)
+        live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], knobs.accum, every)
+        step = 0 if knobs.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
     peak = max(peak, live + step, batch)  # batch: a loader's next, made beside this one
     live_peak = math.ceil(start + peak)
-    return model.device_bytes(live_peak, p, b, model.variant_shares(mask)), live_peak, parts
+    return (
+        model.device_bytes(live_peak, precision, micro_batch, model.variant_shares(mask)),
+        live_peak,
+        parts,
+    )
 
 
 def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakdown]:
@@ -115,15 +110,13 @@ def _rise_delta(ph: Phase, mask: Mask, b: int, model: MemoryModel) -> tuple[floa
     return between(ph, b, model.variant_shares(mask))
 
 
-def _ddp(
-    phases: list[Phase], mask: Mask, b: int, accum: int, model: MemoryModel
-) -> tuple[float, float]:
+def _ddp(phases: list[Phase], knobs: Knobs, model: MemoryModel) -> tuple[float, float]:
     """(live at the end, peak) above the start. The gradients are in the buckets from the
     start, so every micro-batch accumulates into them as the single process's second does."""
     live = peak = 0.0
-    for _ in range(accum):
+    for _ in range(knobs.accum):
         for ph in phases:
-            rise, delta = _rise_delta(ph, mask, b, model)
+            rise, delta = _rise_delta(ph, knobs.mask, knobs.micro_batch, model)
             peak = max(peak, live + rise)
             live += delta
     return live, peak

@@ -8,7 +8,8 @@ arithmetic over the profile.
 
 from __future__ import annotations
 
-from autotune.plan._memory_model import CHECKPOINT, OFFLOAD, SELECTIVE, Mask, ProfileView
+from autotune.plan._knobs import Knobs, Mask
+from autotune.plan._memory_model import CHECKPOINT, OFFLOAD, SELECTIVE, ProfileView
 
 __all__ = ["TimeModel"]
 
@@ -26,25 +27,44 @@ class TimeModel(ProfileView):
         *,
         offload_optimizer: bool = False,
     ) -> float:
-        """Predicted seconds of one optimizer step."""
+        """Predicted seconds of one optimizer step: :meth:`step_s_of` the knobs given one
+        by one."""
+        knobs = Knobs(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=b,
+            accum=accum,
+            mask=mask,
+            offload_optimizer=offload_optimizer,
+        )
+        return self.step_s_of(knobs)
+
+    def step_s_of(self, knobs: Knobs) -> float:
+        """Predicted seconds of one optimizer step of ``knobs``."""
+        precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
         curve = self.profile.precisions[precision].time
         assert curve is not None, f"precision {precision} has no time profile"
         weights = self.profile.block_weights
         full = sum(w for w, m in zip(weights, mask, strict=True) if m == CHECKPOINT)
         selective = sum(w for w, m in zip(weights, mask, strict=True) if m == SELECTIVE)
-        micro = curve.fwd_bwd(b) + full * curve.recompute(b) + selective * curve.selective(b)
+        micro = (
+            curve.fwd_bwd(micro_batch)
+            + full * curve.recompute(micro_batch)
+            + selective * curve.selective(micro_batch)
+        )
         if OFFLOAD in mask:
-            micro += self._offload_stall(precision, b, mask)
-        return accum * micro + self._optimizer_s(precision, optimizer, b, offload_optimizer)
+            micro += self._offload_stall(knobs)
+        return knobs.accum * micro + self._optimizer_s(knobs)
 
-    def _optimizer_s(self, precision: str, optimizer: str, b: int, offload: bool) -> float:
-        opt = self.profile.optimizers[optimizer]
+    def _optimizer_s(self, knobs: Knobs) -> float:
+        """Seconds of the optimizer step, on the host where ``knobs`` offload it."""
+        opt = self.profile.optimizers[knobs.optimizer]
         transfer = self.profile.transfer
-        if not offload or transfer is None or opt.host_step_s is None:
+        if not knobs.offload_optimizer or transfer is None or opt.host_step_s is None:
             return opt.step_s
         # Gradients go down during the last backward; what outlasts it is exposed. The
         # weights come up after the host step, before the next forward.
-        _, bwd = self._block_seconds(precision, b)
+        _, bwd = self._block_seconds(knobs.precision, knobs.micro_batch)
         down = self.profile.grad_bytes / transfer.d2h_bytes_per_s
         up = self.profile.grad_bytes / transfer.h2d_bytes_per_s  # the trained weights
         return max(down - sum(bwd), 0.0) + opt.host_step_s + up
@@ -56,15 +76,17 @@ class TimeModel(ProfileView):
         fwd = [w * forward for w in self.profile.block_weights]
         return fwd, [2.0 * f for f in fwd]  # a backward costs about two forwards
 
-    def _recomputed(self, precision: str, b: int, mask: Mask) -> list[float]:
-        """Seconds each block recomputes in its backward at micro-batch ``b``."""
-        curve = self.profile.precisions[precision].time
+    def _recomputed(self, knobs: Knobs) -> list[float]:
+        """Seconds each block recomputes in its backward."""
+        curve = self.profile.precisions[knobs.precision].time
         if curve is None:
             return [0.0] * self.n_blocks
-        per = {CHECKPOINT: curve.recompute(b), SELECTIVE: curve.selective(b)}
-        return [w * per.get(m, 0.0) for w, m in zip(self.profile.block_weights, mask, strict=True)]
+        micro_batch = knobs.micro_batch
+        per = {CHECKPOINT: curve.recompute(micro_batch), SELECTIVE: curve.selective(micro_batch)}
+        weights = self.profile.block_weights
+        return [w * per.get(m, 0.0) for w, m in zip(weights, knobs.mask, strict=True)]
 
-    def _offload_stall(self, precision: str, b: int, mask: Mask) -> float:
+    def _offload_stall(self, knobs: Knobs) -> float:
         """Seconds the compute waits for copies in one micro-batch (two-stream pipeline).
 
         Forward: each offloaded block's copy starts when its compute ends, one copy at a
@@ -74,10 +96,13 @@ class TimeModel(ProfileView):
         """
         transfer = self.profile.transfer
         assert transfer is not None
-        moved = self.profile.precisions[precision].moved
-        fwd, bwd = self._block_seconds(precision, b)
-        again = self._recomputed(precision, b, mask)
-        size = [max(moved[i](b), 0.0) if m == OFFLOAD else 0.0 for i, m in enumerate(mask)]
+        mask, micro_batch = knobs.mask, knobs.micro_batch
+        moved = self.profile.precisions[knobs.precision].moved
+        fwd, bwd = self._block_seconds(knobs.precision, micro_batch)
+        again = self._recomputed(knobs)
+        size = [
+            max(moved[i](micro_batch), 0.0) if m == OFFLOAD else 0.0 for i, m in enumerate(mask)
+        ]
         clock = copy = 0.0
         done: dict[int, float] = {}
         order: list[int] = []

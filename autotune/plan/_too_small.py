@@ -18,13 +18,14 @@ def too_small(
     """The error for a budget under the cheapest configuration, with what would lower it
     (offload only where it helps: not where host memory is device memory)."""
     cost = planner.cost
-    b = planner.sizes[0]
+    micro_batch = planner.sizes[0]
     settings = itertools.product(planner.precisions, planner.optimizers, planner.offload_optimizer)
     # The first of the least (ties keep the order of the space: the user's choices first).
     peak, p, o, h = min(
-        ((planner.frugal_peak(p, o, b, h), p, o, h) for p, o, h in settings), key=lambda x: x[0]
+        ((planner.frugal_peak(p, o, micro_batch, h), p, o, h) for p, o, h in settings),
+        key=lambda x: x[0],
     )
-    config = planner.with_mask(p, o, b, h, planner.frugal_mask(p, o, b, h))
+    config = planner.config_of(planner.frugal(planner.knobs(p, o, micro_batch, h)))
     _, parts = cost.memory(config)
     hints = ["raise budget_gb"]
     light = [
@@ -51,7 +52,7 @@ def too_small(
         where.append("optimizer on the host")
     return BudgetTooSmallError(
         f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
-        f"{format_bytes(peak)} (micro-batch {b}, {p}, {o}"
+        f"{format_bytes(peak)} (micro-batch {micro_batch}, {p}, {o}"
         f"{', ' + ', '.join(where) if where else ''}): parameters "
         f"{format_bytes(parts.parameters)}, gradients {format_bytes(parts.gradients)}, "
         f"optimizer state {format_bytes(parts.optimizer)}, activations "

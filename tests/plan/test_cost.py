@@ -16,6 +16,7 @@ from autotune.config import TrainConfig
 from autotune.measure._profile_data import TimeCurve
 from autotune.plan._cost import CHECKPOINT, KEEP, SELECTIVE, CostModel
 from autotune.plan._knapsack import min_cost_cover as _min_cost_cover
+from autotune.plan._knobs import Knobs
 from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")
@@ -163,19 +164,41 @@ def test_plan_with_selective_checkpointing_is_the_brute_force_optimum(gpt_profil
         block_weights=(0.5, 0.3, 0.2),  # unequal blocks: "the first k" is not the answer
     )
     cost = CostModel(timed)
-    knobs = ("fp32", "adamw", 16, 1)
-    none = cost.peak(*knobs, (KEEP,) * 3)
-    full = cost.peak(*knobs, (CHECKPOINT,) * 3)
-    masks = list(itertools.product((KEEP, CHECKPOINT, SELECTIVE), repeat=3))
+    knobs = Knobs(precision="fp32", optimizer="adamw", micro_batch=16, accum=1)
+    none = cost.peak_of(knobs.masked((KEEP,) * 3))
+    full = cost.peak_of(knobs.masked((CHECKPOINT,) * 3))
+    every = [knobs.masked(m) for m in itertools.product((KEEP, CHECKPOINT, SELECTIVE), repeat=3)]
     chose_selective = False
     for limit in [full + (none - full) * k // 12 for k in range(1, 12)]:
-        mask = cost.plan(*knobs, limit)
+        mask = cost.plan_of(knobs, limit)
         assert mask is not None
-        assert cost.peak(*knobs, mask) <= limit
-        best = min(cost.step_s(*knobs, m) for m in masks if cost.peak(*knobs, m) <= limit)
-        assert cost.step_s(*knobs, mask) == pytest.approx(best)
+        planned = knobs.masked(mask)
+        assert cost.peak_of(planned) <= limit
+        best = min(cost.step_s_of(k) for k in every if cost.peak_of(k) <= limit)
+        assert cost.step_s_of(planned) == pytest.approx(best)
         chose_selective |= SELECTIVE in mask
-        without = cost.plan(*knobs, limit, selective=False)
+        without = cost.plan_of(knobs, limit, selective=False)
         assert without is not None and SELECTIVE not in without
-        assert cost.step_s(*knobs, mask) <= cost.step_s(*knobs, without)
+        assert cost.step_s_of(planned) <= cost.step_s_of(knobs.masked(without))
     assert chose_selective  # at some budget the cheaper recomputation pays
+
+
+def test_knobs_are_what_the_cost_model_reads_of_a_config(gpt_profile) -> None:
+    """A config's knobs predict what the config does, and name its blocks back; the
+    knobs given one by one predict the same."""
+    config = TrainConfig(
+        micro_batch_size=6,
+        grad_accum_steps=3,
+        precision="bf16",
+        checkpoint=("blocks.0",),
+        selective_checkpoint=("blocks.2",),
+        optimizer="sgd",
+    )
+    cost = CostModel(gpt_profile)
+    knobs = cost.knobs(config)
+    mask = (CHECKPOINT, KEEP, SELECTIVE)
+    assert knobs == Knobs(precision="bf16", optimizer="sgd", micro_batch=6, accum=3, mask=mask)
+    assert knobs.config(gpt_profile.blocks) == config
+    assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peak("bf16", "sgd", 6, 3, mask)
+    assert cost.peaks_of(knobs) == cost.simulate("bf16", "sgd", 6, 3, mask)
+    assert cost.plan_of(knobs, 2**40) == cost.plan("bf16", "sgd", 6, 3, 2**40) == (KEEP,) * 3
