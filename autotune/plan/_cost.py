@@ -82,13 +82,7 @@ class CostModel(MemoryModel, TimeModel):
         selective: bool = True,
     ) -> Mask | None:
         """:meth:`plan_of` the knobs given one by one (no block choices: what it solves)."""
-        knobs = Knobs(
-            precision=precision,
-            optimizer=optimizer,
-            micro_batch=b,
-            accum=accum,
-            offload_optimizer=offload_optimizer,
-        )
+        knobs = Knobs.given(precision, optimizer, b, accum, (), offload_optimizer)
         return self.plan_of(
             knobs, limit, offload_activations=offload_activations, selective=selective
         )

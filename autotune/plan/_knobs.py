@@ -8,6 +8,7 @@ choices until the planner solves them (:meth:`Knobs.masked` adds them).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autotune.config import TrainConfig, timeline_knobs
@@ -40,6 +41,26 @@ class Knobs:
     """Whether the optimizer state and step live on the host."""
 
     @classmethod
+    def given(
+        cls,
+        precision: str,
+        optimizer: str,
+        micro_batch: int,
+        accum: int,
+        mask: Mask = (),
+        offload_optimizer: bool = False,
+    ) -> Knobs:
+        """The knobs given one by one, in the order of the fields."""
+        return cls(
+            precision=precision,
+            optimizer=optimizer,
+            micro_batch=micro_batch,
+            accum=accum,
+            mask=mask,
+            offload_optimizer=offload_optimizer,
+        )
+
+    @classmethod
     def of(cls, config: TrainConfig, mask: Mask) -> Knobs:
         """The knobs of ``config``, its block choices as ``mask`` (the cost model's
         :meth:`~autotune.plan._memory_model.ProfileView.config_mask` of it)."""
@@ -54,14 +75,7 @@ class Knobs:
 
     def masked(self, mask: Mask) -> Knobs:
         """These knobs with block choices ``mask``."""
-        return Knobs(
-            precision=self.precision,
-            optimizer=self.optimizer,
-            micro_batch=self.micro_batch,
-            accum=self.accum,
-            mask=mask,
-            offload_optimizer=self.offload_optimizer,
-        )
+        return dataclasses.replace(self, mask=mask)
 
     def config(self, blocks: tuple[str, ...]) -> TrainConfig:
         """The single-process configuration of these knobs over a model's ``blocks``

@@ -79,14 +79,7 @@ class MemoryModel(ProfileView):
         offload_optimizer: bool = False,
     ) -> int:
         """Predicted peak device bytes: :meth:`peak_of` the knobs given one by one."""
-        knobs = Knobs(
-            precision=precision,
-            optimizer=optimizer,
-            micro_batch=b,
-            accum=accum,
-            mask=mask,
-            offload_optimizer=offload_optimizer,
-        )
+        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
         return self.peak_of(knobs)
 
     def peak_of(self, knobs: Knobs) -> int:
@@ -103,14 +96,7 @@ class MemoryModel(ProfileView):
         offload_optimizer: bool = False,
     ) -> tuple[int, int, int]:
         """:meth:`peaks_of` the knobs given one by one."""
-        knobs = Knobs(
-            precision=precision,
-            optimizer=optimizer,
-            micro_batch=b,
-            accum=accum,
-            mask=mask,
-            offload_optimizer=offload_optimizer,
-        )
+        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
         return self.peaks_of(knobs)
 
     def peaks_of(self, knobs: Knobs) -> tuple[int, int, int]:

@@ -29,14 +29,7 @@ class TimeModel(ProfileView):
     ) -> float:
         """Predicted seconds of one optimizer step: :meth:`step_s_of` the knobs given one
         by one."""
-        knobs = Knobs(
-            precision=precision,
-            optimizer=optimizer,
-            micro_batch=b,
-            accum=accum,
-            mask=mask,
-            offload_optimizer=offload_optimizer,
-        )
+        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
         return self.step_s_of(knobs)
 
     def step_s_of(self, knobs: Knobs) -> float:

@@ -75,7 +75,7 @@ def estimate(
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
     foreign = backend_for(target.device).reserved()
-    work = Workload(model, sample_batch, loss_fn, names, target.device, foreign)
+    workload = Workload(model, sample_batch, loss_fn, names, target.device, foreign)
     # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
     pieces = Pieces(
         model,
@@ -89,7 +89,7 @@ def estimate(
     profiles = []
     with measured_compiling(bool(config.compile_blocks) and not pieces.shallow):
         for piece, piece_blocks in pieces.each():
-            profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
+            profiles.append(_memory(workload.over(piece, piece_blocks), config, target, transfer))
             del piece  # off the device before the next piece comes on
     profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
     # After the profile's training steps the context holds what loads lazily too.
