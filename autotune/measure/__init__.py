@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from autotune.measure._collectives import measure_collectives
     from autotune.measure._depth import deepen, deepen_time, shallow_copies, whole_fits
     from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
-    from autotune.measure._peak import PeakReading, measure_peak
-    from autotune.measure._peak_memory import peak_memory
+    from autotune.measure._peak import measure_peak
     from autotune.measure._profile_data import (
         CHECKPOINT,
         KEEP,
@@ -48,7 +47,6 @@ INTERFACE = {
     "KEEP": "autotune.measure._profile_data",
     "Line": "autotune.measure._profile_data",
     "OFFLOAD": "autotune.measure._profile_data",
-    "PeakReading": "autotune.measure._peak",
     "Phase": "autotune.measure._profile_data",
     "Profile": "autotune.measure._profile_data",
     "Profiler": "autotune.measure._profiler",
@@ -61,7 +59,6 @@ INTERFACE = {
     "measure_peak": "autotune.measure._peak",
     "measure_transfer": "autotune.measure._transfer",
     "memory_profile": "autotune.measure._memory_profile",
-    "peak_memory": "autotune.measure._peak_memory",
     "profile_from_json": "autotune.measure._profile_data",
     "profile_to_json": "autotune.measure._profile_data",
     "shallow_copies": "autotune.measure._depth",
@@ -79,7 +76,6 @@ __all__ = [
     "OFFLOAD",
     "SELECTIVE",
     "Line",
-    "PeakReading",
     "Phase",
     "Profile",
     "Profiler",
@@ -91,7 +87,6 @@ __all__ = [
     "measure_peak",
     "measure_transfer",
     "memory_profile",
-    "peak_memory",
     "profile_from_json",
     "profile_to_json",
     "shallow_copies",

@@ -28,21 +28,17 @@ if TYPE_CHECKING:
         micro_batch_candidates,
     )
     from autotune.plan._cost import CostModel
-    from autotune.plan._layout import Layout
     from autotune.plan._planner import Candidate, Planner
-    from autotune.plan._planners import Bounds, layouts, planner_of, planners
+    from autotune.plan._planners import planner_of, planners
     from autotune.plan._search import quiet_optuna, search
     from autotune.plan._too_small import too_small
 
 INTERFACE = {
-    "Bounds": "autotune.plan._planners",
     "Candidate": "autotune.plan._planner",
     "CostModel": "autotune.plan._cost",
-    "Layout": "autotune.plan._layout",
     "Planner": "autotune.plan._planner",
     "fallback_candidates": "autotune.plan._candidates",
     "largest_fitting": "autotune.plan._candidates",
-    "layouts": "autotune.plan._planners",
     "micro_batch_candidates": "autotune.plan._candidates",
     "planner_of": "autotune.plan._planners",
     "planners": "autotune.plan._planners",
@@ -53,14 +49,11 @@ INTERFACE = {
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
-    "Bounds",
     "Candidate",
     "CostModel",
-    "Layout",
     "Planner",
     "fallback_candidates",
     "largest_fitting",
-    "layouts",
     "micro_batch_candidates",
     "planner_of",
     "planners",

@@ -34,7 +34,6 @@ from autotune.train._checkpoint import (
 )
 from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
 from autotune.train._fallback import Ladder, snapshot
-from autotune.train._lengths import Row, Rows
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
@@ -182,7 +181,7 @@ class Applied:
         Returns:
             The gradients' total norm before clipping, if ``max_grad_norm`` was given.
         """
-        self.stepping = True  # an OOM from here on is not retried
+        self.ladder.stepping = True  # an OOM from here on is not retried
         optimizer = self.optimizer
         norm: list[torch.Tensor] = []
 
@@ -232,37 +231,6 @@ class Applied:
     def fallbacks(self) -> list[TrainConfig]:
         """The current config's fallbacks still left (its row's, with a table)."""
         return self.ladder.fallbacks
-
-    @fallbacks.setter
-    def fallbacks(self, fallbacks: list[TrainConfig]) -> None:
-        self.ladder.fallbacks = fallbacks
-
-    @property
-    def rows(self) -> Rows:
-        """A table tuned per sequence length: each batch trains with its length's row."""
-        return self.ladder.rows
-
-    @rows.setter
-    def rows(self, rows: Rows) -> None:
-        self.ladder.rows = rows
-
-    @property
-    def row(self) -> Row | None:
-        """The table's row in use (``None`` without a table)."""
-        return self.ladder.row
-
-    @row.setter
-    def row(self, row: Row | None) -> None:
-        self.ladder.row = row
-
-    @property
-    def stepping(self) -> bool:
-        """The optimizer step has begun: an out-of-memory error is no longer retried."""
-        return self.ladder.stepping
-
-    @stepping.setter
-    def stepping(self, stepping: bool) -> None:
-        self.ladder.stepping = stepping
 
     def run(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``step(*args, **kwargs)``, one optimizer step, run again on a fallback after an

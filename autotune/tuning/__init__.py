@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING
 from autotune._interface import interface
 
 if TYPE_CHECKING:
-    from autotune.tuning._autotune import autotune, tune
+    from autotune.tuning._autotune import tune
     from autotune.tuning._estimate import estimate
     from autotune.tuning._options import TuneOptions
 
 INTERFACE = {
     "TuneOptions": "autotune.tuning._options",
-    "autotune": "autotune.tuning._autotune",
     "estimate": "autotune.tuning._estimate",
     "tune": "autotune.tuning._autotune",
 }
@@ -36,7 +35,6 @@ INTERFACE = {
 
 __all__ = [
     "TuneOptions",
-    "autotune",
     "estimate",
     "tune",
 ]

@@ -48,7 +48,9 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
     """:func:`autotune.autotune` at the sample's length, with the model's attention."""
     started = time.perf_counter()
     problem = make_problem(model, sample, options)
-    store = None if options.storage is None else open_store(model, problem, options)
+    store = None
+    if options.storage is not None:
+        store = open_store(model, problem, options.storage, options.study_name)
     # In a process group only rank 0 profiles on the device; verification wraps a copy per
     # config, which puts on the device what the config says (a shard under FSDP).
     # A model too large for one device whole is profiled on shallow copies (FSDP2's case).

@@ -23,7 +23,6 @@ from autotune.measure import Profile, profile_from_json, profile_to_json
 from autotune.plan import Candidate, CostModel
 from autotune.result import Measurement, TrialRecord
 from autotune.train import fingerprint
-from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 from autotune.verify import (
     PROFILE_JOB,
@@ -38,7 +37,9 @@ from autotune.verify import (
 __all__ = ["measure_with", "open_store", "shared_candidates", "shared_profile", "shared_settle"]
 
 
-def open_store(model: nn.Module, problem: Problem, options: TuneOptions) -> StudyStore:
+def open_store(
+    model: nn.Module, problem: Problem, storage: str, study_name: str | None
+) -> StudyStore:
     """The study kept in ``storage`` for this run (made for this release, model, budget
     and space; the default name says so, so another release starts a study of its own)."""
     key = {
@@ -50,9 +51,8 @@ def open_store(model: nn.Module, problem: Problem, options: TuneOptions) -> Stud
         "space": repr(problem.space),
         "torch": str(torch.__version__),
     }
-    name = options.study_name or f"autotune-{job_id(json.dumps(key, sort_keys=True))[:16]}"
-    assert options.storage is not None
-    return StudyStore(resolve_storage(options.storage), name, key)
+    name = study_name or f"autotune-{job_id(json.dumps(key, sort_keys=True))[:16]}"
+    return StudyStore(resolve_storage(storage), name, key)
 
 
 def shared_profile(store: StudyStore, measure: Callable[[], Profile]) -> Profile:
