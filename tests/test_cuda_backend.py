@@ -41,7 +41,7 @@ class FakeCuda:
             "get_device_properties": lambda d: types.SimpleNamespace(
                 total_memory=self.total, uuid="abc"
             ),
-            "get_per_process_memory_fraction": lambda d: self.fraction,
+            "get_per_process_memory_fraction": lambda d: self._indexed(d) and self.fraction,
             "set_per_process_memory_fraction": self._set_fraction,
             "get_rng_state_all": lambda: ["state"],
             "Stream": lambda d: ("stream", d),
@@ -60,9 +60,16 @@ class FakeCuda:
 
         return call
 
-    def _set_fraction(self, fraction: float, device: torch.device) -> None:
-        assert device == DEVICE
+    def _set_fraction(self, fraction: float, device: torch.device | int) -> None:
+        assert self._indexed(device) and torch.device("cuda", device) == DEVICE
         self.fraction = fraction
+
+    @staticmethod
+    def _indexed(device: torch.device | int) -> bool:
+        """torch's per-process fraction takes an index: ``cuda`` alone raises ValueError."""
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, got {device}")
+        return True
 
     def called(self, name: str) -> list[Any]:
         return [args for n, args in self.calls if n == name]
@@ -105,6 +112,12 @@ def test_the_cap_is_a_fraction_of_the_device_and_the_users_comes_back(fake_cuda)
         assert fake_cuda.fraction == 1.0  # at most the whole device
         raise torch.OutOfMemoryError("out of memory")
     assert fake_cuda.fraction == 0.7  # given back on an error too
+
+
+def test_the_cap_of_a_device_without_an_index_is_the_current_ones(fake_cuda) -> None:
+    with CudaBackend(torch.device("cuda")).cap(20 * GIB):  # as a caller may pass it
+        assert fake_cuda.fraction == 0.25
+    assert fake_cuda.fraction == 0.7
 
 
 def test_without_a_way_to_read_the_users_fraction_the_default_comes_back(

@@ -98,6 +98,14 @@ class Backend:
         """Bytes the allocator held at most since :meth:`reset_peak`."""
         return 0
 
+    def foreign_bytes(self) -> int:
+        """What the allocator holds for tensors outside a run about to start: its reserved
+        bytes once its unused cached blocks are returned. A cache that earlier work left
+        is the run's to reuse; counted as foreign, the run's own growth into it would be
+        missed (every peak is read as reserved less this)."""
+        self.empty_cache()
+        return self.reserved()
+
     def total(self) -> int:
         """The device's memory (0 when it has no memory of its own)."""
         return 0
@@ -212,14 +220,16 @@ class CudaBackend(Backend):
             yield
             return
         # torch >= 2.7 can say what the user had set; older ones only that 1.0 is the default.
+        # Both take an index only ("cuda" alone raises in torch 2.11): the current device's.
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        previous = float(getter(self.device)) if getter is not None else 1.0
+        previous = float(getter(index)) if getter is not None else 1.0
         fraction = min(max(nbytes / self.total(), 0.0), 1.0)
-        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
         try:
             yield
         finally:
-            torch.cuda.set_per_process_memory_fraction(previous, self.device)
+            torch.cuda.set_per_process_memory_fraction(previous, index)
 
 
 def pinned_bytes(nbytes: int) -> int:
