@@ -135,6 +135,21 @@ def test_foreign_is_what_the_allocator_already_holds(simulated_cuda) -> None:
     del held
 
 
+def test_a_cache_left_by_earlier_work_is_not_foreign(simulated_cuda) -> None:
+    """Measured on an H200: an estimate after an earlier run read that run's cached blocks
+    as foreign, so the profile's growth into them went unseen (predicted 12% under)."""
+    held = torch.empty(3 * MIB // 4)
+    model = tiny_gpt()
+    sample = gpt_batch(model.config, 4)
+    spare = torch.empty(32 * MIB // 4)
+    del spare  # its segment stays cached, unused
+    cached = simulated_cuda.reserved
+    problem = make_problem(model, sample, TuneOptions(budget_gb=1.0, device="cpu"))
+    assert problem.foreign == simulated_cuda.reserved <= cached - 32 * MIB
+    assert problem.foreign > 3 * MIB  # the live tensor's segment stays foreign
+    del held
+
+
 def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
     model = tiny_gpt()
     sample = gpt_batch(model.config, 4)

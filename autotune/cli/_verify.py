@@ -65,7 +65,7 @@ def verify(args: argparse.Namespace) -> int:
             budget_bytes=result.budget_bytes,
             loss_fn=loss,
             context_bytes=target.context_bytes,
-            foreign_bytes=backend_for(target.device).reserved(),
+            foreign_bytes=backend_for(target.device).foreign_bytes(),
         )
         run.measured, run.error = verifier.run(run.config)
     if args.json:  # an object; for a table, a list of them, one per row

@@ -187,4 +187,4 @@ def _foreign_bytes(model: nn.Module, device: torch.device) -> int:
     if not backend.caching:
         return 0
     own = {id(t): t for t in model_tensors(model) if t.device == device}
-    return max(backend.reserved() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)
+    return max(backend.foreign_bytes() - sum(t.untyped_storage().nbytes() for t in own.values()), 0)

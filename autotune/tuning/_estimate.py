@@ -74,7 +74,7 @@ def estimate(
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
-    foreign = backend_for(target.device).reserved()
+    foreign = backend_for(target.device).foreign_bytes()
     workload = Workload(model, sample_batch, loss_fn, names, target.device, foreign)
     # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
     pieces = Pieces(

@@ -170,8 +170,8 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         global_batch_size=global_batch_size,
         budget=budget,
         limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
-        # What the allocator already holds for other tensors (their blocks, cached ones).
-        foreign=backend_for(target.device).reserved(),
+        # What the allocator holds for other tensors (unused cached blocks returned first).
+        foreign=backend_for(target.device).foreign_bytes(),
         world=world,
         verifiable=verifiable,
     )
