@@ -5,12 +5,15 @@ at steady state, optimizer state allocated) and the step's peak is read as:
 
 * ``live``: the live-bytes tracker (tensor storage bytes, what the cost model's timeline is in);
 * ``allocated``: ``torch.cuda.max_memory_allocated`` (the caching allocator's blocks in use);
-* ``reserved``: ``torch.cuda.max_memory_reserved`` (its segments, what the budget must hold);
+* ``reserved``: ``torch.cuda.max_memory_reserved`` (its segments, what the budget must hold),
+  at steady state (the cache as the first step left it) and ``reserved_cold`` (a step from
+  an empty cache, as the profiler and the verifier start);
 * ``nvml``: the process's device memory as the driver sees it, sampled every millisecond by
   a thread (context and workspaces included), above what it was before the model existed;
 
-and ``predicted`` is ``autotune.estimate`` for the same config. The JSON is rewritten
-after every point, so a run stopped at a time limit keeps what it measured.
+and ``predicted`` is ``autotune.estimate`` for the same config, which counts the CUDA
+context (``context``, read after the steps) where the other columns do not. The JSON is
+rewritten after every point, so a run stopped at a time limit keeps what it measured.
 
     python benchmarks/calibrate.py --out calibration.json                 # GPT-2 124M, 1024 tokens
     python benchmarks/calibrate.py --small --device cpu --out /tmp/c.json  # smoke run
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 import autotune
+from autotune.device._backend import backend_for
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.train._batch import resize
@@ -114,6 +118,13 @@ def point(
         if cuda:
             out["allocated"] = int(torch.cuda.max_memory_allocated(device))
             out["reserved"] = int(torch.cuda.max_memory_reserved(device))
+            # ``predicted`` counts the context; ``peak`` above does not (no context given).
+            out["context"] = backend_for(device).context_bytes()
+            # The same step from an empty cache, as the profiler and the verifier start.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            runner.step(batch)
+            out["reserved_cold"] = int(torch.cuda.max_memory_reserved(device))
     if before is not None:
         out["nvml_above_start"] = sampler.peak - before
     return out

@@ -33,6 +33,7 @@ from autotune.measure._profiler import Profiler
 from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.plan._cost import CHECKPOINT, CostModel
+from autotune.train._optimizers import available
 from autotune.verify._verifier import Verifier
 
 
@@ -150,9 +151,7 @@ def main() -> None:
     forced = None if gpu else True  # on CPU offload is opt-in
     plain = autotune.SearchSpace(offload_optimizer=False, offload_activations=False)
     wide = autotune.SearchSpace(
-        optimizers=("adamw", "adamw8bit")
-        if autotune.optimizers.available("adamw8bit")
-        else ("adamw",),
+        optimizers=("adamw", "adamw8bit") if available("adamw8bit") else ("adamw",),
         offload_optimizer=forced,
         offload_activations=forced,
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 
 import autotune
 from autotune._format import GIB
+from autotune.device._backend import backend_for
 from autotune.device._target import discover
 from autotune.measure._peak import measure_peak
 from autotune.models import gpt_batch, tiny_gpt
@@ -165,21 +167,50 @@ def test_offload_on_cuda_trains_like_no_offload(config: autotune.TrainConfig) ->
     plain = config.replace(offload_optimizer=False, offload_activations=())
     losses, weights = _train(model, config)
     ref_losses, ref_weights = _train(model, plain)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for a, b in zip(weights, ref_weights, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    # Not element by element: the host's AdamW and the GPU's round differently in the last
+    # bit, and where a gradient is rounding noise (the key bias's is zero in exact
+    # arithmetic) Adam scales that bit to a step of ``lr``; in bf16 and fp16 a last-bit
+    # weight change also rounds the low-precision copy differently. Measured on an H200
+    # (2026-11-26): two plain runs identical; offload against plain 8e-6 (fp32), 6.8e-3
+    # (bf16), 4.9e-3 (fp16) of the distance the weights moved. A lost or doubled update
+    # of three is 0.3 or more.
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
+    tuned = torch.cat([w.flatten() for w in weights])
+    ref = torch.cat([w.flatten() for w in ref_weights])
+    assert (tuned - ref).norm() <= 5e-2 * (ref - start).norm()
+
+
+def _held_outside_the_model() -> tuple[int, int]:
+    """The CUDA context (after a training step has loaded cuBLAS and its kernels) and
+    what earlier tests' tensors still reserve: what autotune counts beside a model."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    warm = tiny_gpt(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+    autotune.prepare(warm, autotune.TrainConfig(micro_batch_size=2), device="cuda").step(
+        gpt_batch(warm.config, 2)
+    )
+    del warm
+    gc.collect()
+    torch.cuda.empty_cache()
+    backend = backend_for(torch.device("cuda", torch.cuda.current_device()))
+    return backend.context_bytes(), backend.reserved()
 
 
 def _cuda_peak(model: torch.nn.Module, config: autotune.TrainConfig) -> int:
+    """The verified peak of ``config``, context included as in ``estimate``."""
     from autotune.verify._verifier import Verifier
 
     sample = gpt_batch(model.config, 4)
+    context, foreign = _held_outside_the_model()
     verifier = Verifier(
         copy.deepcopy(model),
         sample,
         device=torch.device("cuda"),
         budget_bytes=64 * GIB,
         loss_fn=None,
+        context_bytes=context,
+        foreign_bytes=foreign,
     )
     measured, error = verifier.run(config)
     assert error is None and measured is not None
@@ -224,10 +255,14 @@ def test_bandwidth_probe_on_cuda() -> None:
 def test_autotune_on_cuda_offloads_when_nothing_else_fits() -> None:
     model = tiny_gpt(n_layer=4, n_embd=512, n_head=8, block_size=128, vocab_size=1024)
     sample = gpt_batch(model.config, 8)
-    target = discover("cuda")
     params = sum(p.numel() * 4 for p in model.parameters())
-    # Weights, gradients and one AdamW state: below weights + gradients + two states.
-    budget = target.context_bytes + 3 * params + 64 * MIB
-    result = autotune.autotune(model, sample, budget / GIB, global_batch_size=16, device="cuda")
+    context, foreign = _held_outside_the_model()
+    # Weights, gradients and 1.5 AdamW states: below weights + gradients + two states
+    # (4 x params), above weights + gradients and the activations (offloaded optimizer).
+    budget = context + foreign + int(3.5 * params)
+    space = autotune.SearchSpace(compile_blocks=False)  # no compiler context beyond ours
+    result = autotune.autotune(
+        model, sample, budget / GIB, global_batch_size=16, device="cuda", space=space
+    )
     assert result.config.offload_optimizer
     assert result.measured.peak_bytes <= result.budget_bytes
