@@ -8,6 +8,7 @@
   assemble them into a profile; ``_depth``: a model deeper than the device holds,
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
 * ``_transfer``: host<->device copy speeds; ``_collectives``: the process group's.
+* ``_fake``: tracing on fake tensors, a model of any size profiled without its memory.
 * ``_profile_data``: the profile's records and their JSON, the planner's only input. It
   imports no training code.
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -87,14 +88,14 @@ class LiveBytesTracker(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of tensors that already exist (model and optimizer state)."""
         for t in tensors:
-            self._add(_storage(t), check_budget=False)
+            self._add(_storage(t), _device_type(t), check_budget=False)
 
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors whose storage is freed and allocated again by resizing it outside
         any op (FSDP2's gathered parameters): their size is read again at every op."""
         for t in tensors:
             storage = _storage(t)
-            self._add(storage, check_budget=False)
+            self._add(storage, _device_type(t), check_budget=False)
             if id(storage) in self._sizes:
                 self._watched.append(storage)
 
@@ -133,7 +134,7 @@ class LiveBytesTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and _has_storage(t):
                 storage = _storage(t)
                 if id(storage) not in inputs:
-                    self._add(storage, check_budget=True)
+                    self._add(storage, _device_type(t), check_budget=True)
         return out
 
     def _resized(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
@@ -143,11 +144,15 @@ class LiveBytesTracker(TorchDispatchMode):
             self._sizes[key] = storage.nbytes()
             self._grow(delta, check_budget=check_budget)
 
-    def _add(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
+    def _add(
+        self, storage: torch.UntypedStorage, device_type: str, *, check_budget: bool
+    ) -> None:
+        """Count ``storage``, of a tensor on ``device_type`` (a fake tensor's storage is
+        on ``meta``; the tensor says which device it stands for)."""
         key = id(storage)
         if (
             key in self._sizes
-            or storage.device.type != self.device_type
+            or device_type != self.device_type
             or (is_host_storage(storage) and not self.counts_host)
         ):
             return
@@ -202,6 +207,8 @@ def _has_storage(t: torch.Tensor) -> bool:
     # that is no wrapper (bitsandbytes' Params4bit and Int8Params) has a plain storage.
     if type(t) is torch.Tensor:  # nearly every op's tensors: the short way
         return t.layout == torch.strided and not t.is_meta
+    if isinstance(t, FakeTensor):  # traced without memory: its storage's bytes count
+        return t.layout == torch.strided
     t = _local(t)
     plain = type(t) is torch.Tensor or (
         isinstance(t, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t)
@@ -213,6 +220,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s bytes on this process: a DTensor's local shard."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
+
+
+def _device_type(t: torch.Tensor) -> str:
+    """The device type of the memory ``t`` holds (a fake tensor's: the one it stands for)."""
+    return _local(t).device.type
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.device import backend_for, host_empty
 
@@ -97,9 +98,12 @@ class ActivationOffloader:
         self.streams = self.backend.streams  # copies on side streams, overlapping compute
         self._d2h = self.backend.new_stream() if self.streams else None
         self._h2d = self.backend.new_stream() if self.streams else None
-        # Parameters and buffers stay on the device whatever is saved of them.
+        # Parameters and buffers stay on the device whatever is saved of them. (A fake
+        # tensor has no address, and is never offloaded: see _offloadable.)
         held = (*model.parameters(), *model.buffers())
-        self._resident = {t.untyped_storage().data_ptr() for t in held}
+        self._resident = {
+            t.untyped_storage().data_ptr() for t in held if not isinstance(t, FakeTensor)
+        }
         self._calls: list[weakref.ref[_Call]] = []
         self._seq = itertools.count()
         self._in_flight: deque[Any] = deque()

@@ -151,7 +151,9 @@ def _setup(
             raise ConfigError(message)
         warnings.warn(message, AutotuneWarning, stacklevel=3)
     foreign = _foreign_bytes(model, target) if result is not None else 0
-    if config.parallel != "fsdp":  # fully_shard puts each rank's shards on the device
+    # fully_shard puts each rank's shards on the device. A model already there is left be:
+    # a model of fake tensors (traced, never materialised) cannot be moved at all.
+    if config.parallel != "fsdp" and not _on(model, target):
         model.to(target)
     for p in model.parameters():
         p.grad = None
@@ -179,6 +181,11 @@ def _default_device(device: torch.device | str | None, result: TuneResult | None
         if tuned.type == "cpu" or (tuned.type == "cuda" and torch.cuda.is_available()):
             return resolve_device(tuned)
     return resolve_device(None)
+
+
+def _on(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``model`` is on ``device`` already."""
+    return all(t.device == device for t in (*model.parameters(), *model.buffers()))
 
 
 def _foreign_bytes(model: nn.Module, device: torch.device) -> int:

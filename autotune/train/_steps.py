@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.config import TrainConfig
 from autotune.errors import NonFiniteError
@@ -94,6 +95,8 @@ def _finite(optimizer: torch.optim.Optimizer) -> bool:
         verdict = finite.to(where, torch.int32)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
         return bool(verdict)
+    if isinstance(finite, FakeTensor):  # a traced step (no data): its ops ran, none to read
+        return True
     return bool(finite)
 
 

@@ -1,0 +1,148 @@
+"""Tracing on fake tensors: a model's training step run for its shapes, never its data.
+
+Under :func:`traced`, a model built (and a sample made) holds fake tensors: each reports
+the device, dtype and shape a real one would, and its storage is on the ``meta`` device,
+which allocates nothing. The live-bytes tracker counts a fake tensor's storage bytes under
+the device the tensor reports (see :mod:`autotune.measure._tracker`), so the
+phase-labelled memory timeline of a model of any size is traced within this machine's
+memory, and equals, byte for byte, the timeline of the same model trained for real on
+that device (checked in the tests on every model that fits here).
+
+What a traced step cannot do, it does not do: read a value (the non-finite check of the
+gradients is skipped, see :mod:`autotune.train._steps`), move a model (a model already on
+the device is left be, by autotune and, under :func:`traced`, by ``Module.to``), copy a
+block's saved tensors to the host (offload is not traced).
+
+Models that read their inputs' values to choose a code path choose as they would on
+data they cannot read: Hugging Face's masks take a padding mask or positions they cannot
+read as padded or packed, and build a full attention mask (which SDPA's flash kernel
+cannot take). Under :func:`traced` those helpers read a real mask with nothing padded and
+real positions of one sequence per row (a plain sample batch of a language model), of
+the fake one's shape, and take the path the same model takes on such data, their own
+ops counted as a real run's; :data:`TRACED_ASSUMPTIONS` says so. A model whose own
+code branches on tracing elsewhere may trace another path than it runs: the tests and
+``benchmarks/traced.py`` say which models trace byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["TRACED_ASSUMPTIONS", "is_traced", "traced"]
+
+TRACED_ASSUMPTIONS = (
+    "traced on fake tensors: a Hugging Face model's attention mask taken as nothing padded "
+    "and its positions as one sequence per row, as in a plain sample batch",
+)
+"""What tracing takes for granted that a real step would read from the data."""
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[FakeTensorMode]:
+    """A fake-tensor mode: models built and samples made inside hold no memory, and
+    every training step run inside is traced (see the module's documentation)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode, _unpacked_positions(), _moves_in_place():
+        yield mode
+
+
+def is_traced(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (a traced model's, or a traced sample's)."""
+    return isinstance(tensor, FakeTensor)
+
+
+@contextlib.contextmanager
+def _moves_in_place() -> Iterator[None]:
+    """``Module.to`` a device a fake module is on already: the module itself, as for a
+    real one. (torch swaps each tensor for its moved self, and a fake tensor, which its
+    mode holds a weak reference to, cannot be swapped: peft moves its adapters so.)"""
+    move = nn.Module.to
+
+    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = (*module.parameters(), *module.buffers())
+        if memory_format is None and all(_as(t, device, dtype) for t in tensors):
+            return module
+        return move(module, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = move  # type: ignore[method-assign]
+
+
+def _as(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether ``t`` is a fake tensor that ``Module.to(device, dtype)`` would leave as is
+    (it casts floating-point tensors only)."""
+    where = device is None or t.device == device
+    kind = dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype
+    return isinstance(t, FakeTensor) and where and kind
+
+
+_UNREAD = (
+    "find_packed_sequence_indices",  # position ids
+    "_ignore_causal_mask_sdpa",  # padding masks, from here on
+    "_ignore_bidirectional_mask_sdpa",
+    "_can_skip_bidirectional_mask_xpu",
+    "create_recurrent_attention_mask",
+)
+"""Hugging Face's mask helpers that read their first argument's values."""
+
+
+@contextlib.contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    """Hugging Face's mask helpers, given fake masks and positions, read real ones of the
+    same shape: nothing padded, one sequence per row."""
+    masks = None
+    if "transformers" in sys.modules:  # a model of it may be built or run inside
+        with contextlib.suppress(ImportError):  # older releases: no such helpers
+            masks = importlib.import_module("transformers.masking_utils")
+    found = {n: getattr(masks, n) for n in _UNREAD if hasattr(masks, n)}
+    for name, helper in found.items():
+        positions = name == "find_packed_sequence_indices"
+        setattr(masks, name, _readable(helper, _positions if positions else _unpadded))
+    try:
+        yield
+    finally:
+        for name, helper in found.items():
+            setattr(masks, name, helper)
+
+
+def _readable(helper: Any, stand_in: Any) -> Any:
+    """``helper`` given a real stand-in for a fake first argument, and run on it for
+    real: its ops (a sum, a comparison) are counted as a real run's are, and it takes
+    the path a real run on such data takes. The stand-in is made unseen (a real run has
+    its mask already)."""
+
+    @functools.wraps(helper)
+    def readable(first: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(first, FakeTensor):
+            return helper(first, *args, **kwargs)
+        with _disable_current_modes():
+            real = stand_in(first)
+        with unset_fake_temporarily():
+            return helper(real, *args, **kwargs)
+
+    return readable
+
+
+def _unpadded(mask: FakeTensor) -> torch.Tensor:
+    """A padding mask with nothing padded."""
+    return torch.ones(mask.shape, dtype=mask.dtype)
+
+
+def _positions(position_ids: FakeTensor) -> torch.Tensor:
+    """Positions of one sequence per row."""
+    length = position_ids.shape[-1]
+    return torch.arange(length, dtype=position_ids.dtype).expand(position_ids.shape)

@@ -1,0 +1,133 @@
+"""Memory profiles traced on fake tensors equal the real ones, byte for byte (issue 27)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from autotune._blocks import find_blocks
+from autotune.config import TrainConfig
+from autotune.measure._fake import is_traced, traced
+from autotune.measure._memory_profile import memory_profile
+from autotune.measure._profile_data import profile_to_json
+from autotune.measure._profiler import Profiler
+from autotune.measure._tracker import LiveBytesTracker
+from autotune.models import gpt_batch, tiny_gpt
+from autotune.train import prepare
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+
+Built = tuple[torch.nn.Module, Any, Any]
+
+
+def _memory(built: Built, precisions: tuple[str, ...], optimizers: tuple[str, ...]) -> Any:
+    """The memory profile (every variant, selective included) as JSON, times left out."""
+    model, batch, loss_fn = built
+    profiler = Profiler(
+        model, batch, tuple(find_blocks(model)), device=torch.device("cpu"), loss_fn=loss_fn
+    )
+    profile, _ = memory_profile(
+        profiler, precisions, optimizers, device_name="cpu", context_bytes=0, selective=True
+    )
+    return _bytes_only(json.loads(profile_to_json(profile)))
+
+
+def _bytes_only(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: _bytes_only(v)
+            for k, v in value.items()
+            if not (k.endswith("_s") or k in ("seconds", "time"))
+        }
+    if isinstance(value, list):
+        return [_bytes_only(v) for v in value]
+    return value
+
+
+def _real_and_traced(
+    build: Callable[[], Built], precisions: tuple[str, ...], optimizers: tuple[str, ...]
+) -> tuple[Any, Any]:
+    real = _memory(build(), precisions, optimizers)
+    with traced():
+        fake = _memory(build(), precisions, optimizers)
+    return real, fake
+
+
+def _gpt() -> Built:
+    torch.manual_seed(0)
+    model = tiny_gpt(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    return model, gpt_batch(model.config, 4), None
+
+
+def _frozen_gpt() -> Built:
+    model, batch, loss = _gpt()
+    for p in (*model.blocks[0].parameters(), *model.wte.parameters()):
+        p.requires_grad_(False)  # frozen: no gradient, no optimizer state
+    return model, batch, loss
+
+
+def test_a_traced_profile_is_the_real_one_byte_for_byte() -> None:
+    real, fake = _real_and_traced(_gpt, ("fp32", "bf16"), ("adamw", "sgd"))
+    assert real["precisions"]["fp32"]["phases"]  # a timeline, not an empty record
+    assert fake == real
+
+
+def test_frozen_parameters_trace_as_they_run() -> None:
+    real, fake = _real_and_traced(_frozen_gpt, ("fp32",), ("adamw",))
+    assert fake == real
+    whole, _ = _real_and_traced(_gpt, ("fp32",), ("adamw",))
+    assert real["grad_bytes"] < whole["grad_bytes"]  # the frozen ones hold no gradient
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "lora-llama"])
+def test_hugging_face_models_trace_as_they_run(name: str) -> None:
+    """With their attention masks: Hugging Face's helpers that read a mask read a real
+    one of its shape under tracing, as they would a batch with nothing padded."""
+    from zoo import BY_NAME
+
+    case = BY_NAME[name]
+    if missing := case.missing():
+        pytest.skip(f"{name} needs {', '.join(missing)}")
+    real, fake = _real_and_traced(case.build, ("bf16",), ("adamw",))
+    assert fake == real
+
+
+def test_a_fake_tensor_counts_under_the_device_it_stands_for() -> None:
+    with traced():
+        tracker = LiveBytesTracker("cpu")
+        with tracker:
+            x = torch.empty(1000, dtype=torch.float32)
+            y = x * 2
+        assert is_traced(y) and tracker.live == tracker.peak == 8000
+        meta = LiveBytesTracker("meta")  # its storage is on meta, which holds nothing
+        with meta:
+            torch.empty(10)
+        assert meta.peak == 0
+
+
+def test_a_traced_model_trains_a_step_without_reading_a_value() -> None:
+    """No move of the model (a fake one cannot be moved) and no non-finite check (it
+    reads the gradients); the user's real models are unaffected."""
+    with traced():
+        model, batch, _ = _gpt()
+        runner = prepare(model, TrainConfig(micro_batch_size=4), device="cpu")
+        loss = runner.step(batch)
+        assert is_traced(loss) and is_traced(next(model.parameters()))
+    model, batch, _ = _gpt()
+    work = copy.deepcopy(model)
+    assert not is_traced(prepare(work, TrainConfig(micro_batch_size=4), device="cpu").step(batch))
+
+
+def test_hugging_face_helpers_are_given_back() -> None:
+    masks = pytest.importorskip("transformers.masking_utils")
+    before = masks.find_packed_sequence_indices
+    with traced():
+        assert masks.find_packed_sequence_indices is not before
+    assert masks.find_packed_sequence_indices is before
