@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
+    from autotune.tuning._ahead import plan_ahead
     from autotune.tuning._autotune import autotune
     from autotune.tuning._estimate import estimate
 
@@ -77,6 +78,7 @@ __all__ = [
     "find_blocks",
     "load",
     "peak_memory",
+    "plan_ahead",
     "prepare",
 ]
 
@@ -90,6 +92,7 @@ _LAZY = {
     "autotune": "autotune.tuning._autotune",
     "estimate": "autotune.tuning._estimate",
     "find_blocks": "autotune._blocks",
+    "plan_ahead": "autotune.tuning._ahead",
     "prepare": "autotune.train._prepare",
     "Runner": "autotune.train._runner",
 }

@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_kit.sh eager        # GPT-2 at 24 GiB without compiled blocks: what
 #                                           # compiling (on by default on CUDA) buys and costs
 #   bash benchmarks/gpu_kit.sh offload      # offload overhead and transfer-time prediction
+#   bash benchmarks/gpu_kit.sh plan         # a plan made as without the GPU (fake tensors),
+#                                           # its config then run and tuned on the GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/gpu-results}"
@@ -25,6 +27,7 @@ case "${1:-}" in
   eager)     python benchmarks/run.py --device cuda --cases gpt2-124m --budgets 24GiB \
                --compile off --rounds 3 --out "$out/tune-gpt2-eager.json" ;;
   offload)   python benchmarks/offload.py --device cuda --out "$out/offload.json" ;;
-  *) echo "usage: bash benchmarks/gpu_kit.sh tests|calibrate|gpt2|llama|eager|offload" >&2
+  plan)      python benchmarks/plan_vs_gpu.py --device cuda --out "$out/plan-vs-gpu.json" ;;
+  *) echo "usage: bash benchmarks/gpu_kit.sh tests|calibrate|gpt2|llama|eager|offload|plan" >&2
      exit 2 ;;
 esac

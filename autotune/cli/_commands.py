@@ -22,7 +22,7 @@ from autotune.space import SearchSpace
 if TYPE_CHECKING:
     from autotune.tuning import TuneOptions
 
-__all__ = ["estimate_command", "export_command", "report", "show", "tune"]
+__all__ = ["estimate_command", "export_command", "report", "show", "space_of", "tune"]
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -57,7 +57,7 @@ def _options(args: argparse.Namespace, loss: Any, lengths: tuple[int, ...] | Non
         global_batch_tokens=args.global_batch_tokens,
         sequence_lengths=lengths,
         device=args.device,
-        space=_space(args),
+        space=space_of(args),
         n_trials=args.trials,
         timeout_s=args.timeout,
         seed=args.seed,
@@ -67,7 +67,7 @@ def _options(args: argparse.Namespace, loss: Any, lengths: tuple[int, ...] | Non
     )
 
 
-def _space(args: argparse.Namespace) -> SearchSpace:
+def space_of(args: argparse.Namespace) -> SearchSpace:
     """The search space the flags of ``tune`` describe."""
     offload = {"auto": None, "on": True, "off": False}[args.offload]
     knobs: dict[str, Any] = {

@@ -15,18 +15,18 @@ from typing import Any
 
 from autotune.errors import AutotuneError, ConfigError
 
-__all__ = ["inputs"]
+__all__ = ["inputs", "resolve"]
 
 
 def inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The model, the sample batch and the loss function named on the command line."""
-    model = _resolve(args.model, "MODEL")
-    batch = _resolve(args.batch, "--batch")
-    loss = _resolve(args.loss, "--loss", call=False) if args.loss else None
+    model = resolve(args.model, "MODEL")
+    batch = resolve(args.batch, "--batch")
+    loss = resolve(args.loss, "--loss", call=False) if args.loss else None
     return model, batch, loss
 
 
-def _resolve(spec: str, what: str, *, call: bool = True) -> Any:
+def resolve(spec: str, what: str, *, call: bool = True) -> Any:
     """Import ``module:attr`` or ``file.py:attr``; call it if it is a zero-argument factory."""
     target, _, attr = spec.rpartition(":")
     if not target or not attr:

@@ -4,6 +4,7 @@
         --budget-gb 0.09 --global-batch 64 -o tuned.yaml
     autotune show tuned.yaml
     autotune estimate MODEL --batch BATCH [--config tuned.yaml] [--micro-batch 8 ...]
+    autotune plan --hf-config config.json --seq-len 4096 --device H100-80GB --world-size 8
     autotune verify tuned.yaml MODEL --batch BATCH
     autotune export tuned.yaml --to hf|lightning|deepspeed|accelerate|torchrun [-o FILE]
     autotune report tuned.yaml -o report.html
@@ -24,6 +25,7 @@ from typing import Any, TextIO
 
 from autotune.cli import _commands as commands
 from autotune.cli._flag_messages import cli_words
+from autotune.cli._plan import plan as run_plan
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._verify import verify
 from autotune.config import PARALLEL, PRECISIONS
@@ -107,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_tune(sub)  # and show
     _add_estimate(sub)
+    _add_plan(sub)
     _add_checks(sub)
     return parser
 
@@ -154,7 +157,37 @@ def _add_tune(sub: Any) -> None:
     show.set_defaults(run=commands.show)
 
 
-def _add_space(tune: Any) -> None:
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="plan a model for a GPU and ranks that are not here (no GPU needed)",
+        description="Build the model on fake tensors (no memory), trace its training "
+        "steps and plan it for a GPU of the table and a number of ranks: the plans "
+        "fastest predicted first, their peak per rank, and a YAML marked planned. "
+        "Time is a roofline on the GPU's datasheet: NOT VERIFIED. Exit 1 if nothing fits.",
+    )
+    plan.add_argument(
+        "model", nargs="?", metavar="MODEL", help="module:attr of a zero-argument model factory"
+    )
+    plan.add_argument("--batch", help="module:attr of a sample batch, or of a factory of one")
+    plan.add_argument("--loss", help="module:attr of loss_fn(output, batch) -> scalar")
+    plan.add_argument("--hf-config", help="a Hugging Face config.json: the model, no weights")
+    plan.add_argument("--seq-len", type=positive_int, help="tokens per sample (--hf-config)")
+    plan.add_argument(
+        "--device", default="H100-80GB", help="the GPU by name (default H100-80GB; --list-devices)"
+    )
+    plan.add_argument("--list-devices", action="store_true", help="the table of GPUs, and exit")
+    plan.add_argument("--budget-gb", type=gib, help="memory per rank (default: the GPU's)")
+    plan.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
+    plan.add_argument("--world-size", type=positive_int, help="ranks: DDP or FSDP2 (default 1)")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
+    _add_space(plan, gpu_knobs=False)
+    plan.add_argument("-o", "--output", default="planned.yaml", help="result file (planned.yaml)")
+    plan.add_argument("--json", action="store_true", help="print the result as JSON")
+    plan.set_defaults(run=run_plan, offload="off", compile="off")
+
+
+def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
     """The flags of ``tune`` that narrow or widen the search space."""
     tune.add_argument(
         "--optimizers",
@@ -176,6 +209,8 @@ def _add_space(tune: Any) -> None:
         action="store_true",
         help="checkpoint blocks whole only, never keeping their matrix products",
     )
+    if not gpu_knobs:  # offload and compiled blocks: not planned on fake tensors
+        return
     tune.add_argument(
         "--offload",
         choices=("auto", "on", "off"),

@@ -19,6 +19,16 @@ from autotune._interface import interface
 
 if TYPE_CHECKING:
     from autotune.device._backend import Backend, backend_for, pinned_bytes
+    from autotune.device._catalog import (
+        CONTEXT_BYTES,
+        DEVICES,
+        INTER_NODE_BYTES_PER_S,
+        MATMUL_EFFICIENCY,
+        MEMORY_EFFICIENCY,
+        RESERVE_SHARE,
+        DeviceSpec,
+        device_spec,
+    )
     from autotune.device._host import (
         host_empty,
         host_memory,
@@ -31,9 +41,17 @@ if TYPE_CHECKING:
 
 INTERFACE = {
     "Backend": "autotune.device._backend",
+    "CONTEXT_BYTES": "autotune.device._catalog",
+    "DEVICES": "autotune.device._catalog",
+    "DeviceSpec": "autotune.device._catalog",
+    "INTER_NODE_BYTES_PER_S": "autotune.device._catalog",
+    "MATMUL_EFFICIENCY": "autotune.device._catalog",
+    "MEMORY_EFFICIENCY": "autotune.device._catalog",
+    "RESERVE_SHARE": "autotune.device._catalog",
     "Target": "autotune.device._target",
     "backend_for": "autotune.device._backend",
     "budget_bytes": "autotune.device._target",
+    "device_spec": "autotune.device._catalog",
     "discover": "autotune.device._target",
     "host_empty": "autotune.device._host",
     "host_memory": "autotune.device._host",
@@ -46,10 +64,18 @@ INTERFACE = {
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
+    "CONTEXT_BYTES",
+    "DEVICES",
+    "INTER_NODE_BYTES_PER_S",
+    "MATMUL_EFFICIENCY",
+    "MEMORY_EFFICIENCY",
+    "RESERVE_SHARE",
     "Backend",
+    "DeviceSpec",
     "Target",
     "backend_for",
     "budget_bytes",
+    "device_spec",
     "discover",
     "host_empty",
     "host_memory",

@@ -7,6 +7,8 @@
 * ``accelerate``: ``accelerator(result)``, an ``Accelerator`` set as tuned
   (``autotune[accelerate]``).
 * ``_export``: the same settings as plain files (``autotune export``).
+* ``hf_config``: ``causal_lm(config.json, seq_len)``, a Hugging Face model from its config
+  alone and a sample batch, to plan without weights (``autotune plan --hf-config``).
 
 Each trainer's module imports its trainer when it is imported, and nothing here is
 imported by ``import autotune``.

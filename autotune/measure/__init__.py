@@ -25,6 +25,7 @@ from autotune._interface import interface
 if TYPE_CHECKING:
     from autotune.measure._collectives import measure_collectives
     from autotune.measure._depth import deepen, deepen_time, shallow_copies, whole_fits
+    from autotune.measure._fake import TRACED_ASSUMPTIONS, is_traced, traced
     from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
     from autotune.measure._peak import measure_peak
     from autotune.measure._profile_data import (
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         KEEP,
         OFFLOAD,
         SELECTIVE,
+        Collectives,
         Line,
         Phase,
         Profile,
@@ -39,23 +41,28 @@ if TYPE_CHECKING:
         profile_to_json,
     )
     from autotune.measure._profiler import Profiler
+    from autotune.measure._roofline import Roofline
     from autotune.measure._time_profile import fast_precisions, time_profile
     from autotune.measure._tracker import state_tensors
     from autotune.measure._transfer import Transfer, measure_transfer
 
 INTERFACE = {
     "CHECKPOINT": "autotune.measure._profile_data",
+    "Collectives": "autotune.measure._profile_data",
     "KEEP": "autotune.measure._profile_data",
     "Line": "autotune.measure._profile_data",
     "OFFLOAD": "autotune.measure._profile_data",
     "Phase": "autotune.measure._profile_data",
     "Profile": "autotune.measure._profile_data",
     "Profiler": "autotune.measure._profiler",
+    "Roofline": "autotune.measure._roofline",
     "SELECTIVE": "autotune.measure._profile_data",
+    "TRACED_ASSUMPTIONS": "autotune.measure._fake",
     "Transfer": "autotune.measure._transfer",
     "deepen": "autotune.measure._depth",
     "deepen_time": "autotune.measure._depth",
     "fast_precisions": "autotune.measure._time_profile",
+    "is_traced": "autotune.measure._fake",
     "measure_collectives": "autotune.measure._collectives",
     "measure_peak": "autotune.measure._peak",
     "measure_transfer": "autotune.measure._transfer",
@@ -66,6 +73,7 @@ INTERFACE = {
     "sharded_precisions": "autotune.measure._memory_profile",
     "state_tensors": "autotune.measure._tracker",
     "time_profile": "autotune.measure._time_profile",
+    "traced": "autotune.measure._fake",
     "whole_fits": "autotune.measure._depth",
     "working_copy": "autotune.measure._memory_profile",
 }
@@ -76,14 +84,18 @@ __all__ = [
     "KEEP",
     "OFFLOAD",
     "SELECTIVE",
+    "TRACED_ASSUMPTIONS",
+    "Collectives",
     "Line",
     "Phase",
     "Profile",
     "Profiler",
+    "Roofline",
     "Transfer",
     "deepen",
     "deepen_time",
     "fast_precisions",
+    "is_traced",
     "measure_collectives",
     "measure_peak",
     "measure_transfer",
@@ -94,6 +106,7 @@ __all__ = [
     "sharded_precisions",
     "state_tensors",
     "time_profile",
+    "traced",
     "whole_fits",
     "working_copy",
 ]

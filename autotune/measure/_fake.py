@@ -73,6 +73,8 @@ def _moves_in_place() -> Iterator[None]:
         tensors = (*module.parameters(), *module.buffers())
         if memory_format is None and all(_as(t, device, dtype) for t in tensors):
             return module
+        if memory_format is None and tensors and all(isinstance(t, FakeTensor) for t in tensors):
+            return _converted(module, device, dtype)
         return move(module, *args, **kwargs)
 
     nn.Module.to = to  # type: ignore[method-assign,assignment]
@@ -80,6 +82,34 @@ def _moves_in_place() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = move  # type: ignore[method-assign]
+
+
+def _converted(
+    module: nn.Module, device: torch.device | None, dtype: torch.dtype | None
+) -> nn.Module:
+    """``module`` with its fake tensors converted as ``Module.to`` converts them, each
+    replaced rather than swapped (shared ones stay shared)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            cast = (
+                dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+            )
+            new = t.detach().to(device=device or t.device, dtype=cast or t.dtype)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            done[id(t)] = new
+        return done[id(t)]
+
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = convert(p)  # type: ignore[assignment]
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = convert(b)
+    return module
 
 
 def _as(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> bool:

@@ -129,12 +129,15 @@ class LiveBytesTracker(TorchDispatchMode):
             # An out= or resize_ op may resize a counted storage in place: count the change.
             for storage in inputs.values():
                 self._resized(storage, check_budget=True)
-        for t in tree_flatten(out)[0]:
+        widened = _FLOAT_STATISTICS.get(func, ()) if _mixed(args) else ()
+        for i, t in enumerate(tree_flatten(out)[0]):
             # An output sharing an input's storage is a view or an in-place result: no new bytes.
             if isinstance(t, torch.Tensor) and _has_storage(t):
                 storage = _storage(t)
                 if id(storage) not in inputs:
-                    self._add(storage, _device_type(t), check_budget=True)
+                    wide = i in widened and isinstance(t, FakeTensor) and t.element_size() < 4
+                    nbytes = t.numel() * 4 if wide else None
+                    self._add(storage, _device_type(t), check_budget=True, nbytes=nbytes)
         return out
 
     def _resized(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
@@ -145,10 +148,16 @@ class LiveBytesTracker(TorchDispatchMode):
             self._grow(delta, check_budget=check_budget)
 
     def _add(
-        self, storage: torch.UntypedStorage, device_type: str, *, check_budget: bool
+        self,
+        storage: torch.UntypedStorage,
+        device_type: str,
+        *,
+        check_budget: bool,
+        nbytes: int | None = None,
     ) -> None:
         """Count ``storage``, of a tensor on ``device_type`` (a fake tensor's storage is
-        on ``meta``; the tensor says which device it stands for)."""
+        on ``meta``; the tensor says which device it stands for), as ``nbytes`` where
+        given (a fake statistic the real kernel keeps wider)."""
         key = id(storage)
         if (
             key in self._sizes
@@ -156,7 +165,7 @@ class LiveBytesTracker(TorchDispatchMode):
             or (is_host_storage(storage) and not self.counts_host)
         ):
             return
-        nbytes = storage.nbytes()
+        nbytes = storage.nbytes() if nbytes is None else nbytes
         self._sizes[key] = nbytes
         weakref.finalize(storage, self._free, key)
         self._grow(nbytes, check_budget=check_budget)
@@ -199,6 +208,25 @@ def tracker_for(
     under the plain tracker would run eagerly, and never compiled again in the process."""
     kind = CompiledBytesTracker if compiled else LiveBytesTracker
     return kind(device_type, budget_bytes=budget_bytes)
+
+
+_aten = torch.ops.aten
+_FLOAT_STATISTICS = {
+    _aten.native_layer_norm.default: (1, 2),
+    _aten.native_batch_norm.default: (1, 2),
+    _aten._native_batch_norm_legit.default: (1, 2),
+    _aten._native_batch_norm_legit.no_stats: (1, 2),
+    _aten.native_group_norm.default: (1, 2),
+}
+"""Ops whose saved statistics (mean, inverse deviation: outputs 1 and 2) the CPU kernels
+keep in float32 for a bf16 or fp16 input with float32 parameters (autocast's normalisation
+layers), where the fake kernels give them the input's dtype: a traced step counts them at
+4 bytes an element, as a real one holds them."""
+
+
+def _mixed(args: Any) -> bool:
+    """Whether an op's arguments hold a float32 tensor (its weight, its statistics)."""
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.train._compiled import decompile
 
@@ -53,8 +54,13 @@ def copy_model(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     bitsandbytes' ``Params4bit.__deepcopy__`` ignores the memo: the copied weight gets a
     quantization state of its own beside the one its copied layer holds (memory the
     original does not hold), and its ``module`` is the original layer, not the copy's.
-    The copy runs eagerly: what ``torch.compile`` compiled in ``model`` is not in it.
+    The copy runs eagerly: what ``torch.compile`` compiled in ``model`` is not in it. A
+    traced model's copy shares its fake tensors.
     """
+    memo = dict(memo or {})
+    for t in (*model.parameters(), *model.buffers()):
+        if isinstance(t, FakeTensor):  # a traced model's hold no memory: shared, not copied
+            memo.setdefault(id(t), t)  # (a deep copy would belong to another fake mode)
     copied: nn.Module = copy.deepcopy(model, memo)
     decompile(copied)  # autotune's copies run eagerly
     for m in copied.modules():

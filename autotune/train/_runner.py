@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.config import TrainConfig
 from autotune.errors import NonFiniteError
@@ -93,7 +94,9 @@ class Runner(Applied):
         for chunk, weight in self._chunks(batch):
             total += self.forward_backward(chunk, weight)
         self.optimizer_step(max_grad_norm=max_grad_norm, scheduler=scheduler)
-        if self.scaler is not None and not torch.isfinite(total):  # the scaler skipped it
+        # The scaler skipped a non-finite step (a traced step's loss has no value to read).
+        finite = torch.isfinite(total) if self.scaler is not None else None
+        if finite is not None and not isinstance(finite, FakeTensor) and not finite:
             raise NonFiniteError(
                 f"this step's loss is {total.item()}: fp16's GradScaler skipped the update, "
                 "so the weights keep their last finite values. Check this batch's inputs, "

@@ -47,12 +47,24 @@ def apply_step(
             scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if scaler is not None:
+    if scaler is not None and _traced(optimizer):
+        # GradScaler.step reads whether the unscaled gradients were finite; a traced step
+        # has no values to read: the step a finite one takes, its ops all run.
+        if max_grad_norm is None:
+            scaler.unscale_(optimizer)
+        optimizer.step()
+        scaler.update()
+    elif scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     return norm
+
+
+def _traced(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients are fake tensors (a traced step's)."""
+    return any(isinstance(p.grad, FakeTensor) for g in optimizer.param_groups for p in g["params"])
 
 
 def check_finite(optimizer: torch.optim.Optimizer) -> None:

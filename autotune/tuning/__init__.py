@@ -10,6 +10,7 @@
 * ``_study``: a run kept in a study, each expensive job done once among processes;
   ``_data_parallel``: searching every layout, and results planned for ranks not here.
 * ``_estimate``: ``estimate()``, one config's peak without tuning.
+* ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced.
 
 The interface the other layers use is the table below (see :mod:`autotune._interface`);
 each name loads its module on first use.
@@ -22,12 +23,14 @@ from typing import TYPE_CHECKING
 from autotune._interface import interface
 
 if TYPE_CHECKING:
+    from autotune.tuning._ahead import plan_with
     from autotune.tuning._autotune import tune
     from autotune.tuning._estimate import estimate
     from autotune.tuning._options import TuneOptions
 
 INTERFACE = {
     "TuneOptions": "autotune.tuning._options",
+    "plan_with": "autotune.tuning._ahead",
     "estimate": "autotune.tuning._estimate",
     "tune": "autotune.tuning._autotune",
 }
@@ -36,6 +39,7 @@ INTERFACE = {
 __all__ = [
     "TuneOptions",
     "estimate",
+    "plan_with",
     "tune",
 ]
 

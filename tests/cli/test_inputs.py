@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.cli._inputs import _import, _resolve
+from autotune.cli._inputs import _import, resolve
 from autotune.errors import ConfigError
 
 
@@ -26,16 +26,16 @@ def test_a_file_that_fails_to_import_says_how(tmp_path: Path) -> None:
 
 def test_a_missing_module_and_a_missing_attribute_are_named() -> None:
     with pytest.raises(ConfigError, match="cannot import 'no_such_module_here'"):
-        _resolve("no_such_module_here:x", "MODEL")
+        resolve("no_such_module_here:x", "MODEL")
     with pytest.raises(ConfigError, match=r"'autotune\.models' has no attribute 'nope'"):
-        _resolve("autotune.models:nope", "MODEL")
+        resolve("autotune.models:nope", "MODEL")
     with pytest.raises(ConfigError, match=r"must look like package\.module:attr"):
-        _resolve("autotune.models", "MODEL")
+        resolve("autotune.models", "MODEL")
 
 
 def test_a_factory_that_fails_is_named() -> None:
     with pytest.raises(ConfigError, match=r"--batch: autotune.models:gpt_batch\(\) failed"):
-        _resolve("autotune.models:gpt_batch", "--batch")  # needs arguments
+        resolve("autotune.models:gpt_batch", "--batch")  # needs arguments
 
 
 def test_python_dash_m_runs_the_command_line(monkeypatch, capsys) -> None:

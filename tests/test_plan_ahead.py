@@ -1,0 +1,156 @@
+"""Planning for a GPU and ranks that are not here, on fake tensors (issue 27)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import autotune
+from autotune.cli._main import main
+from autotune.device import CONTEXT_BYTES, DEVICES, MATMUL_EFFICIENCY, device_spec
+from autotune.measure import Roofline, is_traced, traced
+from autotune.models import example_batch, tiny_gpt
+
+BUDGET_GB = 1.0  # the CUDA context alone is 0.9 GB
+SPACE = autotune.SearchSpace(precisions=("bf16",))  # one precision: the tests' time halved
+BUILT: list[torch.nn.Module] = []
+
+
+def _counted() -> torch.nn.Module:
+    BUILT.append(tiny_gpt())
+    return BUILT[-1]
+
+
+def _plan(**kwargs) -> autotune.TuneResult:
+    kwargs.setdefault("device", "RTX4090-24GB")
+    kwargs.setdefault("global_batch_size", 16)
+    return autotune.plan_ahead(_counted, example_batch, BUDGET_GB, space=SPACE, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def planned() -> autotune.TuneResult:
+    BUILT.clear()
+    return _plan()
+
+
+def test_a_plan_is_ranked_within_the_budget_and_says_what_it_assumed(planned) -> None:
+    assert planned.config.effective_batch_size == 16
+    assert planned.target.name == "RTX4090-24GB"
+    speeds = [t.predicted.samples_per_s for t in planned.trials]
+    assert len(speeds) > 1 and speeds == sorted(speeds, reverse=True)
+    assert all(t.measured is None for t in planned.trials)  # none of them run
+    assert all(t.predicted.peak_bytes <= planned.budget_bytes for t in planned.trials)
+    assert planned.trials[0].config == planned.config
+    # On the GPU the context and the allocator's reserve are held beside the tensors.
+    assert planned.breakdown.other >= CONTEXT_BYTES
+    notes = " ".join(planned.unverified)
+    assert "NOT VERIFIED" in notes and "fake tensors" in notes and "RTX4090-24GB" in notes
+
+
+def test_a_plan_is_written_and_read_back_as_planned(planned, tmp_path: Path) -> None:
+    back = autotune.load(planned.save(tmp_path / "planned.yaml"))
+    assert back.config == planned.config and back.unverified == planned.unverified
+
+
+def test_nothing_is_built_for_real(planned) -> None:
+    assert len(BUILT) == 1 and all(is_traced(p) for p in BUILT[0].parameters())
+
+
+def test_ranks_far_beyond_this_machine_are_planned_per_rank() -> None:
+    result = _plan(world_size=64, global_batch_size=128)
+    assert result.config.world_size == 64 and result.config.parallel in ("ddp", "fsdp")
+    assert result.config.effective_batch_size * 64 == 128
+    assert any("64 ranks" in note for note in result.unverified)
+
+
+def test_a_budget_nothing_fits_says_so() -> None:
+    with pytest.raises(autotune.BudgetTooSmallError):
+        autotune.plan_ahead(tiny_gpt, example_batch, 1e-4, device="H100-80GB", space=SPACE)
+
+
+def test_the_device_table() -> None:
+    assert device_spec("rtx4090-24gb") is DEVICES["RTX4090-24GB"]
+    with pytest.raises(autotune.ConfigError, match="H100-80GB"):
+        device_spec("H800")
+    for spec in DEVICES.values():  # dense peaks: a tensor core's bf16 beats plain fp32
+        assert spec.flops["bf16"] > spec.flops["fp32"] > 0 and spec.source
+
+
+def test_the_roofline_times_a_matmul_by_flops_and_an_add_by_bytes() -> None:
+    spec = DEVICES["H100-80GB"]
+    n = 4096
+    with traced():
+        a = torch.empty(n, n, dtype=torch.bfloat16)
+        with Roofline(spec) as clock:
+            a @ a
+        matmul = clock.seconds
+        with Roofline(spec) as clock:
+            a + a
+        add = clock.seconds
+    assert matmul == pytest.approx(2 * n**3 / (spec.flops["bf16"] * MATMUL_EFFICIENCY))
+    assert add == pytest.approx(3 * n * n * 2 / (spec.bandwidth * 0.8))
+
+
+def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "planned.yaml"
+    code = main(
+        ["plan", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+         "--device", "A100-40GB", "--budget-gb", str(BUDGET_GB), "--global-batch", "16",
+         "--precisions", "bf16", "-o", str(out)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and out.exists()
+    assert "NOT VERIFIED" in printed and "A100-40GB" in printed and "peak per rank" in printed
+
+
+def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "dtype": "bfloat16",
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "planned.yaml"
+    args = ["plan", "--hf-config", str(path), "--seq-len", "64", "--device", "L4-24GB",
+            "--budget-gb", "1", "--global-batch", "8", "--precisions", "bf16",
+            "--no-selective-checkpointing", "-o", str(out), "--json"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"]["class_name"] == "LlamaForCausalLM"
+    # fp32 weights whatever dtype the config was saved in (mixed precision trains them)
+    assert result["model"]["n_parameters"] * 4 <= result["breakdown"]["parameters"]
+
+
+def test_cli_says_what_to_change_when_nothing_fits(capsys) -> None:
+    code = main(
+        ["plan", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+         "--budget-gb", "0.0001", "--precisions", "bf16", "-o", "/dev/null"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 1 and "--world-size" in printed and "LoRA" in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--hf-config", "config.json"], "--seq-len"),
+        (["--device", "H800"], "H100-80GB"),
+        ([], "MODEL and --batch"),
+    ],
+)
+def test_cli_errors_say_what_to_pass(capsys, flags, words) -> None:
+    if "--hf-config" in flags:
+        pytest.importorskip("transformers")
+    assert main(["plan", *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_lists_the_devices(capsys) -> None:
+    assert main(["plan", "--list-devices"]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in DEVICES)
