@@ -66,7 +66,7 @@ def estimators(model: torch.nn.Module, world: int) -> dict[str, int]:
     per_node = min(world, 8)
     nodes = max(world // 8, 1)
     _, zero2 = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)
-    _, zero3 = estimate_zero3_model_states_mem_needs(
+    _, zero3, *_ = estimate_zero3_model_states_mem_needs(
         params, largest_bytes // 4, per_node, nodes, cpu_offload=False, cpu_offload_params=False
     )
     adam = max(estimate_training_usage(total_bytes, "bfloat16").values())

@@ -71,6 +71,15 @@ def test_a_budget_nothing_fits_says_so() -> None:
         autotune.plan_ahead(tiny_gpt, example_batch, 1e-4, device="H100-80GB", space=SPACE)
 
 
+def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
+    """Over several ranks, FSDP2's minimum (shards), not DDP's (the whole model)."""
+    with pytest.raises(autotune.BudgetTooSmallError, match="fsdp over 8 ranks") as caught:
+        autotune.plan_ahead(
+            tiny_gpt, example_batch, 0.8, device="H100-80GB", world_size=8, space=SPACE
+        )
+    assert caught.value.minimum_bytes > 0.8 * 2**30
+
+
 def test_the_device_table() -> None:
     assert device_spec("rtx4090-24gb") is DEVICES["RTX4090-24GB"]
     with pytest.raises(autotune.ConfigError, match="H100-80GB"):

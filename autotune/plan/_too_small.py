@@ -50,6 +50,8 @@ def too_small(
         where.append(f"{len(config.offload_activations)} of {cost.n_blocks} blocks offloaded")
     if h:
         where.append("optimizer on the host")
+    if config.parallel != "none":
+        where.append(f"{config.parallel} over {config.world_size} ranks")
     return BudgetTooSmallError(
         f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
         f"{format_bytes(peak)} (micro-batch {micro_batch}, {p}, {o}"

@@ -167,5 +167,7 @@ def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
     feasible = {p: b for p, b in caps.items() if b is not None}
     if not feasible:
         helps = not backend_for(problem.target.device).host_is_device
-        raise too_small(found[0], problem.space, problem.budget, offload_helps=helps)
+        # The least any layout needs (with several ranks FSDP2's, not DDP's whole model).
+        errors = [too_small(q, problem.space, problem.budget, offload_helps=helps) for q in found]
+        raise min(errors, key=lambda e: e.minimum_bytes)
     return feasible
