@@ -15,7 +15,11 @@ from autotune.measure import Roofline, is_traced, traced
 from autotune.models import example_batch, tiny_gpt
 
 BUDGET_GB = 1.0  # the CUDA context alone is 0.9 GB
-SPACE = autotune.SearchSpace(precisions=("bf16",))  # one precision: the tests' time halved
+# One precision, whole-block checkpointing, three sizes: each plan a few seconds of CI.
+SPACE = autotune.SearchSpace(
+    precisions=("bf16",), selective_checkpointing=False, micro_batch_sizes=(4, 8, 16)
+)
+SMALL = ["--precisions", "bf16", "--no-selective-checkpointing", "--micro-batch-sizes", "4,8,16"]
 BUILT: list[torch.nn.Module] = []
 
 
@@ -60,15 +64,10 @@ def test_nothing_is_built_for_real(planned) -> None:
 
 
 def test_ranks_far_beyond_this_machine_are_planned_per_rank() -> None:
-    result = _plan(world_size=64, global_batch_size=128)
+    result = _plan(world_size=64, global_batch_size=64 * 16)
     assert result.config.world_size == 64 and result.config.parallel in ("ddp", "fsdp")
-    assert result.config.effective_batch_size * 64 == 128
+    assert result.config.effective_batch_size == 16  # per rank
     assert any("64 ranks" in note for note in result.unverified)
-
-
-def test_a_budget_nothing_fits_says_so() -> None:
-    with pytest.raises(autotune.BudgetTooSmallError):
-        autotune.plan_ahead(tiny_gpt, example_batch, 1e-4, device="H100-80GB", space=SPACE)
 
 
 def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
@@ -108,7 +107,7 @@ def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
     code = main(
         ["plan", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
          "--device", "A100-40GB", "--budget-gb", str(BUDGET_GB), "--global-batch", "16",
-         "--precisions", "bf16", "-o", str(out)]
+         *SMALL, "-o", str(out)]
     )  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0 and out.exists()
@@ -126,8 +125,8 @@ def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:
     path.write_text(json.dumps(config))
     out = tmp_path / "planned.yaml"
     args = ["plan", "--hf-config", str(path), "--seq-len", "64", "--device", "L4-24GB",
-            "--budget-gb", "1", "--global-batch", "8", "--precisions", "bf16",
-            "--no-selective-checkpointing", "-o", str(out), "--json"]  # fmt: skip
+            "--budget-gb", "1", "--global-batch", "16", *SMALL, "-o", str(out),
+            "--json"]  # fmt: skip
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["model"]["class_name"] == "LlamaForCausalLM"
@@ -138,7 +137,7 @@ def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:
 def test_cli_says_what_to_change_when_nothing_fits(capsys) -> None:
     code = main(
         ["plan", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
-         "--budget-gb", "0.0001", "--precisions", "bf16", "-o", "/dev/null"]
+         "--budget-gb", "0.0001", *SMALL, "-o", "/dev/null"]
     )  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 1 and "--world-size" in printed and "LoRA" in printed

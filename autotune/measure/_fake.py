@@ -63,9 +63,10 @@ def is_traced(tensor: Any) -> bool:
 
 @contextlib.contextmanager
 def _moves_in_place() -> Iterator[None]:
-    """``Module.to`` a device a fake module is on already: the module itself, as for a
-    real one. (torch swaps each tensor for its moved self, and a fake tensor, which its
-    mode holds a weak reference to, cannot be swapped: peft moves its adapters so.)"""
+    """``Module.to`` of a fake module: the module itself where nothing changes (as for a
+    real one), else its tensors converted and replaced. torch swaps each tensor for its
+    converted self, and a fake tensor, which its mode holds a weak reference to, cannot be
+    swapped (peft moves its adapters so; FSDP2's timeline casts a copy to bf16)."""
     move = nn.Module.to
 
     def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:

@@ -74,7 +74,7 @@ def _frozen_gpt() -> Built:
 
 
 def test_a_traced_profile_is_the_real_one_byte_for_byte() -> None:
-    real, fake = _real_and_traced(_gpt, ("fp32", "bf16"), ("adamw", "sgd"))
+    real, fake = _real_and_traced(_gpt, ("fp32", "bf16"), ("adamw",))
     assert real["precisions"]["fp32"]["phases"]  # a timeline, not an empty record
     assert fake == real
 
@@ -82,8 +82,8 @@ def test_a_traced_profile_is_the_real_one_byte_for_byte() -> None:
 def test_frozen_parameters_trace_as_they_run() -> None:
     real, fake = _real_and_traced(_frozen_gpt, ("fp32",), ("adamw",))
     assert fake == real
-    whole, _ = _real_and_traced(_gpt, ("fp32",), ("adamw",))
-    assert real["grad_bytes"] < whole["grad_bytes"]  # the frozen ones hold no gradient
+    every = sum(p.numel() * 4 for p in _gpt()[0].parameters())
+    assert real["grad_bytes"] < every  # the frozen ones hold no gradient
 
 
 @pytest.mark.parametrize("name", ["llama", "lora-llama", "bert", "resnet"])
