@@ -49,16 +49,13 @@ from autotune.train import LossFn, map_tensors
 from autotune.tuning._data_parallel import planned_result, search_layouts
 from autotune.tuning._once import model_info
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._problem import Problem, per_rank_batch, world_of
+from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, world_of
 from autotune.tuning._profiling import profile_model
 
 __all__ = ["plan_ahead", "plan_with"]
 
 PLANS_KEPT = 10
 """Candidates a plan keeps, fastest predicted first (its ``trials``, none of them run)."""
-
-_MARGIN = 0.04
-"""Head-room below the budget, as the tuner keeps on CUDA."""
 
 _LATENCY_S = 30e-6
 """A collective's fixed cost (stated): a ring's launch and first hop."""
@@ -179,7 +176,7 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         precisions=tuple(space.precisions),
         global_batch_size=global_batch_size,
         budget=budget,
-        limit=int(budget * (1 - _MARGIN)),
+        limit=int(budget * (1 - _MARGIN["cuda"])),  # the head-room the tuner keeps on CUDA
         foreign=0,
         world=world,
         verifiable=False,
