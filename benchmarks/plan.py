@@ -10,6 +10,10 @@ for ZeRO-2 and ZeRO-3 on those GPUs (no activations). The plans are NOT VERIFIED
 GPU kit's ``plan`` step checks one against a real GPU.
 
     python benchmarks/plan.py --out benchmarks/results-plan-cpu.json
+    python benchmarks/plan.py --trace-rank --out benchmarks/results-plan-traced-rank-cpu.json
+
+``--trace-rank`` traces rank 0 of each FSDP2 plan with FSDP2 itself (a fake process group
+of the plan's world size), the exact peak per rank beside the one-process plan's.
 """
 
 from __future__ import annotations
@@ -73,14 +77,22 @@ def estimators(model: torch.nn.Module, world: int) -> dict[str, int]:
     return {"accelerate_adam_bs1": int(adam), "deepspeed_zero2": zero2, "deepspeed_zero3": zero3}
 
 
-def plan_one(name: str, config: Path, device: str, budget: float, world: int) -> dict[str, Any]:
+def plan_one(
+    name: str, config: Path, device: str, budget: float, world: int, trace_rank: bool = False
+) -> dict[str, Any]:
     """One plan: seconds, outcome, peak per rank, and the estimators beside it."""
     build, sample = causal_lm(config, SEQ)
     row: dict[str, Any] = {"model": name, "device": device, "budget_gib": budget, "world": world}
     started = time.perf_counter()
     try:
         result = autotune.plan_ahead(
-            build, sample, budget, device=device, global_batch_size=GLOBAL_BATCH, world_size=world
+            build,
+            sample,
+            budget,
+            device=device,
+            global_batch_size=GLOBAL_BATCH,
+            world_size=world,
+            trace_rank=trace_rank,
         )
         row.update(
             config=result.config.describe(),
@@ -88,6 +100,8 @@ def plan_one(name: str, config: Path, device: str, budget: float, world: int) ->
             samples_per_s=result.predicted.samples_per_s,
             breakdown=dict(vars(result.breakdown)),
             parameters=result.model.n_parameters,
+            traced_rank=next((n for n in result.unverified if n.startswith("rank 0 of")), None),
+            trace_s=result.spent.verification_s,
         )
     except autotune.BudgetTooSmallError as exc:
         row.update(fits=False, minimum_bytes=exc.minimum_bytes, why=str(exc).split(":")[0])
@@ -101,6 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results-plan.json"))
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument(
+        "--trace-rank", action="store_true", help="trace rank 0 of each FSDP2 plan (slower)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     folder = Path(tempfile.mkdtemp(prefix="autotune-plan-"))  # the configs, as users have them
@@ -116,7 +133,7 @@ def main() -> None:
         config = folder / f"{name}.json"
         config.write_text(json.dumps(MODELS[name]))
         for device, budget, world in TARGETS:
-            row = plan_one(name, config, device, budget, world)
+            row = plan_one(name, config, device, budget, world, args.trace_rank)
             report["rows"].append(row)
             args.out.write_text(json.dumps(report, indent=1))
             print(json.dumps(row), flush=True)

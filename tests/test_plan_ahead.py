@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import torch
 import autotune
 from autotune.cli._main import main
 from autotune.device import CONTEXT_BYTES, DEVICES, MATMUL_EFFICIENCY, device_spec
-from autotune.measure import Roofline, is_traced, traced
-from autotune.models import example_batch, tiny_gpt
+from autotune.measure import Roofline, is_traced, traced, traced_rank_peak
+from autotune.models import example_batch, gpt_batch, tiny_gpt
+from autotune.train import resize
 
 BUDGET_GB = 1.0  # the CUDA context alone is 0.9 GB
 # One precision, whole-block checkpointing, three sizes: each plan a few seconds of CI.
@@ -70,6 +72,32 @@ def test_ranks_far_beyond_this_machine_are_planned_per_rank() -> None:
     assert any("64 ranks" in note for note in result.unverified)
 
 
+def _wide() -> torch.nn.Module:  # weights outweigh activations: FSDP2, not DDP, fits
+    return tiny_gpt(n_layer=2, n_embd=512, n_head=4, block_size=16, vocab_size=512)
+
+
+def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return gpt_batch(_wide().config, 4)
+
+
+def test_an_fsdp_plan_s_rank_is_traced_with_fsdp_itself() -> None:
+    """Rank 0 of 8, traced on a process group that sends nothing (exact: see
+    tests/parallel/test_per_rank.py), in the place of the one-process model's peak."""
+    plan = {"device": "H100-80GB", "world_size": 8, "global_batch_size": 8 * 16, "space": SPACE}
+    plain = autotune.plan_ahead(_wide, _wide_batch, 0.95, **plan)
+    checked = autotune.plan_ahead(_wide, _wide_batch, 0.95, trace_rank=True, **plan)
+    config = checked.config
+    assert config == plain.config and config.parallel == "fsdp"
+    local = config.effective_batch_size
+    rank = traced_rank_peak(_wide, lambda: resize(_wide_batch(), local), config)
+    one_process, _ = autotune.estimate(_wide(), _wide_batch(), config, device="cpu")
+    # The same translation to the GPU (context, reserve), on the traced live bytes.
+    assert checked.predicted.peak_bytes - plain.predicted.peak_bytes == rank - one_process
+    assert checked.trials[0].predicted == checked.predicted
+    assert checked.predicted.peak_bytes <= checked.budget_bytes
+    assert any("rank 0 of 8 traced with FSDP2" in note for note in checked.unverified)
+
+
 def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
     """Over several ranks, FSDP2's minimum (shards), not DDP's (the whole model)."""
     with pytest.raises(autotune.BudgetTooSmallError, match="fsdp over 8 ranks") as caught:
@@ -112,6 +140,36 @@ def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
     printed = capsys.readouterr().out
     assert code == 0 and out.exists()
     assert "NOT VERIFIED" in printed and "A100-40GB" in printed and "peak per rank" in printed
+
+    # `tune --from` the plan, here (on the CPU: the code a GPU runs): its budget and
+    # global batch, its config verified first, what it predicted beside what was measured.
+    plan = autotune.load(out)
+    tuned = tmp_path / "tuned.yaml"
+    code = main(
+        ["tune", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+         "--from", str(out), "--device", "cpu", *SMALL, "-q", "-o", str(tuned)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    result = autotune.load(tuned)
+    assert code == 0 and result.budget_bytes == plan.budget_bytes
+    assert result.config.global_batch_size == plan.config.global_batch_size
+    record = result.trials[0]
+    assert record.config == plan.config and record.predicted == plan.predicted
+    assert record.measured is not None  # it ran, within the budget
+    assert f"the plan    {plan.config.describe()}: peak predicted" in printed
+
+
+def test_tune_from_a_plan_for_other_ranks_or_batches_says_what_to_do(
+    planned, tmp_path: Path
+) -> None:
+    ranks = planned.config.replace(parallel="fsdp", world_size=8)
+    path = dataclasses.replace(planned, config=ranks).save(tmp_path / "planned.yaml")
+    with pytest.raises(autotune.ConfigError, match="torchrun --nproc-per-node 8"):
+        autotune.autotune(tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=path)
+    with pytest.raises(autotune.ConfigError, match="global batch is 16"):
+        autotune.autotune(
+            tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=planned, global_batch_size=8
+        )
 
 
 def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:

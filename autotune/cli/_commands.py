@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from autotune._files import check_writable, write_atomic
-from autotune._format import format_bytes
+from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
 from autotune.cli._inputs import inputs
 from autotune.cli._progress import progress
@@ -29,9 +29,14 @@ def tune(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
     from autotune.tuning import tune as run
 
+    plan = load(args.start_from) if args.start_from else None
+    if args.budget_gb is None and plan is None:
+        raise ConfigError("tune needs --budget-gb (e.g. --budget-gb 24), or --from a plan.")
     model, batch, loss = inputs(args)
     lengths = args.sequence_lengths
-    options = _options(args, loss, _integers(lengths, "--sequence-lengths") if lengths else None)
+    options = _options(
+        args, loss, _integers(lengths, "--sequence-lengths") if lengths else None, plan
+    )
     first, joined = join_torchrun(args.device)
     with progress(quiet=args.quiet or not first), leave_group(joined):
         result = run(model, batch, options)
@@ -42,16 +47,47 @@ def tune(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(_describe(result))
+        if plan is not None:
+            print(_against_plan(result, plan))
         print(f"\nwritten to {path}")
     return 0
 
 
-def _options(args: argparse.Namespace, loss: Any, lengths: tuple[int, ...] | None) -> TuneOptions:
-    """The tuner's options the flags of ``tune`` describe."""
+def _against_plan(result: TuneResult, plan: TuneResult) -> str:
+    """What the plan predicted for its config against what the device measured."""
+    from autotune.tuning import plan_record
+
+    record = plan_record(result, plan)
+    head = f"the plan    {plan.config.describe()}: "
+    if record is None:
+        return head + "not run"
+    p = record.predicted
+    if record.measured is None:
+        return head + f"predicted {format_bytes(p.peak_bytes)}, rejected: {record.error}"
+    m = record.measured
+    error = (p.peak_bytes - m.peak_bytes) / m.peak_bytes
+    won = "; it won" if record.config == result.config else ""
+    return head + (
+        f"peak predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)} "
+        f"({error:+.1%}); {p.samples_per_s:.1f} samples/s predicted, {m.samples_per_s:.1f} "
+        f"measured{won}"
+    )
+
+
+def _options(
+    args: argparse.Namespace,
+    loss: Any,
+    lengths: tuple[int, ...] | None,
+    plan: TuneResult | None,
+) -> TuneOptions:
+    """The tuner's options the flags of ``tune`` describe, starting from ``plan`` (its
+    budget where ``--budget-gb`` is left out)."""
     from autotune.tuning import TuneOptions
 
+    budget = args.budget_gb if args.budget_gb is not None or plan is None else None
     return TuneOptions(
-        budget_gb=args.budget_gb,
+        budget_gb=budget if budget is not None else plan.budget_bytes / GIB,  # type: ignore[union-attr]
+        start_from=plan,
         loss_fn=loss,
         global_batch_size=args.global_batch,
         global_batch_tokens=args.global_batch_tokens,

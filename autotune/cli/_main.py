@@ -17,6 +17,7 @@ does not fit (verify), 2 an error (one line on stderr), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import warnings
@@ -96,7 +97,22 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            near = self._nearest(message.split(":", 1)[1].split())
+            message += f"; did you mean {near}?" if near else ""
         self.exit(2, f"autotune: error: {message} (see {self.prog} --help)\n")
+
+    def _nearest(self, words: list[str]) -> str | None:
+        """The option, of this parser or its commands', nearest the first unknown one."""
+        unknown = next((w.split("=")[0] for w in words if w.startswith("--")), None)
+        if unknown is None:
+            return None
+        options = set(self._option_string_actions)
+        for action in self._subparsers._group_actions if self._subparsers else ():
+            for parser in getattr(action, "choices", {}).values():
+                options.update(parser._option_string_actions)
+        found = difflib.get_close_matches(unknown, sorted(options), n=1, cutoff=0.6)
+        return found[0] if found else None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,7 +134,14 @@ def _add_tune(sub: Any) -> None:
     tune = sub.add_parser("tune", help="find the fastest config that fits a memory budget")
     _add_inputs(tune)
     tune.add_argument(
-        "--budget-gb", type=gib, required=True, help="device memory: 24, 24GiB or 512MiB"
+        "--budget-gb", type=gib, help="device memory: 24, 24GiB or 512MiB (required, but --from)"
+    )
+    tune.add_argument(
+        "--from",
+        dest="start_from",
+        metavar="PLAN",
+        help="a plan (autotune plan's YAML) or a tuned YAML: its config verified first, its "
+        "budget, global batch and world size the defaults",
     )
     tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
     tune.add_argument(
@@ -181,6 +204,12 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
     plan.add_argument("--world-size", type=positive_int, help="ranks: DDP or FSDP2 (default 1)")
     plan.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
+    plan.add_argument(
+        "--trace-rank",
+        action="store_true",
+        help="an FSDP2 plan: trace its rank 0 with FSDP2 itself, for the exact peak per rank "
+        "(a traced step of the whole model: a minute for an 8B)",
+    )
     _add_space(plan, gpu_knobs=False)
     plan.add_argument("-o", "--output", default="planned.yaml", help="result file (planned.yaml)")
     plan.add_argument("--json", action="store_true", help="print the result as JSON")

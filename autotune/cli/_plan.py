@@ -3,12 +3,14 @@
     autotune plan --hf-config config.json --seq-len 4096 --device H100-80GB \\
         --budget-gb 80 --world-size 8 --global-batch 64 -o planned.yaml
     autotune plan mypkg.models:build --batch mypkg.data:sample --device RTX4090-24GB
+    autotune plan --hf-config config.json --seq-len 4096 --world-size 64 --trace-rank
     autotune plan --list-devices
 
 MODEL (or ``--hf-config``) is built on fake tensors, so planning an 8B or 70B model takes
 seconds of this machine and none of its memory. The plans are printed fastest predicted
-first; the YAML is a tuned result marked planned (``unverified``), which ``autotune
-verify`` checks on the real GPU.
+first (with ``--trace-rank``, an FSDP2 plan's rank 0 is traced with FSDP2 itself, for its
+exact peak per rank); the YAML is a tuned result marked planned (``unverified``), which
+``autotune verify`` checks on the real GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def plan(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     try:
-        result = plan_with(build, sample, options, spec.name)
+        result = plan_with(build, sample, options, spec.name, trace_rank=args.trace_rank)
     except BudgetTooSmallError as exc:
         print(f"autotune: nothing fits: {' '.join(str(exc).split())}")
         print("to fit, try:\n" + "\n".join(f"  - {line}" for line in _TO_FIT))

@@ -8,7 +8,8 @@
   assemble them into a profile; ``_depth``: a model deeper than the device holds,
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
 * ``_transfer``: host<->device copy speeds; ``_collectives``: the process group's.
-* ``_fake``: tracing on fake tensors, a model of any size profiled without its memory.
+* ``_fake``: tracing on fake tensors, a model of any size profiled without its memory;
+  ``_rank_trace``: one rank of DDP or FSDP2 traced at any world size (a fake group).
 * ``_profile_data``: the profile's records and their JSON, the planner's only input. It
   imports no training code.
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         profile_to_json,
     )
     from autotune.measure._profiler import Profiler
+    from autotune.measure._rank_trace import fake_ranks, traced_rank_peak
     from autotune.measure._roofline import Roofline
     from autotune.measure._time_profile import fast_precisions, time_profile
     from autotune.measure._tracker import state_tensors
@@ -60,6 +62,7 @@ INTERFACE = {
     "TRACED_ASSUMPTIONS": "autotune.measure._fake",
     "Transfer": "autotune.measure._transfer",
     "deepen": "autotune.measure._depth",
+    "fake_ranks": "autotune.measure._rank_trace",
     "deepen_time": "autotune.measure._depth",
     "fast_precisions": "autotune.measure._time_profile",
     "is_traced": "autotune.measure._fake",
@@ -74,6 +77,7 @@ INTERFACE = {
     "state_tensors": "autotune.measure._tracker",
     "time_profile": "autotune.measure._time_profile",
     "traced": "autotune.measure._fake",
+    "traced_rank_peak": "autotune.measure._rank_trace",
     "whole_fits": "autotune.measure._depth",
     "working_copy": "autotune.measure._memory_profile",
 }
@@ -94,6 +98,7 @@ __all__ = [
     "Transfer",
     "deepen",
     "deepen_time",
+    "fake_ranks",
     "fast_precisions",
     "is_traced",
     "measure_collectives",
@@ -107,6 +112,7 @@ __all__ = [
     "state_tensors",
     "time_profile",
     "traced",
+    "traced_rank_peak",
     "whole_fits",
     "working_copy",
 ]

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autotune._blocks import find_blocks
 from autotune.config import TrainConfig
@@ -216,7 +217,8 @@ def _fully_shard(
         fully_shard,
     )
 
-    mesh = init_device_mesh(device.type, (config.world_size,))
+    with unset_fake_temporarily():  # the mesh is bookkeeping: real even in a traced run
+        mesh = init_device_mesh(device.type, (config.world_size,))
     mp = MixedPrecisionPolicy()
     if config.precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -106,7 +106,7 @@ def _finite(optimizer: torch.optim.Optimizer) -> bool:
         where = torch.device("cuda", torch.cuda.current_device()) if nccl else home
         verdict = finite.to(where, torch.int32)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-        return bool(verdict)
+        finite = verdict
     if isinstance(finite, FakeTensor):  # a traced step (no data): its ops ran, none to read
         return True
     return bool(finite)

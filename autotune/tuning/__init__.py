@@ -10,7 +10,9 @@
 * ``_study``: a run kept in a study, each expensive job done once among processes;
   ``_data_parallel``: searching every layout, and results planned for ranks not here.
 * ``_estimate``: ``estimate()``, one config's peak without tuning.
-* ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced.
+* ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced;
+  ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself; ``_start``: a run
+  that starts from a plan, its config verified first.
 
 The interface the other layers use is the table below (see :mod:`autotune._interface`);
 each name loads its module on first use.
@@ -27,10 +29,12 @@ if TYPE_CHECKING:
     from autotune.tuning._autotune import tune
     from autotune.tuning._estimate import estimate
     from autotune.tuning._options import TuneOptions
+    from autotune.tuning._start import plan_record
 
 INTERFACE = {
     "TuneOptions": "autotune.tuning._options",
     "plan_with": "autotune.tuning._ahead",
+    "plan_record": "autotune.tuning._start",
     "estimate": "autotune.tuning._estimate",
     "tune": "autotune.tuning._autotune",
 }
@@ -39,6 +43,7 @@ INTERFACE = {
 __all__ = [
     "TuneOptions",
     "estimate",
+    "plan_record",
     "plan_with",
     "tune",
 ]

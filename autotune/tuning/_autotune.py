@@ -10,6 +10,7 @@ The loops are :func:`~autotune.tuning._lengths.tune_lengths` and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from autotune.tuning._attention import tune_attentions
 from autotune.tuning._lengths import tune_lengths
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import uncompiled
+from autotune.tuning._start import resolved_plan, started_from
 
 __all__ = ["autotune", "tune"]
 
@@ -44,6 +46,7 @@ def autotune(
     storage: str | None = None,
     study_name: str | None = None,
     world_size: int | None = None,
+    start_from: TuneResult | str | Path | None = None,
 ) -> TuneResult:
     """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
 
@@ -83,6 +86,12 @@ def autotune(
             world size other than 1 is planned without running it, and the result's
             ``unverified`` says what that leaves out. The global batch is
             ``micro x accumulation x world_size``.
+        start_from: A plan made without the device (:func:`autotune.plan_ahead`, or the
+            YAML of ``autotune plan``) or an earlier result: its config is verified on
+            the device first, beside the tuner's own candidates (its record in
+            ``trials``: the plan's prediction against the measurement); the fastest
+            measured wins. Its global batch is the default; its world size must be this
+            run's.
 
     Returns:
         The verified winner, its predicted and measured numbers, and fallbacks (with
@@ -106,6 +115,7 @@ def autotune(
         storage=storage,
         study_name=study_name,
         world_size=world_size,
+        start_from=resolved_plan(start_from),
     )
     return tune(model, sample_batch, options)
 
@@ -118,6 +128,7 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
         raise ConfigError(
             "SearchSpace.attention is not supported with storage= yet; leave one of them out."
         )
+    options = started_from(options)
     if options.table:
         return tune_lengths(model, sample_batch, options)
     return tune_attentions(model, sample_batch, options)

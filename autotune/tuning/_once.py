@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from autotune.tuning._study import measure_with, open_store, shared_profile, sha
 from autotune.verify import StudyStore, Verifier, choose_winner, fallback_ladder, fastest
 
 __all__ = ["tune_once"]
+
+log = logging.getLogger("autotune")
 
 VERIFY_TOP = 3
 """Candidates verified for real, fastest predicted first (more where the first fail)."""
@@ -70,7 +73,7 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
                 clock.append(time.perf_counter())
                 info = model_info(model, profile.blocks)
                 return planned_result(info, problem, profile, candidates, started, clock)
-            verified = _verify(work, problem, found, candidates, store)
+            verified = _verify(work, problem, found, candidates, store, options.start_from)
             clock.append(time.perf_counter())
     finally:
         del work
@@ -108,11 +111,20 @@ def _verify(
     found: list[Planner],
     candidates: list[Candidate],
     store: StudyStore | None,
+    plan: TuneResult | None,
 ) -> _Verified:
-    """Run the best candidates for real: the winner, every record, the fallback ladder."""
+    """Run the best candidates for real (``plan``'s config first, where there is one): the
+    winner, every record, the fallback ladder."""
     verifier = Verifier.of(problem.workload(work), problem.budget, problem.target.context_bytes)
     measure = measure_with(verifier, store)
-    records = shared_settle(store, verifier, choose_winner(measure, candidates, top=VERIFY_TOP))
+    first: list[TrialRecord] = []
+    if plan is not None:
+        log.info("verifying the plan: %s", plan.config.describe())
+        record = measure(plan.config, plan.predicted)  # the plan's prediction, to compare
+        first = [record] if record is not None else []
+        candidates = [c for c in candidates if c.config != plan.config]
+    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP)
+    records = shared_settle(store, verifier, tried)
     chosen = fastest(records)
     planner = planner_of(found, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the ladder's order.

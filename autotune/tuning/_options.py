@@ -17,6 +17,7 @@ from autotune.space import SearchSpace
 if TYPE_CHECKING:
     import torch
 
+    from autotune.result import TuneResult
     from autotune.train import LossFn
 
 __all__ = ["TuneOptions"]
@@ -39,6 +40,8 @@ class TuneOptions:
     storage: str | None = None
     study_name: str | None = None
     world_size: int | None = None
+    start_from: TuneResult | None = None
+    """A plan (or an earlier result) whose config is verified first."""
 
     @property
     def table(self) -> bool:

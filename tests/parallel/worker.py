@@ -59,9 +59,8 @@ def rows(batch: Any, start: int, stop: int) -> Any:
     return tuple(t[start:stop] for t in batch)
 
 
-def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    local = spec["micro"] * spec["accum"]
-    config = autotune.TrainConfig(
+def config_of(spec: dict[str, Any], world: int) -> autotune.TrainConfig:
+    return autotune.TrainConfig(
         micro_batch_size=spec["micro"],
         grad_accum_steps=spec["accum"],
         precision=spec.get("precision", "fp32"),
@@ -72,6 +71,27 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         keep_gathered=tuple(spec.get("keep", ())),
         offload_optimizer=spec.get("offload", False),
     )
+
+
+def traced_peak(spec: dict[str, Any], rank: int, world: int) -> int:
+    """Rank ``rank``'s peak of ``spec`` over ``world`` ranks, traced in this process
+    (fake tensors, a fake process group): what :func:`case` measures on a real rank."""
+    from autotune.measure import traced_rank_peak
+
+    local = spec["micro"] * spec["accum"]
+    loss_fn = model_and_data(spec["model"], 1)[1]
+    return traced_rank_peak(
+        lambda: model_and_data(spec["model"], 1)[0],
+        lambda: model_and_data(spec["model"], local)[2],
+        config_of(spec, world),
+        loss_fn=loss_fn,
+        rank=rank,
+    )
+
+
+def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    local = spec["micro"] * spec["accum"]
+    config = config_of(spec, world)
     model, loss_fn, data = model_and_data(spec["model"], local * world * 3)
     predicted, _ = autotune.estimate(model, rows(data, 0, 4), config, device="cpu", loss_fn=loss_fn)
     reference = copy.deepcopy(model)

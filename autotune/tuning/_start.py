@@ -1,0 +1,84 @@
+"""Tuning that starts from a plan (``autotune plan``'s YAML) or from an earlier result.
+
+The config it names is verified on the device first, beside the tuner's own candidates,
+so the result's ``trials`` hold what the plan predicted against what the device measured
+for it; the fastest measured config wins, the plan's or another. The plan fixes what the
+run is for: its global batch and its world size, which this run takes where it is not
+told them and must otherwise share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from autotune.errors import ConfigError
+from autotune.result import TrialRecord, TuneResult, load
+from autotune.train import group_size
+from autotune.tuning._options import TuneOptions
+
+__all__ = ["plan_record", "resolved_plan", "started_from"]
+
+
+def resolved_plan(start_from: TuneResult | str | Path | None) -> TuneResult | None:
+    """A plan or result, read from its YAML file where given a path.
+
+    Raises:
+        ConfigError: no such file, or not a result autotune wrote.
+    """
+    if start_from is None or isinstance(start_from, TuneResult):
+        return start_from
+    if isinstance(start_from, str | Path):
+        return load(start_from)
+    raise ConfigError(
+        "start_from must be a TuneResult (autotune.plan_ahead's or autotune's) or the path "
+        f"of its YAML file, got {type(start_from).__name__}."
+    )
+
+
+def started_from(options: TuneOptions) -> TuneOptions:
+    """``options`` with the plan's global batch where none is given, and its precision and
+    optimizer in the space.
+
+    Raises:
+        ConfigError: a table per sequence length (one config cannot start it), a world
+            size or a global batch other than the plan's.
+    """
+    plan = options.start_from
+    if plan is None:
+        return options
+    c = plan.config
+    if options.table:
+        raise ConfigError(
+            "a run that starts from a plan verifies its one config: tune a table per "
+            "sequence length without it."
+        )
+    world = options.world_size or group_size()
+    if c.world_size != world:
+        launch = f"under torchrun --nproc-per-node {c.world_size}" if c.world_size > 1 else "alone"
+        raise ConfigError(
+            f"the plan is for {c.world_size} rank(s) ({c.describe()}) and this run for {world}: "
+            f"start it {launch}, or plan again for {world}."
+        )
+    batch = options.global_batch_size or c.global_batch_size
+    if batch != c.global_batch_size:
+        raise ConfigError(
+            f"the plan's global batch is {c.global_batch_size} samples and this run's "
+            f"{batch}: leave the global batch out to take the plan's, or plan again."
+        )
+    space = options.space
+    space = dataclasses.replace(  # profiled, so that the plan's config is predicted too
+        space,
+        precisions=_with(space.precisions, c.precision),
+        optimizers=_with(space.optimizers, c.optimizer),
+    )
+    return options.replace(global_batch_size=batch, space=space)
+
+
+def _with(names: tuple[str, ...], name: str) -> tuple[str, ...]:
+    return names if name in names else (*names, name)
+
+
+def plan_record(result: TuneResult, plan: TuneResult) -> TrialRecord | None:
+    """The verification of ``plan``'s config among ``result``'s trials (None: not run)."""
+    return next((t for t in result.trials if t.config == plan.config), None)
