@@ -27,14 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 Built = tuple[torch.nn.Module, Any, Any]
 
 
-def _memory(built: Built, precisions: tuple[str, ...], optimizers: tuple[str, ...]) -> Any:
-    """The memory profile (every variant, selective included) as JSON, times left out."""
+def _memory(
+    built: Built, precisions: tuple[str, ...], optimizers: tuple[str, ...], selective: bool = True
+) -> Any:
+    """The memory profile (every variant, selective too) as JSON, times left out."""
     model, batch, loss_fn = built
     profiler = Profiler(
         model, batch, tuple(find_blocks(model)), device=torch.device("cpu"), loss_fn=loss_fn
     )
     profile, _ = memory_profile(
-        profiler, precisions, optimizers, device_name="cpu", context_bytes=0, selective=True
+        profiler, precisions, optimizers, device_name="cpu", context_bytes=0, selective=selective
     )
     return _bytes_only(json.loads(profile_to_json(profile)))
 
@@ -52,11 +54,14 @@ def _bytes_only(value: Any) -> Any:
 
 
 def _real_and_traced(
-    build: Callable[[], Built], precisions: tuple[str, ...], optimizers: tuple[str, ...]
+    build: Callable[[], Built],
+    precisions: tuple[str, ...],
+    optimizers: tuple[str, ...],
+    selective: bool = True,
 ) -> tuple[Any, Any]:
-    real = _memory(build(), precisions, optimizers)
+    real = _memory(build(), precisions, optimizers, selective)
     with traced():
-        fake = _memory(build(), precisions, optimizers)
+        fake = _memory(build(), precisions, optimizers, selective)
     return real, fake
 
 
@@ -99,6 +104,31 @@ def test_hugging_face_models_trace_as_they_run(name: str) -> None:
         pytest.skip(f"{name} needs {', '.join(missing)}")
     real, fake = _real_and_traced(case.build, ("bf16",), ("adamw",))
     assert fake == real
+
+
+def _llama_311m() -> Built:
+    """A LLaMA of 311M parameters (4 layers of width 2048, a 32k vocabulary, untied): few
+    layers, so that its real profile costs CI half a minute, not five."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (4, 8))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+def test_a_300m_model_traces_as_it_runs() -> None:
+    """Past 300M parameters, byte for byte, every block kept and checkpointed (SGD with
+    momentum, one state a parameter: AdamW's step on 311M parameters would double the
+    real profile's time; the small models check AdamW)."""
+    pytest.importorskip("transformers")
+    real, fake = _real_and_traced(_llama_311m, ("fp32",), ("sgd",), selective=False)
+    assert real["param_bytes"] >= 4 * 300e6  # fp32
+    assert real["precisions"]["fp32"]["phases"] and fake == real
 
 
 def test_a_fake_tensor_counts_under_the_device_it_stands_for() -> None:
