@@ -3,7 +3,8 @@
 First the model is planned as from a laptop: traced on fake tensors for the table's entry
 of this GPU (``autotune.plan_ahead``). Then, on the GPU, the planned configuration is
 trained for real under its budget by the tuner's verifier, and the model is tuned there
-(``autotune.autotune``). Reported: the planned peak against the measured one (target:
+starting from the plan (``autotune.autotune(..., start_from=plan)``: the plan's config
+verified first, beside the tuner's own). Reported: the planned peak against the measured one (target:
 within 3%), and each stated default of the plan against what the GPU shows (the CUDA
 context, the allocator's reserve, the roofline's step time against the measured one).
 The JSON is rewritten after each stage.
@@ -123,14 +124,18 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(out, indent=1))
     tuned = autotune.autotune(
-        model, batch, args.budget_gb, global_batch_size=args.global_batch, device=target.device
-    )
+        model, batch, args.budget_gb, device=target.device, start_from=plan
+    )  # the plan's global batch; its config verified first
+    record = next(t for t in tuned.trials if t.config == plan.config)
     out["tuned_on_the_gpu"] = {
         "seconds": tuned.tuning_s,
         "config": tuned.config.describe(),
         "predicted_peak_bytes": tuned.predicted.peak_bytes,
         "measured_peak_bytes": tuned.measured.peak_bytes,
         "measured_samples_per_s": tuned.measured.samples_per_s,
+        "plan_won": tuned.config == plan.config,
+        "plan_measured_by_the_tuner": record.measured.peak_bytes if record.measured else None,
+        "plan_error": record.error,
     }
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
