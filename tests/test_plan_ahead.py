@@ -15,6 +15,7 @@ from autotune.device import CONTEXT_BYTES, DEVICES, MATMUL_EFFICIENCY, device_sp
 from autotune.measure import Roofline, is_traced, traced, traced_rank_peak
 from autotune.models import example_batch, gpt_batch, tiny_gpt
 from autotune.train import resize
+from autotune.tuning._problem import _MARGIN
 
 BUDGET_GB = 1.0  # the CUDA context alone is 0.9 GB
 # One precision, whole-block checkpointing, three sizes: each plan a few seconds of CI.
@@ -105,6 +106,13 @@ def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
             tiny_gpt, example_batch, 0.8, device="H100-80GB", world_size=8, space=SPACE
         )
     assert caught.value.minimum_bytes > 0.8 * 2**30
+    # What it names is enough, as the GPU holds it (its allocator's reserve counted): a
+    # budget that leaves the search's head-room above it plans.
+    enough = (caught.value.minimum_bytes / (1 - _MARGIN["cuda"]) + 4096) / 2**30
+    result = autotune.plan_ahead(
+        tiny_gpt, example_batch, enough, device="H100-80GB", world_size=8, space=SPACE
+    )
+    assert caught.value.minimum_bytes <= result.predicted.peak_bytes <= result.budget_bytes
 
 
 def test_the_device_table() -> None:

@@ -84,9 +84,11 @@ def _options(
     budget where ``--budget-gb`` is left out)."""
     from autotune.tuning import TuneOptions
 
-    budget = args.budget_gb if args.budget_gb is not None or plan is None else None
+    budget = args.budget_gb
+    if budget is None and plan is not None:
+        budget = plan.budget_bytes / GIB
     return TuneOptions(
-        budget_gb=budget if budget is not None else plan.budget_bytes / GIB,  # type: ignore[union-attr]
+        budget_gb=budget,
         start_from=plan,
         loss_fn=loss,
         global_batch_size=args.global_batch,

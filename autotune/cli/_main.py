@@ -141,7 +141,7 @@ def _add_tune(sub: Any) -> None:
         dest="start_from",
         metavar="PLAN",
         help="a plan (autotune plan's YAML) or a tuned YAML: its config verified first, its "
-        "budget, global batch and world size the defaults",
+        "budget and global batch the defaults",
     )
     tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
     tune.add_argument(

@@ -9,7 +9,7 @@
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
 * ``_transfer``: host<->device copy speeds; ``_collectives``: the process group's.
 * ``_fake``: tracing on fake tensors, a model of any size profiled without its memory;
-  ``_rank_trace``: one rank of DDP or FSDP2 traced at any world size (a fake group).
+  ``_rank_trace``: one rank of FSDP2 traced at any world size (a fake group).
 * ``_profile_data``: the profile's records and their JSON, the planner's only input. It
   imports no training code.
 
@@ -62,8 +62,8 @@ INTERFACE = {
     "TRACED_ASSUMPTIONS": "autotune.measure._fake",
     "Transfer": "autotune.measure._transfer",
     "deepen": "autotune.measure._depth",
-    "fake_ranks": "autotune.measure._rank_trace",
     "deepen_time": "autotune.measure._depth",
+    "fake_ranks": "autotune.measure._rank_trace",
     "fast_precisions": "autotune.measure._time_profile",
     "is_traced": "autotune.measure._fake",
     "measure_collectives": "autotune.measure._collectives",

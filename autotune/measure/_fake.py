@@ -52,7 +52,7 @@ def traced() -> Iterator[FakeTensorMode]:
     """A fake-tensor mode: models built and samples made inside hold no memory, and
     every training step run inside is traced (see the module's documentation)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with mode, _unpacked_positions(), _moves_in_place():
+    with mode, _unpacked_positions(), _moves_in_place(), _values_not_drawn():
         yield mode
 
 
@@ -83,6 +83,23 @@ def _moves_in_place() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = move  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _values_not_drawn() -> Iterator[None]:
+    """torch's truncated-normal initialisation of a fake tensor left as it is: it redraws
+    until no value lies outside the bounds, which reads them (ViT, DeiT and ConvNeXt
+    initialise so); a fake tensor's values are never read, so never drawn."""
+    draw = nn.init._no_grad_trunc_normal_
+
+    def trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if isinstance(tensor, FakeTensor) else draw(tensor, *args, **kwargs)
+
+    nn.init._no_grad_trunc_normal_ = trunc_normal
+    try:
+        yield
+    finally:
+        nn.init._no_grad_trunc_normal_ = draw
 
 
 def _converted(

@@ -231,8 +231,9 @@ def _mixed(args: Any) -> bool:
 
 def _has_storage(t: torch.Tensor) -> bool:
     # Sparse, nested and other wrapper-subclass tensors have no plain storage; they are not
-    # counted. A DTensor (FSDP2's shards) counts its local tensor, fake or not. A Parameter subclass
-    # that is no wrapper (bitsandbytes' Params4bit and Int8Params) has a plain storage.
+    # counted. A DTensor (FSDP2's shards) counts its local tensor, fake or not. A Parameter
+    # subclass that is no wrapper (bitsandbytes' Params4bit and Int8Params) has a plain
+    # storage.
     if type(t) is torch.Tensor:  # nearly every op's tensors: the short way
         return t.layout == torch.strided and not t.is_meta
     t = _local(t)

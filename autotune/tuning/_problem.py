@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -27,6 +27,9 @@ from autotune.train import (
     group_size,
 )
 from autotune.tuning._options import TuneOptions
+
+if TYPE_CHECKING:
+    from autotune.measure import Profile
 
 __all__ = ["Problem", "make_problem", "per_rank_batch", "uncompiled", "world_of"]
 
@@ -61,6 +64,9 @@ class Problem:
     verifiable: bool = True
     """Whether those ranks are this process group's, to verify on (else the run is
     planned in one process, not run)."""
+    held: Callable[[Profile], Profile] | None = None
+    """How the target holds a profile measured here, where it is not here (a plan's GPU:
+    its context and allocator reserve); ``None``: as measured."""
 
     @property
     def compile(self) -> bool:

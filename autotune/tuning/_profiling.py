@@ -146,12 +146,14 @@ def _worth_compiling(
 
 
 def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
-    """Per precision, the largest micro-batch that fits some layout and optimizer.
+    """Per precision, the largest micro-batch that fits some layout and optimizer, as
+    the target holds the draft (:attr:`Problem.held`).
 
     Raises:
         BudgetTooSmallError: none fits.
     """
-    found = planners(draft, problem, problem.world)
+    held = problem.held(draft) if problem.held is not None else draft
+    found = planners(held, problem, problem.world)
     caps = {
         p: max(
             (

@@ -6,7 +6,7 @@ traced (:func:`autotune.measure.traced_rank_peak`: the model on fake tensors, wr
 FSDP2 itself, in a process group of ``world`` ranks that sends nothing), which is what a
 real rank holds byte for byte. The plan's peak becomes the traced one plus the same GPU
 translation (context, the allocator's reserve); a plan the trace puts over the budget
-gives way to the next.
+gives way to the next FSDP2 plan.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def rank_checked(
         "the peak per rank is the traced one, with the GPU's context and reserve"
     )
     if peak > limit:
-        note += f"; over the budget by {format_bytes(peak - limit)}, as traced"
+        note += f"; {format_bytes(peak - limit)} above the budget less its head-room, as traced"
     return dataclasses.replace(
         result,
         config=config,

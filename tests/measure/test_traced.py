@@ -157,6 +157,16 @@ def test_a_traced_model_trains_a_step_without_reading_a_value() -> None:
     assert not is_traced(prepare(work, TrainConfig(micro_batch_size=4), device="cpu").step(batch))
 
 
+def test_a_truncated_normal_initialisation_is_not_drawn_on_a_fake_tensor() -> None:
+    """torch redraws until every value is within the bounds, which reads them (ViT and
+    DeiT initialise so: they trace byte for byte in benchmarks/traced.py)."""
+    with traced():
+        weight = torch.nn.init.trunc_normal_(torch.empty(64, 64), std=0.02)
+        assert is_traced(weight)
+    real = torch.nn.init.trunc_normal_(torch.empty(64, 64), a=-0.01, b=0.01)
+    assert real.abs().max() <= 0.01 and real.std() > 0  # drawn, as before
+
+
 def test_hugging_face_helpers_are_given_back() -> None:
     masks = pytest.importorskip("transformers.masking_utils")
     before = masks.find_packed_sequence_indices
