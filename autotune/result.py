@@ -23,6 +23,7 @@ from autotune.errors import ConfigError
 
 __all__ = [
     "PARTS",
+    "PLANNED",
     "SCHEMA_VERSION",
     "Breakdown",
     "LengthRow",
@@ -96,6 +97,10 @@ class ModelInfo:
     blocks: tuple[str, ...]
     block_classes: tuple[str, ...] = ()
     """The class names of the blocks (what a trainer's FSDP wrap policy names)."""
+
+
+PLANNED = "planned, not run"
+"""A plan's trial's ``error``: a candidate ranked on predictions alone (``autotune plan``)."""
 
 
 @dataclasses.dataclass(frozen=True)

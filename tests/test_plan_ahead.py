@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autotune
+from autotune.cli._commands import _describe
 from autotune.cli._main import main
 from autotune.device import CONTEXT_BYTES, DEVICES, MATMUL_EFFICIENCY, device_spec
 from autotune.measure import Roofline, is_traced, traced, traced_rank_peak
@@ -60,6 +61,9 @@ def test_a_plan_is_ranked_within_the_budget_and_says_what_it_assumed(planned) ->
 def test_a_plan_is_written_and_read_back_as_planned(planned, tmp_path: Path) -> None:
     back = autotune.load(planned.save(tmp_path / "planned.yaml"))
     assert back.config == planned.config and back.unverified == planned.unverified
+    shown = _describe(back)  # `autotune show`: ranked on predictions, none run
+    assert f"planned     {len(back.trials)} configs, fastest predicted first, none run" in shown
+    assert "run for real" not in shown
 
 
 def test_nothing_is_built_for_real(planned) -> None:

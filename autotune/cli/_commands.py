@@ -16,7 +16,7 @@ from autotune.cli._progress import progress
 from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import PARTS, LengthRow, TrialRecord, TuneResult, load
+from autotune.result import PARTS, PLANNED, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -255,12 +255,23 @@ def _describe(result: TuneResult) -> str:
         lines.append("by sequence length (a row trains batches up to its length):")
         lines += [f"  {_row(r)}" for r in result.by_length]
     s = result.spent
+    ran = [r for r in result.trials if r.error != PLANNED]
+    planned = [r for r in result.trials if r.error == PLANNED]
     lines.append(
-        f"tuned in    {result.tuning_s:.1f} s: profile {s.profile_s:.1f} s, search "
-        f"{s.search_s:.1f} s, verification {s.verification_s:.1f} s"
+        f"{'planned' if planned and not ran else 'tuned'} in    {result.tuning_s:.1f} s: "
+        f"profile {s.profile_s:.1f} s, search {s.search_s:.1f} s, verification "
+        f"{s.verification_s:.1f} s"
     )
-    lines.append(f"verified    {len(result.trials)} configs run for real:")
-    lines += [f"  {_trial(r)}" for r in result.trials]
+    if ran or not planned:
+        lines.append(f"verified    {len(ran)} configs run for real:")
+        lines += [f"  {_trial(r)}" for r in ran]
+    if planned:
+        lines.append(f"planned     {len(planned)} configs, fastest predicted first, none run:")
+        lines += [
+            f"  {r.config.describe()}: {r.predicted.samples_per_s:.1f} samples/s, peak "
+            f"{format_bytes(r.predicted.peak_bytes)}, predicted"
+            for r in planned
+        ]
     return "\n".join(lines)
 
 

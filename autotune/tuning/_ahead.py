@@ -44,7 +44,7 @@ from autotune.measure import (
     traced,
 )
 from autotune.plan import micro_batch_candidates, planners
-from autotune.result import Spent, TrialRecord, TuneResult
+from autotune.result import PLANNED, Spent, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, map_tensors
 from autotune.tuning._data_parallel import planned_result, search_layouts
@@ -166,7 +166,7 @@ def plan_with(
             c.config,
             result.predicted if c.config == result.config else c.prediction.measurement,
             None,
-            "planned, not run",
+            PLANNED,
         )
         for c in candidates[:PLANS_KEPT]
     )
