@@ -102,7 +102,7 @@ def plan_ahead(
         trace_rank: With an FSDP2 plan, trace rank 0 of it with FSDP2 itself (a process
             group of ``world_size`` ranks that sends nothing): the per-rank peak exact
             where the planners' is modelled; a plan it puts over the budget gives way to
-            the next FSDP2 plan. Costs a traced step of the whole model (11-63 s for
+            the next FSDP2 plan. Costs a traced step of the whole model (12-59 s for
             Llama 3 8B and 70B on a 2-core CPU).
 
     Raises:
