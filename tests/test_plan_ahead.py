@@ -176,8 +176,11 @@ def test_tune_from_a_plan_for_other_ranks_or_batches_says_what_to_do(
 ) -> None:
     ranks = planned.config.replace(parallel="fsdp", world_size=8)
     path = dataclasses.replace(planned, config=ranks).save(tmp_path / "planned.yaml")
-    with pytest.raises(autotune.ConfigError, match="torchrun --nproc-per-node 8"):
-        autotune.autotune(tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=path)
+    for world in (None, 8):  # a plan for 8 ranks is verified on 8, not planned again
+        with pytest.raises(autotune.ConfigError, match="torchrun --nproc-per-node 8"):
+            autotune.autotune(
+                tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=path, world_size=world
+            )
     with pytest.raises(autotune.ConfigError, match="global batch is 16"):
         autotune.autotune(
             tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=planned, global_batch_size=8

@@ -3,8 +3,9 @@
 The config it names is verified on the device first, beside the tuner's own candidates,
 so the result's ``trials`` hold what the plan predicted against what the device measured
 for it; the fastest measured config wins, the plan's or another. The plan fixes what the
-run is for: its global batch and its world size, which this run takes where it is not
-told them and must otherwise share.
+run is for: its global batch, which this run takes where it is not told it and must
+otherwise share, and its world size, which must be this process group's (a plan for 8
+ranks is verified under ``torchrun`` with 8).
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def started_from(options: TuneOptions) -> TuneOptions:
             "a run that starts from a plan verifies its one config: tune a table per "
             "sequence length without it."
         )
-    world = options.world_size or group_size()
-    if c.world_size != world:
+    group = group_size()  # its ranks must all be here, to verify the plan on
+    if c.world_size != group or options.world_size not in (None, group):
         launch = f"under torchrun --nproc-per-node {c.world_size}" if c.world_size > 1 else "alone"
         raise ConfigError(
-            f"the plan is for {c.world_size} rank(s) ({c.describe()}) and this run for {world}: "
-            f"start it {launch}, or plan again for {world}."
+            f"the plan is for {c.world_size} rank(s) ({c.describe()}) and this run has "
+            f"{group} process(es): start it {launch}, or plan again for {group}."
         )
     batch = options.global_batch_size or c.global_batch_size
     if batch != c.global_batch_size:
