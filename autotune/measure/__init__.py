@@ -9,6 +9,7 @@
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
 * ``_transfer``: host<->device copy speeds; ``_collectives``: the process group's.
 * ``_fake``: tracing on fake tensors, a model of any size profiled without its memory;
+  ``_fake_kernels``: where torch's fake kernels refuse what the CPU runs;
   ``_rank_trace``: one rank of FSDP2 traced at any world size (a fake group).
 * ``_profile_data``: the profile's records and their JSON, the planner's only input. It
   imports no training code.

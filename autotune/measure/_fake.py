@@ -21,7 +21,9 @@ real positions of one sequence per row (a plain sample batch of a language model
 the fake one's shape, and take the path the same model takes on such data, their own
 ops counted as a real run's; :data:`TRACED_ASSUMPTIONS` says so. A model whose own
 code branches on tracing elsewhere may trace another path than it runs: the tests and
-``benchmarks/traced.py`` say which models trace byte for byte.
+``benchmarks/traced.py`` say which models trace byte for byte. Where torch's fake kernels
+refuse what the CPU runs (a grouped matmul in float32, a truncated-normal initialisation
+that reads its values), :mod:`autotune.measure._fake_kernels` makes them run as the CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autotune.measure._fake_kernels import as_the_cpu_runs
+
 __all__ = ["TRACED_ASSUMPTIONS", "is_traced", "traced"]
 
 TRACED_ASSUMPTIONS = (
@@ -52,7 +56,7 @@ def traced() -> Iterator[FakeTensorMode]:
     """A fake-tensor mode: models built and samples made inside hold no memory, and
     every training step run inside is traced (see the module's documentation)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with mode, _unpacked_positions(), _moves_in_place(), _values_not_drawn():
+    with mode, _unpacked_positions(), _moves_in_place(), as_the_cpu_runs():
         yield mode
 
 
@@ -83,23 +87,6 @@ def _moves_in_place() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = move  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _values_not_drawn() -> Iterator[None]:
-    """torch's truncated-normal initialisation of a fake tensor left as it is: it redraws
-    until no value lies outside the bounds, which reads them (ViT, DeiT and ConvNeXt
-    initialise so); a fake tensor's values are never read, so never drawn."""
-    draw = nn.init._no_grad_trunc_normal_
-
-    def trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return tensor if isinstance(tensor, FakeTensor) else draw(tensor, *args, **kwargs)
-
-    nn.init._no_grad_trunc_normal_ = trunc_normal
-    try:
-        yield
-    finally:
-        nn.init._no_grad_trunc_normal_ = draw
 
 
 def _converted(

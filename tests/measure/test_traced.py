@@ -167,6 +167,20 @@ def test_a_truncated_normal_initialisation_is_not_drawn_on_a_fake_tensor() -> No
     assert real.abs().max() <= 0.01 and real.std() > 0  # drawn, as before
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grouped_matmul_traces_as_the_cpu_runs_it(dtype: torch.dtype) -> None:
+    """Mixture-of-experts layers' ``_grouped_mm``: the meta kernel takes bf16 only (as
+    CUDA's), the CPU's float32 too; traced, its output is the CPU's (shape, dtype, layout)."""
+    tokens, experts = torch.randn(12, 16, dtype=dtype), torch.randn(3, 16, 8, dtype=dtype)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    real = torch._grouped_mm(tokens, experts, offs=offs)
+    with traced() as mode:
+        fake = torch._grouped_mm(*(mode.from_tensor(t) for t in (tokens, experts)),
+                                 offs=mode.from_tensor(offs))  # fmt: skip
+    assert is_traced(fake)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
 def test_hugging_face_helpers_are_given_back() -> None:
     masks = pytest.importorskip("transformers.masking_utils")
     before = masks.find_packed_sequence_indices
