@@ -88,7 +88,7 @@ def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
 def test_an_fsdp_plan_s_rank_is_traced_with_fsdp_itself() -> None:
     """Rank 0 of 8, traced on a process group that sends nothing (exact: see
     tests/parallel/test_per_rank.py), in the place of the one-process model's peak."""
-    plan = {"device": "H100-80GB", "world_size": 8, "global_batch_size": 8 * 16, "space": SPACE}
+    plan = {"device": "H100-80GB", "world_size": 8, "global_batch_size": 8 * 4, "space": SPACE}
     plain = autotune.plan_ahead(_wide, _wide_batch, 0.95, **plan)
     checked = autotune.plan_ahead(_wide, _wide_batch, 0.95, trace_rank=True, **plan)
     config = checked.config
@@ -105,17 +105,14 @@ def test_an_fsdp_plan_s_rank_is_traced_with_fsdp_itself() -> None:
 
 def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
     """Over several ranks, FSDP2's minimum (shards), not DDP's (the whole model)."""
+    plan = {"device": "H100-80GB", "world_size": 8, "global_batch_size": 8 * 4, "space": SPACE}
     with pytest.raises(autotune.BudgetTooSmallError, match="fsdp over 8 ranks") as caught:
-        autotune.plan_ahead(
-            tiny_gpt, example_batch, 0.8, device="H100-80GB", world_size=8, space=SPACE
-        )
+        autotune.plan_ahead(_wide, _wide_batch, 0.8, **plan)
     assert caught.value.minimum_bytes > 0.8 * 2**30
     # What it names is enough, as the GPU holds it (its allocator's reserve counted): a
     # budget that leaves the search's head-room above it plans.
     enough = (caught.value.minimum_bytes / (1 - _MARGIN["cuda"]) + 4096) / 2**30
-    result = autotune.plan_ahead(
-        tiny_gpt, example_batch, enough, device="H100-80GB", world_size=8, space=SPACE
-    )
+    result = autotune.plan_ahead(_wide, _wide_batch, enough, **plan)
     assert caught.value.minimum_bytes <= result.predicted.peak_bytes <= result.budget_bytes
 
 

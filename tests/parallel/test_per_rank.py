@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from ranks import run
-from worker import traced_peak
 
 CASES = [
     {"model": "mlp", "parallel": "fsdp", "micro": 8, "accum": 2},
@@ -40,15 +39,19 @@ CASES = [
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_within_3_percent_and_same_losses_as_one_process(world: int) -> None:
-    results = run(world, {"cases": CASES})
-    for i, spec in enumerate(CASES):
+    # At 4 ranks FSDP2's cases (its shards change with the world size; DDP's ranks hold
+    # the whole model at any size, checked at 2).
+    cases = CASES if world == 2 else [c for c in CASES if c["parallel"] == "fsdp"]
+    results = run(world, {"cases": cases, "trace": True})
+    for i, spec in enumerate(cases):
         for rank, rows in enumerate(results):
             r = rows[i]
             low, high = min(r["measured"]), max(r["measured"])
-            if spec["parallel"] == "fsdp" and rank in (0, world - 1):  # the last: short shards
-                # One rank traced in this process on a fake process group of `world` ranks
-                # holds what the real rank holds, byte for byte.
-                assert traced_peak(spec, rank, world) == low, (spec, rank, low)
+            if spec["parallel"] == "fsdp" and rank in (0, world - 1):
+                # The rank traced alone on a fake process group of `world` ranks (fake
+                # tensors, nothing sent) holds what it held for real, byte for byte (the
+                # last rank's shards are shorter: its own figure).
+                assert r["traced"] == low, (spec, rank, r["traced"], low)
             assert abs(r["predicted"] - low) <= 0.03 * low, (spec, rank, r["predicted"], low)
             # On gloo a reduce-scatter's buffer is sometimes freed late by gloo's own thread
             # (tens of KB here, run to run): over the prediction by at most that.
