@@ -34,6 +34,7 @@ from torchvision_ops import declare_torchvision_ops
 
 import autotune
 from autotune.device import CONTEXT_BYTES, DEVICES, backend_for, discover
+from autotune.tuning import plan_record
 from autotune.verify._verifier import Verifier
 
 declare_torchvision_ops()  # transformers imports torchvision: see tests/torchvision_ops.py
@@ -126,7 +127,7 @@ def main() -> None:
     tuned = autotune.autotune(
         model, batch, args.budget_gb, device=target.device, start_from=plan
     )  # the plan's global batch; its config verified first
-    record = next(t for t in tuned.trials if t.config == plan.config)
+    record = plan_record(tuned, plan)
     out["tuned_on_the_gpu"] = {
         "seconds": tuned.tuning_s,
         "config": tuned.config.describe(),
@@ -134,8 +135,10 @@ def main() -> None:
         "measured_peak_bytes": tuned.measured.peak_bytes,
         "measured_samples_per_s": tuned.measured.samples_per_s,
         "plan_won": tuned.config == plan.config,
-        "plan_measured_by_the_tuner": record.measured.peak_bytes if record.measured else None,
-        "plan_error": record.error,
+        "plan_measured_by_the_tuner": record.measured.peak_bytes
+        if record and record.measured
+        else None,
+        "plan_error": record.error if record else "not run",
     }
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

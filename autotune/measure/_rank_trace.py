@@ -27,7 +27,7 @@ from autotune.errors import DistributedError, ProfileError
 from autotune.measure._fake import is_traced, traced
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
-from autotune.train import LossFn, gathered_tensors, map_tensors, prepare
+from autotune.train import LossFn, gathered_tensors, map_tensors, prepare, resize
 
 __all__ = ["fake_ranks", "traced_rank_peak"]
 
@@ -77,8 +77,8 @@ def traced_rank_peak(
 
     Args:
         build: A zero-argument callable that builds the model (called under tracing).
-        sample_batch: One rank's local batch (``config.effective_batch_size`` rows), or
-            a zero-argument callable that makes it (called under tracing).
+        sample_batch: A batch, or a zero-argument callable that makes one (called under
+            tracing): the rank's local batch is ``config.effective_batch_size`` rows of it.
         config: An FSDP2 config (``parallel: fsdp``).
         loss_fn: ``loss_fn(output, batch) -> scalar`` (``None``: the model's own loss).
         rank: Which rank (the last one's shards may be shorter).
@@ -98,7 +98,8 @@ def traced_rank_peak(
     with fake_ranks(config.world_size, rank), traced() as mode:
         model = build()
         made = sample_batch() if callable(sample_batch) else sample_batch
-        batch = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
+        faked = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
+        batch = resize(faked, config.effective_batch_size)
         runner = prepare(model, config, loss_fn=loss_fn, device=cpu)
         peak = 0
         for step in range(steps):

@@ -150,12 +150,8 @@ def plan_with(
     info = model_info(model, gpu.blocks)
     result = planned_result(info, problem, gpu, candidates, started, [*clock, clock[-1]])
     if trace_rank:  # the rank's trace in the place of verification
-
-        def a_sample() -> Any:
-            return sample_batch() if callable(sample_batch) else sample_batch
-
         result = rank_checked(
-            result, candidates, profile, build, a_sample, options.loss_fn, problem.limit
+            result, candidates, profile, build, sample_batch, options.loss_fn, problem.limit
         )
         clock.append(time.perf_counter())
         result = dataclasses.replace(

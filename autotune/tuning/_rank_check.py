@@ -21,7 +21,7 @@ from autotune._format import format_bytes
 from autotune.measure import Profile, traced_rank_peak
 from autotune.plan import Candidate, CostModel
 from autotune.result import TuneResult
-from autotune.train import LossFn, resize
+from autotune.train import LossFn
 
 __all__ = ["RANK_TRIES", "rank_checked"]
 
@@ -34,7 +34,7 @@ def rank_checked(
     candidates: list[Candidate],
     traced_profile: Profile,
     build: Callable[[], nn.Module],
-    sample: Callable[[], Any],
+    sample_batch: Any,
     loss_fn: LossFn | None,
     limit: int,
 ) -> TuneResult:
@@ -45,21 +45,17 @@ def rank_checked(
         candidates: Its candidates, fastest predicted first (the first is the winner).
         traced_profile: The profile as traced, before the GPU's translation.
         build: The model's factory (called under tracing).
-        sample: A factory of a sample batch (called under tracing).
+        sample_batch: A sample batch, or a factory of one (called under tracing).
         loss_fn: The loss (``None``: the model's own).
         limit: The most a rank's peak may be (the budget less the tuner's head-room).
     """
     fsdp = [c for c in candidates if c.config.parallel == "fsdp"][:RANK_TRIES]
-    if not fsdp or candidates[0].config.parallel != "fsdp":
+    if candidates[0].config.parallel != "fsdp":
         return result
     live = CostModel(dataclasses.replace(traced_profile, context_bytes=0))
     for candidate in fsdp:
         config = candidate.config
-
-        def local(n: int = config.effective_batch_size) -> Any:  # the rank's own batch
-            return resize(sample(), n)
-
-        traced = traced_rank_peak(build, local, config, loss_fn=loss_fn)
+        traced = traced_rank_peak(build, sample_batch, config, loss_fn=loss_fn)
         predicted = candidate.prediction.measurement
         expected, _ = live.memory(config)
         peak = traced + predicted.peak_bytes - expected  # the same translation to the GPU
