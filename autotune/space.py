@@ -15,8 +15,10 @@ class SearchSpace:
     """Narrows or widens the knobs ``autotune()`` searches.
 
     The default never changes the training math beyond precision: the optimizer stays
-    ``adamw`` (the user's) unless ``optimizers`` names others. Offload and checkpointing
-    do not change the math (same losses and weights), so they are searched by default.
+    ``adamw`` (the user's) unless ``optimizers`` names others; where the device has
+    torch's fused AdamW kernel, ``adamw`` is searched as ``adamw_fused`` (the same math in
+    one kernel). Offload and checkpointing do not change the math (same losses and
+    weights), so they are searched by default.
     """
 
     def compiles(self, device_type: str) -> bool:

@@ -220,7 +220,8 @@ def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
     """The flags of ``tune`` that narrow or widen the search space."""
     tune.add_argument(
         "--optimizers",
-        help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw)",
+        help="optimizers to search, the user's first: e.g. adamw,adamw8bit (default adamw: "
+        "searched as adamw_fused where torch has the fused kernel)",
     )
     tune.add_argument(
         "--precisions",
@@ -303,7 +304,8 @@ def _add_estimate(sub: Any) -> None:
         help="blocks to run compiled (torch.compile of each block's forward): all or none",
     )
     est.add_argument(
-        "--optimizer", help="adamw, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd"
+        "--optimizer",
+        help="adamw, adamw_fused, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd",
     )
     est.add_argument(
         "--offload-activations", help="blocks to offload to the host: all, none, or a comma list"

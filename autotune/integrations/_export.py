@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-_ADAMW = ("adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw")
+_ADAMW = ("adamw", "adamw_fused", "adamw8bit", "paged_adamw8bit", "paged_adamw")
 """AdamW, with torch's and bitsandbytes' default weight decay of 0.01."""
 
 
@@ -183,7 +183,7 @@ def to_deepspeed(result: TuneResult) -> Export:
         "fp16": {"enabled": c.precision == "fp16"},
         "zero_optimization": zero,
     }
-    if c.offload_optimizer and c.optimizer != "adamw":
+    if c.offload_optimizer and c.optimizer not in ("adamw", "adamw_fused"):
         settings["zero_allow_untested_optimizer"] = True
     wrapped = (*c.checkpoint, *c.selective_checkpoint, *c.offload_activations)
     if wrapped:
@@ -200,7 +200,7 @@ def to_deepspeed(result: TuneResult) -> Export:
     if c.offload_optimizer and c.parallel == "none":
         warnings.append(
             "offload_optimizer: with a client optimizer DeepSpeed wants its CPU Adam: pass "
-            "deepspeed.ops.adam.DeepSpeedCPUAdam for adamw."
+            "deepspeed.ops.adam.DeepSpeedCPUAdam for AdamW."
         )
     warnings += partial_mask(result, "DeepSpeed activation checkpointing")
     if c.selective_checkpoint:

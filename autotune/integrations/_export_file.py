@@ -57,6 +57,7 @@ class Export:
 
 HF_OPTIM = {
     "adamw": "adamw_torch",
+    "adamw_fused": "adamw_torch_fused",
     "sgd": "sgd",
     "adafactor": "adafactor",
     "adamw8bit": "adamw_bnb_8bit",
@@ -65,7 +66,7 @@ HF_OPTIM = {
 }
 HF_OPTIM_TUNED = {
     "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
+    "adamw_torch_fused": "adamw_fused",
     "sgd": "sgd",
     "adamw_bnb_8bit": "adamw8bit",
     "adamw_8bit": "adamw8bit",
@@ -77,6 +78,7 @@ HF_OPTIM_TUNED = {
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 TORCH_OPTIMIZER = {
     "adamw": "torch.optim.AdamW",
+    "adamw_fused": "torch.optim.AdamW(fused=True)",
     "sgd": "torch.optim.SGD(momentum=0.9)",
     "adafactor": "torch.optim.Adafactor",
     "adamw8bit": "bitsandbytes.optim.AdamW8bit",

@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from autotune.config import FUSED_OPTIMIZERS
 from autotune.errors import ConfigError, LossError
 
 __all__ = ["as_a_model", "first_batch", "optimizer_name", "step_loss"]
@@ -70,7 +71,9 @@ def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str:
             "(two states per parameter). Pass space=SearchSpace(optimizers=[...]) to say.",
             stacklevel=3,
         )
-    return _OPTIMIZERS.get(name, "adamw")
+    tuned = _OPTIMIZERS.get(name, "adamw")
+    fused = tuned == "adamw" and bool(optimizers[0].defaults.get("fused"))
+    return FUSED_OPTIMIZERS[tuned] if fused else tuned
 
 
 @contextlib.contextmanager

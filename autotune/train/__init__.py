@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from autotune.train._identity import differences, fingerprint
     from autotune.train._lengths import sequence_length, truncate
     from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
-    from autotune.train._optimizers import available, build_optimizer
+    from autotune.train._optimizers import available, build_optimizer, fused_runs
     from autotune.train._parallel import (
         agree_max,
         broadcast,
@@ -80,6 +80,7 @@ INTERFACE = {
     "describe_call": "autotune.train._loss",
     "differences": "autotune.train._identity",
     "fingerprint": "autotune.train._identity",
+    "fused_runs": "autotune.train._optimizers",
     "gathered_tensors": "autotune.train._parallel",
     "group_size": "autotune.train._parallel",
     "map_tensors": "autotune.train._batch",
@@ -122,6 +123,7 @@ __all__ = [
     "describe_call",
     "differences",
     "fingerprint",
+    "fused_runs",
     "gathered_tensors",
     "group_size",
     "map_tensors",

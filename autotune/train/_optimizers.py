@@ -21,7 +21,7 @@ import torch
 from autotune.config import BITSANDBYTES_OPTIMIZERS, OPTIMIZERS
 from autotune.errors import ConfigError
 
-__all__ = ["OptimizerSpec", "available", "build_optimizer"]
+__all__ = ["OptimizerSpec", "available", "build_optimizer", "fused_runs"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,24 @@ class OptimizerSpec:
 
 def _adamw(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
+
+
+def _adamw_fused(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    # What nanoGPT, torchtitan and Hugging Face's optim="adamw_torch_fused" build: one
+    # kernel updates every parameter, where the foreach AdamW makes temporary copies of
+    # the states for each of its passes.
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def fused_runs(device: torch.device) -> bool:
+    """Whether torch has the fused AdamW kernel for ``device`` (CUDA, and the CPU since
+    torch 2.4): AdamW refuses ``fused=True`` on a device without it."""
+    try:
+        probe = torch.zeros(1, device=device, requires_grad=True)
+        torch.optim.AdamW([probe], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _sgd(params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -108,6 +126,9 @@ def available(name: str) -> bool:
 
 _SPECS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(_adamw, 8.0, "AdamW, two fp32 states per parameter"),
+    "adamw_fused": OptimizerSpec(
+        _adamw_fused, 8.0, "AdamW as one fused kernel (torch), two fp32 states per parameter"
+    ),
     "sgd": OptimizerSpec(_sgd, 4.0, "SGD with momentum 0.9, one fp32 state per parameter"),
     "adafactor": OptimizerSpec(_adafactor, 0.5, "Adafactor, factored second moments"),
     "adamw8bit": OptimizerSpec(

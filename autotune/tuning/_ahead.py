@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from autotune._blocks import resolve_blocks
+from autotune.config import FUSED_OPTIMIZERS
 from autotune.device import (
     CONTEXT_BYTES,
     INTER_NODE_BYTES_PER_S,
@@ -179,6 +180,8 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         options.space,
         # fp16 runs at bf16's peak on every GPU of the table, and needs a loss scaler
         precisions=_without_fp16(options.space.precisions),
+        # every GPU of the table has torch's fused AdamW kernel, which an expert sets
+        optimizers=tuple(dict.fromkeys(FUSED_OPTIMIZERS.get(o, o) for o in options.space.optimizers)),
         offload_optimizer=False,
         offload_activations=False,
         compile_blocks=False,

@@ -220,7 +220,12 @@ def test_deepspeed_parses_the_config_with_its_own_class(optimizer: str, offload:
 def test_every_optimizer_exports_to_every_target(target: str, optimizer: str) -> None:
     out = export(result_for(TrainConfig(optimizer=optimizer)), target)
     said = json.dumps(out.settings) + "\n".join(out.warnings)
-    named = {"adamw8bit": "8bit", "adafactor": "Adafactor", "paged_adamw8bit": "paged_adamw_8bit"}
+    named = {
+        "adamw8bit": "8bit",
+        "adafactor": "Adafactor",
+        "paged_adamw8bit": "paged_adamw_8bit",
+        "adamw_fused": "fused",
+    }
     assert optimizer in said or named[optimizer] in said
 
 

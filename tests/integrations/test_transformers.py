@@ -131,8 +131,8 @@ def test_training_arguments_are_real_and_use_transformers_5_names(tuned, tmp_pat
 
 @pytest.mark.parametrize(
     ("optimizer", "optim"),
-    [("adamw", "adamw_torch"), ("sgd", "sgd"), ("adafactor", "adafactor"),
-     ("adamw8bit", "adamw_bnb_8bit")],
+    [("adamw", "adamw_torch"), ("adamw_fused", "adamw_torch_fused"), ("sgd", "sgd"),
+     ("adafactor", "adafactor"), ("adamw8bit", "adamw_bnb_8bit")],
 )  # fmt: skip
 def test_every_optimizer_has_its_hugging_face_name(tuned, tmp_path, optimizer, optim) -> None:
     result = dataclasses.replace(tuned, config=TrainConfig(micro_batch_size=2, optimizer=optimizer))
