@@ -5,8 +5,8 @@ It models what the real allocator's rules (PyTorch's CUDACachingAllocator) do to
 numbers autotune reads: requests rounded up to 512 bytes; requests up to 1 MiB carved from
 2 MiB segments of a small pool; larger ones from segments rounded up to 2 MiB, cached when
 freed and reused by a later request they fit; ``empty_cache`` returns cached segments; a
-cap makes a request that would reserve past it free the cache, then raise
-``torch.OutOfMemoryError``. It is a model of the statistics, not of the real allocator's
+cap (or the device's memory) makes a request that would reserve past it free the cache,
+then raise ``torch.OutOfMemoryError``. It is a model of the statistics, not of the real allocator's
 block splitting; it runs the same autotune code the GPU runs, behind
 :class:`autotune.device._backend.Backend`.
 """
@@ -97,12 +97,13 @@ class SimulatedAllocator(TorchDispatchMode):
         weakref.finalize(storage, self._free, id(storage), size, segment)
 
     def _reserve(self, nbytes: int) -> None:
-        if self.cap is not None and self.reserved + nbytes > self.cap:
+        limit = self.total - self.context if self.cap is None else min(self.cap, self.total)
+        if self.reserved + nbytes > limit:
             self.empty_cache()
-            if self.reserved + nbytes > self.cap:
+            if self.reserved + nbytes > limit:
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {nbytes} bytes (simulated: "
-                    f"{self.reserved} reserved, capped at {self.cap})"
+                    f"{self.reserved} reserved, limit {limit})"
                 )
         self.reserved += nbytes
         self.peak = max(self.peak, self.reserved)
@@ -210,6 +211,9 @@ class SimulatedCuda(Backend):
 
     def context_bytes(self) -> int:
         return self.allocator.context
+
+    def capped(self) -> bool:
+        return self.allocator.cap is not None and self.allocator.cap < self.allocator.total
 
     @contextlib.contextmanager
     def cap(self, nbytes: int | None) -> Iterator[None]:

@@ -151,12 +151,19 @@ def test_a_cache_left_by_earlier_work_is_not_foreign(simulated_cuda) -> None:
 
 
 def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=256, vocab_size=256)
     sample = gpt_batch(model.config, 4)
-    budget_gb = 96 * MIB / 2**30
+    simulated_cuda.context = 8 * MIB
+    foreign = simulated_cuda.reserved  # the user's model: the tuner measures a copy
+    simulated_cuda.high_water = simulated_cuda.reserved
+    # Uncapped, profiling at micro-batch 4 with every block kept reserved 68 MiB here.
+    budget_gb = 40 * MIB / 2**30
     result = autotune.autotune(
-        model, sample, budget_gb, global_batch_size=32, device="cpu", n_trials=20
+        model, sample, budget_gb, global_batch_size=16, device="cpu", n_trials=20
     )
+    # The budget held from the first byte: what the driver would see (context included)
+    # never passed it, profiling included.
+    assert simulated_cuda.high_water - foreign + simulated_cuda.context <= result.budget_bytes
     assert result.measured.peak_bytes <= result.budget_bytes
     fitted = [t for t in result.trials if t.measured is not None]
     assert fitted and all(t.measured.peak_bytes <= result.budget_bytes for t in fitted)
@@ -170,8 +177,8 @@ def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
     own = sum(p.untyped_storage().nbytes() for p in {*work.parameters(), *work.buffers()})
     foreign = simulated_cuda.reserved - own
     with autotune.prepare(work, result, device="cpu") as runner:
-        assert simulated_cuda.cap == result.budget_bytes + foreign
-        runner.step(gpt_batch(model.config, 32))
+        assert simulated_cuda.cap == result.budget_bytes - simulated_cuda.context + foreign
+        runner.step(gpt_batch(model.config, 16))
     assert simulated_cuda.cap == 4 * 2**30
 
 
@@ -207,10 +214,24 @@ def test_a_device_too_small_for_micro_batch_4_is_profiled_at_1_and_2(simulated_c
     assert {ph.key.micro for ph in profile.precisions["fp32"].phases} == {1, 2}
 
 
+def test_a_budget_below_every_block_kept_at_micro_batch_1_lifts_the_cap_and_says_so(
+    simulated_cuda,
+) -> None:
+    small = _need(simulated_cuda, 1, 2)
+    profiler = _profiler()
+    cap = simulated_cuda.cap = simulated_cuda.reserved + small // 2  # a budget, not the device
+    profile, notes = memory_profile(
+        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0
+    )
+    assert {ph.key.micro for ph in profile.precisions["fp32"].phases} == {1, 2}
+    assert any("above the budget" in n for n in notes), notes
+    assert simulated_cuda.cap == cap  # lifted for those steps only
+
+
 def test_a_device_too_small_for_micro_batch_2_is_a_profile_error(simulated_cuda) -> None:
     small = _need(simulated_cuda, 1, 2)
     profiler = _profiler()
-    simulated_cuda.cap = simulated_cuda.reserved + small // 2
+    simulated_cuda.total = simulated_cuda.reserved + small // 2  # a device this small
     with pytest.raises(autotune.ProfileError, match="does not fit sim even at micro-batch 2"):
         memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
 

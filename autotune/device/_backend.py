@@ -121,6 +121,15 @@ class Backend:
         cap in force before is restored after."""
         yield
 
+    def capped(self) -> bool:
+        """Whether a cap below the device's memory is in force."""
+        return False
+
+    def lifted(self) -> contextlib.AbstractContextManager[None]:
+        """Lift the cap in force to the device's whole memory inside (what no budget
+        holds); the cap comes back after."""
+        return self.cap(self.total()) if self.capped() else contextlib.nullcontext()
+
     def new_stream(self) -> Any:
         """A side stream (only where :attr:`streams`)."""
         raise NotImplementedError("this device has no streams")
@@ -214,16 +223,24 @@ class CudaBackend(Backend):
             pynvml = None
         return context_bytes(pynvml, uuid, os.getpid(), self.reserved(), total - free)
 
+    def _index(self) -> int:
+        # The memory fraction takes an index ("cuda" alone raises in torch 2.11).
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _fraction(self) -> float:
+        # torch >= 2.7 can say what is set; older ones only that 1.0 is the default.
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return float(getter(self._index())) if getter is not None else 1.0
+
+    def capped(self) -> bool:
+        return self._fraction() < 1.0
+
     @contextlib.contextmanager
     def cap(self, nbytes: int | None) -> Iterator[None]:
         if nbytes is None:
             yield
             return
-        # torch >= 2.7 can say what the user had set; older ones only that 1.0 is the default.
-        # Both take an index only ("cuda" alone raises in torch 2.11): the current device's.
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        previous = float(getter(index)) if getter is not None else 1.0
+        index, previous = self._index(), self._fraction()
         fraction = min(max(nbytes / self.total(), 0.0), 1.0)
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         try:

@@ -6,6 +6,7 @@ Cheap (a few tracked steps at micro-batch 2 and 4), and enough to decide what ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Sequence
@@ -81,46 +82,76 @@ def _measure(
     notes: list[str],
 ) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
     """Each precision's timeline and each optimizer's step, at micro-batches 2 and 4 (1
-    and 2 where those do not fit); what is left out is said in ``notes``."""
-    memory: dict[str, PrecisionProfile] = {}
-    measured: dict[str, OptimizerProfile] = {}
-    for b1, b2 in ((2, 4), (1, 2)):
+    and 2 where those do not fit); what is left out is said in ``notes``.
+
+    Where not even 1 and 2 fit under the cap in force (the budget, while tuning: every
+    block kept at micro-batch 1 can need more than a config that checkpoints them), they
+    are profiled with the cap lifted, and a note says so: the tuner can then still search
+    the configs that fit.
+    """
+    backend = profiler.backend
+    for b1, b2, lift in ((2, 4, False), (1, 2, False), (1, 2, True)):
+        if lift and not backend.capped():
+            break
         if b1 == 1:  # what the attempt at 2 and 4 left (an out-of-memory step's graph) goes
             gc.collect()
-            profiler.backend.empty_cache()
-        try:
-            measured = {o: profiler.optimizer(o, b1) for o in optimizers}
-            if transfer is not None:
-                measured = {
-                    o: dataclasses.replace(m, host_step_s=profiler.host_step(o, b1))
-                    for o, m in measured.items()
-                }
-        except torch.OutOfMemoryError:
-            continue
-        for p in precisions:
-            try:
-                try:
-                    memory[p] = profiler.memory(
-                        p, optimizers[0], b1, b2, offload=transfer is not None, selective=selective
-                    )
-                except BlockError as exc:
-                    if not selective:
-                        raise
-                    # A block that cannot be checkpointed selectively (an op changes a kept
-                    # output in place): the other choices stay, for every precision.
-                    notes.append(f"selective checkpointing: not searched, {_why(exc)}")
-                    selective = False
-                    memory[p] = profiler.memory(
-                        p, optimizers[0], b1, b2, offload=transfer is not None
-                    )
-            except torch.OutOfMemoryError:
-                notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
-            except NonFiniteError:
-                notes.append(f"{p}: the loss is not finite on the sample batch; not searched")
-        if memory:
-            if ranked := [p for p in compiled if p in memory]:
+            backend.empty_cache()
+        with backend.lifted() if lift else contextlib.nullcontext():
+            memory, measured = _attempt(
+                profiler, precisions, optimizers, transfer, selective, b1, b2, notes
+            )
+            if memory and (ranked := [p for p in compiled if p in memory]):
                 memory.update(_compiled(profiler, ranked, optimizers[0], b1, b2, notes))
-            break
+        if memory:
+            if lift:
+                notes.append(
+                    "profiled at micro-batch 1 and 2 above the budget: every block kept does "
+                    "not fit it even at micro-batch 1"
+                )
+            return memory, measured
+    return {}, {}
+
+
+def _attempt(
+    profiler: Profiler,
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    transfer: Transfer | None,
+    selective: bool,
+    b1: int,
+    b2: int,
+    notes: list[str],
+) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
+    """The timelines and optimizer steps at ``b1`` and ``b2`` (none where the optimizers'
+    steps do not fit)."""
+    memory: dict[str, PrecisionProfile] = {}
+    try:
+        measured = {o: profiler.optimizer(o, b1) for o in optimizers}
+        if transfer is not None:
+            measured = {
+                o: dataclasses.replace(m, host_step_s=profiler.host_step(o, b1))
+                for o, m in measured.items()
+            }
+    except torch.OutOfMemoryError:
+        return memory, {}
+    for p in precisions:
+        try:
+            try:
+                memory[p] = profiler.memory(
+                    p, optimizers[0], b1, b2, offload=transfer is not None, selective=selective
+                )
+            except BlockError as exc:
+                if not selective:
+                    raise
+                # A block that cannot be checkpointed selectively (an op changes a kept
+                # output in place): the other choices stay, for every precision.
+                notes.append(f"selective checkpointing: not searched, {_why(exc)}")
+                selective = False
+                memory[p] = profiler.memory(p, optimizers[0], b1, b2, offload=transfer is not None)
+        except torch.OutOfMemoryError:
+            notes.append(f"{p}: out of device memory while profiling at micro-batch {b2}")
+        except NonFiniteError:
+            notes.append(f"{p}: the loss is not finite on the sample batch; not searched")
     return memory, measured
 
 

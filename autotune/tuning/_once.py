@@ -26,7 +26,7 @@ from autotune.train import broadcast, fingerprint, group_size, measured_compilin
 from autotune.tuning._data_parallel import planned_result, search_layouts
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem, make_problem
-from autotune.tuning._profiling import profile_model
+from autotune.tuning._profiling import held, profile_model
 from autotune.tuning._study import measure_with, open_store, shared_profile, shared_settle
 from autotune.verify import StudyStore, Verifier, choose_winner, fallback_ladder, fastest
 
@@ -62,7 +62,8 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
     work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
     clock = [time.perf_counter()]  # the ends of profiling, search and verification
     try:
-        with measured_compiling(problem.compile):  # compiled blocks measured, where searched
+        # The budget holds from the first byte: profiling, compiling and verifying.
+        with held(problem), measured_compiling(problem.compile):  # compiled: where searched
             profile = _profile(work, problem, store, whole=whole)
             clock.append(time.perf_counter())
             problem = problem.with_context(profile.context_bytes)

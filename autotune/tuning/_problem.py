@@ -82,6 +82,16 @@ class Problem:
         """Whether offload is searched (and so profiled) on this device."""
         return any(self.space.offloads(self.target.device.type))
 
+    @property
+    def allocator_cap(self) -> int | None:
+        """What the caching allocator may reserve while the run measures (profiling,
+        compiling, verifying): the budget less the context, beyond what other tensors held
+        when it began, so that the driver never sees the process above the budget.
+        ``None`` (no cap) with several ranks: rank 0 profiles the model unsharded."""
+        if self.world > 1:
+            return None
+        return self.budget - self.target.context_bytes + self.foreign
+
     def with_context(self, context_bytes: int) -> Problem:
         """The same run with the context measured again (after training steps)."""
         target = dataclasses.replace(self.target, context_bytes=context_bytes)

@@ -6,6 +6,7 @@ The model is profiled whole, or on shallow copies where it does not fit the devi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -27,9 +28,17 @@ from autotune.plan import largest_fitting, planners, too_small
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import Problem
 
-__all__ = ["profile_model"]
+__all__ = ["held", "profile_model"]
 
 log = logging.getLogger("autotune")
+
+
+def held(problem: Problem) -> contextlib.AbstractContextManager[None]:
+    """The allocator capped at the run's budget (:attr:`Problem.allocator_cap`), less the
+    context as it is now: it grows as kernels load, so each stage caps anew."""
+    backend = backend_for(problem.target.device)
+    context = max(problem.target.context_bytes, backend.context_bytes())
+    return backend.cap(problem.with_context(context).allocator_cap)
 
 
 def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> Profile:
@@ -56,9 +65,10 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     feasible = _caps(problem, draft)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
-    profile = time_profile(
-        profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
-    )
+    with held(problem):  # the context has grown as kernels loaded: the cap shrinks with it
+        profile = time_profile(
+            profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
+        )
     if pieces.shallow:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))
@@ -113,16 +123,17 @@ def _memory(
     """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned,
     and the compiled blocks' timelines of the precisions ``compiled``."""
     log.info("profiling memory on %s (%d blocks)", problem.target.name, len(profiler.blocks))
-    draft, notes = memory_profile(
-        profiler,
-        precisions,
-        problem.space.optimizers,
-        device_name=problem.target.name,
-        context_bytes=problem.target.context_bytes,
-        transfer=measure_transfer(problem.target) if problem.offload else None,
-        selective=problem.space.selective_checkpointing,
-        compiled=compiled,
-    )
+    with held(problem):
+        draft, notes = memory_profile(
+            profiler,
+            precisions,
+            problem.space.optimizers,
+            device_name=problem.target.name,
+            context_bytes=problem.target.context_bytes,
+            transfer=measure_transfer(problem.target) if problem.offload else None,
+            selective=problem.space.selective_checkpointing,
+            compiled=compiled,
+        )
     if problem.world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     return draft, notes
