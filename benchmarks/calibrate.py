@@ -1,6 +1,7 @@
 """Calibration: what a training step holds on the device, four ways, against the prediction.
 
-For each precision and micro-batch size, one model trains two optimizer steps (the second
+For each variant (every block kept, checkpointed or compiled), precision and micro-batch
+size, one model trains two optimizer steps (the second
 at steady state, optimizer state allocated) and the step's peak is read as:
 
 * ``live``: the live-bytes tracker (tensor storage bytes, what the cost model's timeline is in);
@@ -17,6 +18,10 @@ rewritten after every point, so a run stopped at a time limit keeps what it meas
 
     python benchmarks/calibrate.py --out calibration.json                 # GPT-2 124M, 1024 tokens
     python benchmarks/calibrate.py --small --device cpu --out /tmp/c.json  # smoke run
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/calibrate.py ...
+
+The allocator's setting is read when CUDA starts, so each setting is a process of its own
+(the JSON records it): the GPU kit runs both, to decide ``expandable_segments`` on evidence.
 """
 
 from __future__ import annotations
@@ -24,18 +29,24 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import threading
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import autotune
 from autotune.device._backend import backend_for
 from autotune.measure._peak import measure_peak
-from autotune.measure._tracker import LiveBytesTracker, state_tensors
+from autotune.measure._tracker import state_tensors, tracker_for
 from autotune.train._batch import resize
+from autotune.train._compiled import measured_compiling
+from benchmarks.nvml_sampler import NvmlSampler
 
 
 def model_and_batch(small: bool, device: torch.device) -> tuple[torch.nn.Module, Any]:
@@ -52,62 +63,51 @@ def model_and_batch(small: bool, device: torch.device) -> tuple[torch.nn.Module,
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-class NvmlSampler:
-    """The process's device memory seen by NVML, sampled every millisecond in a thread."""
+_VARIANTS = ("kept", "ckpt", "compiled")
+"""Every block kept, every block checkpointed, every block compiled: the variants whose
+reserve the profile fits (each has lines of its own)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._handle = None
-        if device.type != "cuda":
-            return
-        try:
-            import pynvml
 
-            pynvml.nvmlInit()
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid).encode())
-            self._nvml = pynvml
-        except Exception:  # no NVML here: the column stays empty
-            self._handle = None
-
-    def used(self) -> int | None:
-        if self._handle is None:
-            return None
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-
-    def __enter__(self) -> NvmlSampler:
-        if self._handle is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.used() or 0)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._handle is not None:
-            self._thread.join()
+def variant_config(model: torch.nn.Module, b: int, p: str, variant: str) -> autotune.TrainConfig:
+    """The config of one calibration point."""
+    blocks = tuple(autotune.find_blocks(model))
+    knobs: dict[str, Any] = {
+        "kept": {},
+        "ckpt": {"checkpoint": blocks},
+        "compiled": {"compile_blocks": blocks},
+    }[variant]
+    return autotune.TrainConfig(micro_batch_size=b, precision=p, **knobs)
 
 
 def point(
-    model: torch.nn.Module, sample: Any, device: torch.device, b: int, p: str
+    model: torch.nn.Module,
+    sample: Any,
+    device: torch.device,
+    b: int,
+    p: str,
+    variant: str = "kept",
 ) -> dict[str, Any]:
-    config = autotune.TrainConfig(micro_batch_size=b, precision=p)
+    config = variant_config(model, b, p, variant)
     predicted, _ = autotune.estimate(model, sample, config, device=device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
     sampler = NvmlSampler(device)
     before = sampler.used()
-    out: dict[str, Any] = {"micro_batch_size": b, "precision": p, "predicted": predicted}
-    with sampler, autotune.prepare(copy.deepcopy(model), config, device=device) as runner:
+    out: dict[str, Any] = {
+        "micro_batch_size": b,
+        "precision": p,
+        "variant": variant,
+        "predicted": predicted,
+    }
+    with (
+        sampler,
+        measured_compiling(bool(config.compile_blocks)),
+        autotune.prepare(copy.deepcopy(model), config, device=device) as runner,
+    ):
         batch = resize(sample, b)
         runner.step(batch)  # allocates the optimizer state
-        tracker = LiveBytesTracker(device.type)
+        tracker = tracker_for(bool(config.compile_blocks), device.type)  # compiled stays so
         existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny GPT-2 (smoke run)")
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--precisions", nargs="*", default=["fp32", "bf16"])
+    parser.add_argument("--variants", nargs="*", default=["kept"], choices=_VARIANTS)
     parser.add_argument("--out", type=Path, default=Path("calibration.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -144,16 +145,21 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"),
         "torch": str(torch.__version__),
+        # expandable_segments:True or not: set before CUDA starts, so one process each
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "points": [],
     }
-    for p in args.precisions:
-        for b in args.sizes:
-            try:
-                result["points"].append(point(model, sample, device, b, p))
-            except torch.OutOfMemoryError as exc:
-                result["points"].append({"micro_batch_size": b, "precision": p, "oom": str(exc)})
-            args.out.write_text(json.dumps(result, indent=1))
-            print(json.dumps(result["points"][-1]), flush=True)
+    for variant in args.variants:
+        for p in args.precisions:
+            for b in args.sizes:
+                try:
+                    result["points"].append(point(model, sample, device, b, p, variant))
+                except torch.OutOfMemoryError as exc:
+                    result["points"].append(
+                        {"micro_batch_size": b, "precision": p, "variant": variant, "oom": str(exc)}
+                    )
+                args.out.write_text(json.dumps(result, indent=1))
+                print(json.dumps(result["points"][-1]), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,74 @@
 #!/usr/bin/env bash
-# The GPU kit (issue 10): one step per call, each under 8 minutes on one H100, each
-# writing its JSON (or XML) under OUT as it goes. On a machine without a package index,
-# begin with the shared set-up that brings optuna along (see the project's GPU notes).
+# The GPU kit: what a lent GPU runs first, in one prepared command. On a machine without a
+# package index, begin with the shared set-up that brings optuna along (see the project's
+# GPU notes). Each step writes its results under OUT as it goes, so a step stopped at its
+# limit keeps what it measured.
 #
+#   bash benchmarks/gpu_kit.sh all          # <= 9 min on one H100: the CUDA tests, the
+#                                           # calibration (with and without expandable
+#                                           # segments) and the three jobs at 24 GiB
+#                                           # against the expert's compiled config; one table
+#   bash benchmarks/gpu_kit.sh jobs-rest    # the jobs' other budgets: GPT-2 at 16 GiB, the
+#                                           # 1B LLaMA at the card's memory (MFU)
+#   bash benchmarks/gpu_kit.sh table        # the table of what OUT holds
+#
+# Single steps:
 #   bash benchmarks/gpu_kit.sh tests        # the CUDA tests and the stand-in's
 #   bash benchmarks/gpu_kit.sh calibrate    # live / allocated / reserved / NVML vs predicted
-#   bash benchmarks/gpu_kit.sh gpt2         # tuner benchmark, GPT-2 124M, 16 and 24 GiB
-#   bash benchmarks/gpu_kit.sh llama        # tuner benchmark, ~1B LLaMA-style, 24 GiB
-#   bash benchmarks/gpu_kit.sh eager        # GPT-2 at 24 GiB without compiled blocks: what
-#                                           # compiling (on by default on CUDA) buys and costs
+#   bash benchmarks/gpu_kit.sh gpt2         # tuner benchmark, GPT-2 124M, 16 and 24 GiB,
+#                                           # against the eager grid and accelerate's finder
+#   bash benchmarks/gpu_kit.sh llama        # the same, ~1B LLaMA-style, 24 GiB
+#   bash benchmarks/gpu_kit.sh eager        # GPT-2 at 24 GiB without compiled blocks
 #   bash benchmarks/gpu_kit.sh offload      # offload overhead and transfer-time prediction
 #   bash benchmarks/gpu_kit.sh plan         # a plan made as without the GPU (fake tensors),
 #                                           # its config then run and tuned on the GPU
-set -euo pipefail
+#
+# KIT_SMOKE=1 runs `all` on the CPU at tiny shapes (CI does, so that a GPU never spends
+# minutes on a script error).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/gpu-results}"
 mkdir -p "$out"
+smoke="${KIT_SMOKE:-}"
+
+# One step under a time limit: its output in OUT/NAME.log too; a failure is said, and
+# the kit goes on to the next step.
+step() {
+  local name="$1" limit="$2"; shift 2
+  echo "== $name (at most ${limit} s)" >&2
+  local started=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > >(tee "$out/$name.log") 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - started)) s" >&2
+  return 0
+}
+
+meter=()  # the driver's view of a whole command, where the GPU notes' meter is at hand
+if [ -z "$smoke" ] && [ -f .gpu/peakwatch.py ]; then meter=(python .gpu/peakwatch.py --); fi
+
 case "${1:-}" in
+  all)
+    if [ -n "$smoke" ]; then
+      step tests 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+        --junitxml="$out/cuda-tests.xml"
+      step calibrate 300 python benchmarks/calibrate.py --small --device cpu --sizes 2 \
+        --precisions fp32 --variants kept ckpt --out "$out/calibration.json"
+      step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu --out "$out/jobs.json"
+    else
+      step tests 60 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
+        --junitxml="$out/cuda-tests.xml"
+      step calibrate 60 python benchmarks/calibrate.py --sizes 4 8 --precisions bf16 \
+        --variants kept ckpt compiled --out "$out/calibration.json"
+      step calibrate-expandable 40 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python benchmarks/calibrate.py --sizes 4 8 --precisions bf16 --variants kept ckpt \
+        --out "$out/calibration-expandable.json"
+      step jobs 330 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 24GiB --out "$out/jobs.json"
+    fi
+    python benchmarks/gpu_jobs.py --table "$out" ;;
+  jobs-rest)
+    step jobs-rest 540 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 16GiB card \
+      --out "$out/jobs-rest.json" ;;
+  table)     python benchmarks/gpu_jobs.py --table "$out" ;;
   tests)     python -m pytest -q tests/test_cuda.py tests/test_caching_device.py \
                --junitxml="$out/cuda-tests.xml" ;;
   calibrate) python benchmarks/calibrate.py --device cuda --out "$out/calibration.json" ;;
@@ -28,6 +80,6 @@ case "${1:-}" in
                --compile off --rounds 3 --out "$out/tune-gpt2-eager.json" ;;
   offload)   python benchmarks/offload.py --device cuda --out "$out/offload.json" ;;
   plan)      python benchmarks/plan_vs_gpu.py --device cuda --out "$out/plan-vs-gpu.json" ;;
-  *) echo "usage: bash benchmarks/gpu_kit.sh tests|calibrate|gpt2|llama|eager|offload|plan" >&2
+  *) echo "usage: bash benchmarks/gpu_kit.sh all|jobs-rest|table|tests|calibrate|gpt2|llama|eager|offload|plan" >&2
      exit 2 ;;
 esac

@@ -36,21 +36,17 @@ import autotune
 from autotune.device import CONTEXT_BYTES, DEVICES, backend_for, discover
 from autotune.tuning import plan_record
 from autotune.verify._verifier import Verifier
+from benchmarks.mfu import table_name
 
 declare_torchvision_ops()  # transformers imports torchvision: see tests/torchvision_ops.py
 
-_NAMES = (("H200", "H200-141GB"), ("H100 PCIe", "H100-PCIe-80GB"), ("H100", "H100-80GB"),
-          ("A100-SXM4-40GB", "A100-40GB"), ("A100", "A100-80GB"), ("L40S", "L40S-48GB"),
-          ("A10", "A10-24GB"), ("L4", "L4-24GB"), ("4090", "RTX4090-24GB"),
-          ("3090", "RTX3090-24GB"))  # fmt: skip
 
-
-def table_name(gpu: str) -> str:
+def gpu_table_name(gpu: str) -> str:
     """The table's entry for a GPU as torch names it (e.g. ``NVIDIA H200``)."""
-    for part, name in _NAMES:
-        if part in gpu:
-            return name
-    raise SystemExit(f"no table entry for {gpu!r}; pass --table, one of {', '.join(DEVICES)}")
+    name = table_name(gpu)
+    if name is None:
+        raise SystemExit(f"no table entry for {gpu!r}; pass --table, one of {', '.join(DEVICES)}")
+    return name
 
 
 def model_and_batch(seq: int, small: bool) -> tuple[Any, Any]:
@@ -89,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("plan-vs-gpu.json"))
     args = parser.parse_args()
     target = discover(args.device)
-    name = args.table or table_name(target.name)
+    name = args.table or gpu_table_name(target.name)
     build, sample = model_and_batch(args.seq, args.small)
     out: dict[str, Any] = {"gpu": target.name, "table": name, "date": time.strftime("%Y-%m-%d")}
     started = time.perf_counter()

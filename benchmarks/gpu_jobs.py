@@ -1,0 +1,269 @@
+"""The three GPU jobs (benchmarks/jobs.py) tuned, held to the budget, against the expert.
+
+For each job and budget: the tuner runs (``autotune.autotune``, cold compiler on the
+first job of the process) while NVML is sampled every millisecond; then the expert's
+compiled config (benchmarks/expert.py) runs under the same budget. Recorded: both configs
+and their measured throughput, MFU (benchmarks/mfu.py), every verified trial's peak and
+step time predicted against measured, what the driver saw the tuning run hold against the
+budget, and where the tuning seconds went. The JSON is rewritten after every row, so a run
+stopped at its time limit keeps what it measured; ``--table DIR`` prints the kit's one
+table from what a run left there.
+
+    python benchmarks/gpu_jobs.py --out jobs.json                         # on a GPU
+    python benchmarks/gpu_jobs.py --smoke --device cpu --out /tmp/j.json  # CI's smoke run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see run.py)
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import autotune
+from autotune.device import backend_for
+from benchmarks.expert import expert_config
+from benchmarks.jobs import Job, budget_bytes, jobs
+from benchmarks.mfu import flops_per_token, mfu
+from benchmarks.nvml_sampler import NvmlSampler
+
+GIB = 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, MiB budgets (CPU)")
+    parser.add_argument("--only", nargs="*", help="only these jobs, e.g. gpt2-124m qlora-7b")
+    parser.add_argument("--budgets", nargs="*", help="only these budgets, e.g. 24GiB card")
+    parser.add_argument("--out", type=Path, default=Path("jobs.json"))
+    parser.add_argument("--table", type=Path, help="print the table of the results in DIR")
+    args = parser.parse_args(argv)
+    if args.table is not None:
+        print(table(args.table))
+        return 0
+    device = torch.device(args.device)
+    index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+    sampler = NvmlSampler(device, index=index)  # before CUDA starts here: the idle level
+    idle = sampler.used() or 0
+    report: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.date.today().isoformat(),
+        "torch": str(torch.__version__),
+        "device": _device_name(device),
+        "driver": _driver(),
+        "rows": [],
+    }
+    for job, budget in rows(jobs(smoke=args.smoke), args.only, args.budgets):
+        row = run_job(job, budget, device, sampler, idle, smoke=args.smoke)
+        report["rows"].append(row)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+        print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
+        gc.collect()
+        backend_for(device).empty_cache()
+    return 0
+
+
+def rows(
+    every: list[Job], only: list[str] | None, budgets: list[str] | None
+) -> list[tuple[Job, str]]:
+    """The (job, budget) rows to run, each job's first budget first (24 GiB for all
+    three), so that a run stopped at its time limit has measured every job once."""
+    picked = [j for j in every if not only or j.name in only]
+    most = max((len(j.budgets) for j in picked), default=0)
+    return [
+        (j, j.budgets[i])
+        for i in range(most)
+        for j in picked
+        if i < len(j.budgets) and (not budgets or j.budgets[i] in budgets)
+    ]
+
+
+def run_job(
+    job: Job, budget: str, device: torch.device, sampler: NvmlSampler, idle: int, *, smoke: bool
+) -> dict[str, Any]:
+    """Tune ``job`` at ``budget``, then run the expert's config beside it."""
+    started = time.perf_counter()
+    row: dict[str, Any] = {"job": job.name, "budget": budget, "notes": job.notes}
+    model = job.build(device)
+    row["build_s"] = time.perf_counter() - started
+    nbytes = budget_bytes(budget, device)
+    row["budget_bytes"] = nbytes
+    flops = flops_per_token(model, **job.shape)
+    row["flops_per_token"] = flops
+    name = row["device"] = _device_name(device)
+    ops = backend_for(device)
+    held = ops.foreign_bytes()  # the job's own model on the device (QLoRA's base)
+    try:
+        with sampler:
+            result = autotune.autotune(
+                model,
+                job.sample(min(job.global_batch_size, 8)),
+                budget_gb=nbytes / GIB,
+                global_batch_size=job.global_batch_size,
+                device=device,
+                space=job.space,
+                seed=0,
+            )
+    except (autotune.AutotuneError, torch.OutOfMemoryError) as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+    if sampler.used() is not None:  # what the driver saw, less the job's model held before
+        row["driver_tuning_bytes"] = sampler.peak - idle - held
+    row.update(_tuned(result, flops, job.shape["seq"], name))
+    expert = expert_config(
+        model,
+        job.sample,
+        job.global_batch_size,
+        nbytes,
+        device,
+        optimizer=job.expert_optimizer,
+        checkpointing=job.expert_checkpointing,
+        backend="eager" if smoke else "inductor",
+        in_place=job.name.startswith("qlora"),
+    )
+    row["expert"] = expert.as_dict()
+    best = expert.best
+    row["expert_samples_per_s"] = best.samples_per_s if best else None
+    row["expert_mfu"] = mfu(best.samples_per_s if best else None, flops, job.shape["seq"], name)
+    if best and best.samples_per_s and row.get("tuned_samples_per_s"):
+        row["tuned_over_expert"] = row["tuned_samples_per_s"] / best.samples_per_s
+    row["wall_s"] = time.perf_counter() - started
+    return row
+
+
+def _tuned(result: autotune.TuneResult, flops: float, seq: int, gpu: str) -> dict[str, Any]:
+    """The tuned config, its figures, and every verified trial's errors."""
+    trials = [
+        {
+            "config": t.config.describe(),
+            "predicted_peak": t.predicted.peak_bytes,
+            "measured_peak": t.measured.peak_bytes if t.measured else None,
+            "predicted_step_s": t.predicted.step_s,
+            "measured_step_s": t.measured.step_s if t.measured else None,
+            "error": t.error,
+        }
+        for t in result.trials
+    ]
+    peak_errors = [
+        abs(t["predicted_peak"] / t["measured_peak"] - 1) for t in trials if t["measured_peak"]
+    ]
+    step_errors = [
+        abs(t["predicted_step_s"] / t["measured_step_s"] - 1)
+        for t in trials
+        if t["measured_step_s"]
+    ]
+    sps = result.measured.samples_per_s
+    return {
+        "tuned": result.config.describe(),
+        "tuned_samples_per_s": sps,
+        "tuned_mfu": mfu(sps, flops, seq, gpu),
+        "tuning_s": result.tuning_s,
+        "spent": result.spent.__dict__,
+        "predicted_peak": result.predicted.peak_bytes,
+        "measured_peak": result.measured.peak_bytes,
+        "peak_error_median": statistics.median(peak_errors) if peak_errors else None,
+        "peak_error_max": max(peak_errors, default=None),
+        "step_error_median": statistics.median(step_errors) if step_errors else None,
+        "over_budget": sum(1 for t in trials if (t["measured_peak"] or 0) > result.budget_bytes),
+        "trials": trials,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _driver() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # no NVML (a CPU machine)
+        return None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(where: Path) -> str:
+    """The kit's table: every job row in ``where/jobs*.json``, with the CUDA tests' count
+    and the calibration files found beside it."""
+    lines = []
+    tests = where / "cuda-tests.xml"
+    if tests.exists():
+        import xml.etree.ElementTree as ET
+
+        suite = ET.parse(tests).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        lines.append(
+            f"CUDA tests: {suite.get('tests')} run, {suite.get('failures')} failed, "
+            f"{suite.get('errors')} errors, {suite.get('skipped')} skipped"
+        )
+    for name in ("calibration.json", "calibration-expandable.json"):
+        if (where / name).exists():
+            points = json.loads((where / name).read_text()).get("points", [])
+            shares = [
+                (p["reserved"] - p["allocated"]) / p["allocated"]
+                for p in points
+                if p.get("reserved") and p.get("allocated")
+            ]
+            lines.append(
+                f"{name}: {len(points)} points, reserved over allocated "
+                f"{_pct(min(shares, default=None))} to {_pct(max(shares, default=None))}"
+            )
+    for jobs_file in sorted(where.glob("jobs*.json")):  # the kit's all, then jobs-rest
+        report = json.loads(jobs_file.read_text())
+        lines.append(
+            f"{report['device']}, driver {report.get('driver')}, torch {report['torch']}, "
+            f"{report['date']}"
+        )
+        lines += _job_rows(report["rows"])
+    return "\n".join(lines)
+
+
+def _job_rows(rows: list[dict[str, Any]]) -> list[str]:
+    head = (
+        "| job | budget | tuned | samples/s | expert | samples/s | tuned/expert | MFU tuned "
+        "| MFU expert | peak err med/max | step err med | driver seen tuning | tuning s |"
+    )
+    out = [head, "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['job']} | {r['budget']} | {r['error'][:80]} |" + " |" * 10)
+            continue
+        seen = r.get("driver_tuning_bytes")
+        seen_s = "-" if seen is None else f"{seen / GIB:.2f} / {r['budget_bytes'] / GIB:.2f} GiB"
+        out.append(
+            f"| {r['job']} | {r['budget']} | {r['tuned']} | {_num(r['tuned_samples_per_s'])} "
+            f"| {r['expert']['config']} | {_num(r.get('expert_samples_per_s'))} "
+            f"| {_num(r.get('tuned_over_expert'), '.2f')} | {_pct(r.get('tuned_mfu'))} "
+            f"| {_pct(r.get('expert_mfu'))} "
+            f"| {_pct(r['peak_error_median'])} / {_pct(r['peak_error_max'])} "
+            f"| {_pct(r['step_error_median'])} | {seen_s} | {_num(r['tuning_s'], '.0f')} |"
+        )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
