@@ -181,7 +181,9 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         # fp16 runs at bf16's peak on every GPU of the table, and needs a loss scaler
         precisions=_without_fp16(options.space.precisions),
         # every GPU of the table has torch's fused AdamW kernel, which an expert sets
-        optimizers=tuple(dict.fromkeys(FUSED_OPTIMIZERS.get(o, o) for o in options.space.optimizers)),
+        optimizers=tuple(
+            dict.fromkeys(FUSED_OPTIMIZERS.get(o, o) for o in options.space.optimizers)
+        ),
         offload_optimizer=False,
         offload_activations=False,
         compile_blocks=False,

@@ -55,7 +55,9 @@ def test_fused_adamw_is_adamw_in_one_kernel_searched_where_the_device_has_it() -
     blocks = autotune.find_blocks(model)
     measured = {}
     for name in ("adamw", "adamw_fused"):
-        profiler = Profiler(copy.deepcopy(model), batch, blocks, device=torch.device("cpu"), loss_fn=None)
+        profiler = Profiler(
+            copy.deepcopy(model), batch, blocks, device=torch.device("cpu"), loss_fn=None
+        )
         measured[name] = profiler.optimizer(name, 2)
     foreach, fused = measured["adamw"], measured["adamw_fused"]
     assert fused.state_bytes == foreach.state_bytes  # the same two fp32 states
