@@ -43,12 +43,12 @@ OPTIMIZERS: tuple[str, ...] = (
 BITSANDBYTES_OPTIMIZERS: tuple[str, ...] = ("adamw8bit", "paged_adamw8bit", "paged_adamw")
 """The optimizers bitsandbytes builds (no data parallelism)."""
 PAGED_OPTIMIZERS: dict[str, str] = {"paged_adamw8bit": "adamw8bit", "paged_adamw": "adamw"}
-FUSED_OPTIMIZERS: dict[str, str] = {"adamw": "adamw_fused"}
-"""Optimizers with a fused twin (one kernel for the whole step: the same math, no
-temporary copies of the states, several times faster): where the device has the fused
-kernel, the tuner searches the twin in their place."""
 """Paged optimizers (their large states in CUDA unified memory), each with its unpaged
 twin of the same state size: off CUDA, bitsandbytes runs them unpaged."""
+FUSED_OPTIMIZERS: dict[str, str] = {"adamw": "adamw_fused"}
+"""Optimizers with a fused twin (one kernel for the whole step: the same math, no
+temporary copies of the states, faster): where the device has the fused kernel, the
+tuner searches the twin in their place."""
 ATTENTION: tuple[str, ...] = (
     "eager",
     "sdpa",

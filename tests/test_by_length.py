@@ -64,7 +64,7 @@ def test_every_row_is_verified_under_the_budget_with_the_step_kept_in_tokens(
             row.measured.peak_bytes
         )
         assert row.config.effective_batch_size * row.length == TOKENS
-        assert (row.config.precision, row.config.optimizer) == ("fp32", "adamw")
+        assert (row.config.precision, row.config.optimizer) == ("fp32", "adamw_fused")
         for f in row.fallbacks:
             assert f.effective_batch_size == row.config.effective_batch_size
     # Shorter batches hold more samples per micro-batch: that is the point of the table.
