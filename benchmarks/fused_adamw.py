@@ -43,7 +43,9 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             work = copy.deepcopy(model).to(device)
-            runs.append(Profiler(work, batch, blocks, device=device, loss_fn=None).optimizer(name, 2))
+            runs.append(
+                Profiler(work, batch, blocks, device=device, loss_fn=None).optimizer(name, 2)
+            )
         steps = [r.step_s for r in runs]
         rows[name] = {
             "state_bytes": runs[0].state_bytes,
