@@ -31,13 +31,14 @@ out="${OUT:-benchmarks/gpu-results}"
 mkdir -p "$out"
 smoke="${KIT_SMOKE:-}"
 
-# One step under a time limit: its output in OUT/NAME.log too; a failure is said, and
-# the kit goes on to the next step.
+# One step under a time limit: its output in OUT/NAME.log too; a failure or a stop at
+# the limit is said, and the kit goes on to the next step.
 step() {
   local name="$1" limit="$2"; shift 2
   echo "== $name (at most ${limit} s)" >&2
   local started=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > >(tee "$out/$name.log") 2>&1
+  # SIGINT first: pytest still writes its JUnit XML, the scripts keep what they wrote.
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > >(tee "$out/$name.log") 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - started)) s" >&2
   return 0
