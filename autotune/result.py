@@ -185,6 +185,16 @@ class TuneResult:
     by_length: tuple[LengthRow, ...] = ()
     """Tuned per sequence length (``sequence_lengths=``): a row per length, ascending; the
     last is the longest, whose config is ``config``. Empty: one config for every batch."""
+    tied: tuple[TrainConfig, ...] = ()
+    """Verified configurations whose measured speed is within the timing noise of the
+    winner's: as fast as far as this machine could tell (the winner is the simplest of
+    them, so the same inputs give it again, or one of these). Empty: its lead is known."""
+    noise: float = 0.0
+    """The relative noise of one timing while verifying, as estimated from the re-timings
+    (with a prior of 3%; 0: nothing was timed). A measured speed is this sure, per timing."""
+    busy: str | None = None
+    """Why the machine counted as busy while tuning (others' load, scattered timings), and
+    what to do; ``None``: it did not."""
     version: int = SCHEMA_VERSION
     """Schema version of the YAML file."""
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from autotune._files import write_atomic
 from autotune._format import format_bytes
 from autotune.cli._chart import COLORS, WIDTH, point, records, render_png, scatter
+from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, TuneResult
@@ -94,6 +95,7 @@ def _summary(result: TuneResult) -> str:
             "throughput",
             f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
         ),
+        *sureness(result),
         ("fallbacks", "; ".join(f.describe() for f in result.fallbacks) or "none"),
         (
             "tuned in",

@@ -6,6 +6,7 @@
 * ``_target``: the target's facts (name, memory, CUDA context, host RAM) and the budget
   in bytes.
 * ``_host``: host memory that offload keeps on purpose, which device trackers leave out.
+* ``_load``: what other work took of the machine's CPUs while a run measured.
 
 The interface the other layers use is the table below (see :mod:`autotune._interface`);
 each name loads its module on first use.
@@ -36,12 +37,14 @@ if TYPE_CHECKING:
         is_host_storage,
         mark_host,
     )
+    from autotune.device._load import CpuClock, busy_note
     from autotune.device._resolve import resolve_device
     from autotune.device._target import Target, budget_bytes, discover
 
 INTERFACE = {
     "Backend": "autotune.device._backend",
     "CONTEXT_BYTES": "autotune.device._catalog",
+    "CpuClock": "autotune.device._load",
     "DEVICES": "autotune.device._catalog",
     "DeviceSpec": "autotune.device._catalog",
     "INTER_NODE_BYTES_PER_S": "autotune.device._catalog",
@@ -51,6 +54,7 @@ INTERFACE = {
     "Target": "autotune.device._target",
     "backend_for": "autotune.device._backend",
     "budget_bytes": "autotune.device._target",
+    "busy_note": "autotune.device._load",
     "device_spec": "autotune.device._catalog",
     "discover": "autotune.device._target",
     "host_empty": "autotune.device._host",
@@ -71,10 +75,12 @@ __all__ = [
     "MEMORY_EFFICIENCY",
     "RESERVE_SHARE",
     "Backend",
+    "CpuClock",
     "DeviceSpec",
     "Target",
     "backend_for",
     "budget_bytes",
+    "busy_note",
     "device_spec",
     "discover",
     "host_empty",

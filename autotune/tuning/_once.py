@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from autotune.config import TrainConfig
-from autotune.device import backend_for
+from autotune.device import CpuClock, backend_for, busy_note
 from autotune.measure import Profile, measure_collectives, whole_fits, working_copy
 from autotune.plan import Candidate, Planner, planner_of, planners
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
@@ -28,7 +28,15 @@ from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem, make_problem
 from autotune.tuning._profiling import held, profile_model
 from autotune.tuning._study import measure_with, open_store, shared_profile, shared_settle
-from autotune.verify import StudyStore, Verifier, choose_winner, fallback_ladder, fastest
+from autotune.verify import (
+    MOST_NOISE,
+    StudyStore,
+    Verifier,
+    choose_winner,
+    fallback_ladder,
+    fastest,
+    tied_with,
+)
 
 __all__ = ["tune_once"]
 
@@ -49,7 +57,7 @@ class _Verified:
 
 def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
     """:func:`autotune.autotune` at the sample's length, with the model's attention."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), CpuClock.now()
     problem = make_problem(model, sample, options)
     store = None
     if options.storage is not None:
@@ -83,7 +91,10 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
     planner = planner_of(found, verified.chosen.config)
     result = _result(model, problem, profile, planner, verified)
     result = dataclasses.replace(
-        result, tuning_s=time.perf_counter() - started, spent=Spent.between(clock)
+        result,
+        tuning_s=time.perf_counter() - started,
+        spent=Spent.between(clock),
+        busy=_busy(cpu, result.noise),
     )
     return broadcast(result) if group_size() > 1 else result  # the same on every rank
 
@@ -140,6 +151,7 @@ def _result(
     chosen = verified.chosen
     assert chosen.measured is not None
     prediction = planner.cost.predict(chosen.config)
+    tied, noise = tied_with(chosen, verified.records)
     return TuneResult(
         config=chosen.config,
         predicted=prediction.measurement,
@@ -150,7 +162,19 @@ def _result(
         breakdown=prediction.breakdown,
         fallbacks=tuple(verified.fallbacks),
         trials=tuple(verified.records),
+        tied=tuple(tied),
+        noise=noise,
     )
+
+
+def _busy(start: CpuClock | None, noise: float) -> str | None:
+    """Whether the machine was busy while tuning, said once (see :func:`busy_note`)."""
+    end = CpuClock.now()
+    others = end.others_since(start) if start is not None and end is not None else None
+    note = busy_note(others, noise if noise >= MOST_NOISE else None)
+    if note is not None:
+        log.warning("%s", note)
+    return note
 
 
 def model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:

@@ -20,11 +20,13 @@ from autotune._interface import interface
 if TYPE_CHECKING:
     from autotune.verify._claims import job_id
     from autotune.verify._ladder import fallback_ladder
+    from autotune.verify._lead import MOST_NOISE
     from autotune.verify._studies import PROFILE_JOB, StudyStore, resolve_storage
     from autotune.verify._verifier import Verifier
-    from autotune.verify._winner import Measure, choose_winner, fastest, settle
+    from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
 
 INTERFACE = {
+    "MOST_NOISE": "autotune.verify._lead",
     "Measure": "autotune.verify._winner",
     "PROFILE_JOB": "autotune.verify._studies",
     "StudyStore": "autotune.verify._studies",
@@ -35,10 +37,12 @@ INTERFACE = {
     "job_id": "autotune.verify._claims",
     "resolve_storage": "autotune.verify._studies",
     "settle": "autotune.verify._winner",
+    "tied_with": "autotune.verify._winner",
 }
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
+    "MOST_NOISE",
     "PROFILE_JOB",
     "Measure",
     "StudyStore",
@@ -49,6 +53,7 @@ __all__ = [
     "job_id",
     "resolve_storage",
     "settle",
+    "tied_with",
 ]
 
 __getattr__, __dir__ = interface(__name__, INTERFACE)

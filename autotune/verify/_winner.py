@@ -19,7 +19,16 @@ from autotune.verify import _lead
 from autotune.verify._lead import ahead, lead
 from autotune.verify._verifier import Verifier
 
-__all__ = ["Measure", "choose_winner", "fastest", "known_ahead", "noise", "settle", "speeds"]
+__all__ = [
+    "Measure",
+    "choose_winner",
+    "fastest",
+    "known_ahead",
+    "noise",
+    "settle",
+    "speeds",
+    "tied_with",
+]
 
 log = logging.getLogger("autotune")
 
@@ -127,9 +136,7 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    best = max(passed, key=_measured_speed)
-    sigma = noise(passed)
-    tied = [r for r in passed if not known_ahead(best, r, sigma)]
+    best, tied, sigma = _ties(passed)
     chosen = min(tied, key=_simplicity)
     if chosen is not best:
         log.info(
@@ -141,6 +148,25 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             100 * sigma,
         )
     return chosen
+
+
+def tied_with(chosen: TrialRecord, records: list[TrialRecord]) -> tuple[list[TrainConfig], float]:
+    """The configs of ``records`` that ``chosen`` (the winner of :func:`fastest`) is tied
+    with: the fastest is not known to be ahead of them (nor of ``chosen``); and the noise
+    of one timing that decided it."""
+    passed = [r for r in records if r.measured is not None]
+    if not passed:
+        return [], 0.0
+    _, tied, sigma = _ties(passed)
+    return [r.config for r in tied if r.config != chosen.config], sigma
+
+
+def _ties(passed: list[TrialRecord]) -> tuple[TrialRecord, list[TrialRecord], float]:
+    """The fastest of ``passed``, those it is not known to be ahead of (itself among them),
+    and the noise of one timing."""
+    best = max(passed, key=_measured_speed)
+    sigma = noise(passed)
+    return best, [r for r in passed if not known_ahead(best, r, sigma)], sigma
 
 
 def noise(records: list[TrialRecord]) -> float:

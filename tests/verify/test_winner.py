@@ -205,3 +205,25 @@ def test_within_the_timing_noise_the_simpler_config_wins() -> None:
     # However noisy the re-timings, the noise assumed is at most 4%.
     wild = (0.5, 1.0, 1.5)
     assert noise([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, up)]) == 0.04
+
+
+def test_the_result_lists_who_is_tied_with_the_winner_and_how_noisy_timings_were() -> None:
+    from autotune.verify._winner import tied_with
+
+    checkpointed = TrainConfig(micro_batch_size=8, grad_accum_steps=4, checkpoint=("a", "b"))
+    plain = TrainConfig(micro_batch_size=8, grad_accum_steps=4)
+    slow = TrainConfig(micro_batch_size=2, grad_accum_steps=16)
+    up, down = (0.98, 1.0, 1.02), (1.02, 1.0, 0.98)
+    records = [
+        timed(checkpointed, 100.0, 500, up),
+        timed(plain, 98.5, 900, down),
+        timed(slow, 60.0, 100, (1.0, 1.0, 1.0)),
+    ]
+    chosen = fastest(records)
+    assert chosen.config == plain  # the simpler of the tie
+    tied, sigma = tied_with(chosen, records)
+    assert tied == [checkpointed]  # the fastest measured is listed; the slow one is not
+    assert sigma == pytest.approx(noise(records))
+    # A lead that is known: nothing tied.
+    known = [timed(plain, 100.0, 1, (1,) * 3), timed(slow, 60.0, 1, (1,) * 3)]
+    assert tied_with(fastest(known), known)[0] == []
