@@ -67,6 +67,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 
 def _replace(path: Path, payload: bytes) -> None:
     """Write ``payload`` beside ``path``, flush it to disk, and rename it over ``path``."""
+    _sweep(path)
     temporary = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
@@ -87,3 +88,24 @@ def _replace(path: Path, payload: bytes) -> None:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temporaries of ``path`` that a writer killed mid-write left (its process
+    is gone: ``kill -9`` runs no clean-up); a live writer's stay."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = stale.name.removeprefix(f".{path.name}.").split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, and is not ours to signal
+        return True
+    return True

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import tempfile
 from pathlib import Path
 
-import torch
+# torch's OpenMP threads wait passively: spinning, they take the cores that other work on
+# a shared machine needs, and make every timing noise. Read when torch loads, so set first.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 import autotune
 from autotune.models import gpt_batch, tiny_gpt

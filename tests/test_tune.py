@@ -123,6 +123,48 @@ def test_saved_result_trains_with_prepare(gpt_result, gpt, tmp_path) -> None:
     assert losses[-1] < losses[0]
 
 
+def test_the_result_says_how_sure_it_is(gpt_result) -> None:
+    from autotune.cli._commands import _describe
+
+    result, _ = gpt_result
+    assert 0.01 <= result.noise <= 0.04  # one timing's noise, from the re-timings
+    verified = {t.config for t in result.trials if t.measured is not None}
+    assert set(result.tied) <= verified - {result.config}
+    text = _describe(result)
+    assert f"a timing is sure to about {100 * result.noise:.1f}% here" in text
+    for config in result.tied:
+        assert config.describe() in text.split("tied")[1]
+
+
+def test_progress_is_shown_when_asked_and_silent_when_not(capsys) -> None:
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    sample = gpt_batch(model.config, 2)
+    space = autotune.SearchSpace(micro_batch_sizes=[2, 4], precisions=["fp32"], checkpointing=False)
+    tune(model, sample, GIB, global_batch_size=4, space=space, progress=True)
+    shown = capsys.readouterr().err
+    assert "profiling memory" in shown and "verifying micro_batch=" in shown
+    tune(model, sample, GIB, global_batch_size=4, space=space)  # no terminal here: silent
+    assert "verifying" not in capsys.readouterr().err
+
+
+def test_progress_by_default_where_a_person_watches_and_has_no_logging(monkeypatch) -> None:
+    import logging
+
+    from autotune.tuning import _progress
+
+    assert _progress.shown(True) and not _progress.shown(False)
+    logger = logging.getLogger("autotune")
+    monkeypatch.setattr(logger, "propagate", False)  # as if no logging were set up anywhere
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(_progress, "watched", lambda: True)
+    assert _progress.shown(None)
+    monkeypatch.setattr(logger, "handlers", [logging.NullHandler()])  # the user's logging
+    assert not _progress.shown(None)
+    monkeypatch.setattr(_progress, "watched", lambda: False)  # a job's log file
+    monkeypatch.setattr(logger, "handlers", [])
+    assert not _progress.shown(None)
+
+
 def snapshot(model: nn.Module) -> dict[str, object]:
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
@@ -333,3 +375,19 @@ def test_a_size_the_model_cannot_train_on_is_a_finding_not_the_end(sizes) -> Non
     assert all(t.config.micro_batch_size > 1 for t in result.trials)
     if sizes is not None:  # a size outside the space is never run: the copy is the model's
         assert 1 not in seen
+
+
+def test_a_model_on_the_meta_device_is_refused_with_advice_that_works() -> None:
+    def build() -> nn.Module:
+        return tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+    with torch.device("meta"):
+        meta = build()
+    sample = gpt_batch(build().config, 2)
+    words = r"meta device \(wte.weight has a shape and no values\).*autotune.plan_ahead\(build"
+    with pytest.raises(autotune.ProfileError, match=words):
+        autotune.autotune(meta, sample, 1.0, device="cpu")
+    with pytest.raises(autotune.ProfileError, match=words):
+        autotune.estimate(meta, sample, device="cpu")
+    planned = autotune.plan_ahead(build, sample, 1.0)  # the advice, as written
+    assert planned.unverified and planned.config.micro_batch_size >= 1

@@ -3,7 +3,8 @@
 
 * ``_main``: the parser and ``main``; ``_commands``, ``_verify``: the commands;
   ``_inputs``: the model and batch a command names; ``_ranks``: ``torchrun``.
-* ``_report``, ``_chart``, ``_progress``: what a command prints; ``_types``: flag values
+* ``_report``, ``_chart``, ``_sureness``: what a command prints (its progress is
+  ``autotune.tuning``'s); ``_types``: flag values
   checked as parsed; ``_flag_messages``: the library's advice in the flags' words.
 """
 

@@ -12,8 +12,8 @@ from autotune._files import check_writable, write_atomic
 from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
 from autotune.cli._inputs import inputs
-from autotune.cli._progress import progress
 from autotune.cli._ranks import join_torchrun, leave_group
+from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, PLANNED, LengthRow, TrialRecord, TuneResult, load
@@ -27,6 +27,7 @@ __all__ = ["estimate_command", "export_command", "report", "show", "space_of", "
 
 def tune(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
+    from autotune.tuning import progress
     from autotune.tuning import tune as run
 
     plan = load(args.start_from) if args.start_from else None
@@ -102,6 +103,7 @@ def _options(
         storage=args.storage,
         study_name=args.study,
         world_size=args.world_size,
+        progress=False,  # the command shows its own (plain lines off a terminal), or none
     )
 
 
@@ -249,6 +251,7 @@ def _describe(result: TuneResult) -> str:
         lines[3] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
         lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s, NOT VERIFIED"
         lines += [f"unverified  {note}" for note in result.unverified]
+    lines += [f"{label:<11} {text}" for label, text in sureness(result)]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")
     if result.by_length:

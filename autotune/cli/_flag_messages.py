@@ -9,6 +9,10 @@ from __future__ import annotations
 __all__ = ["cli_words"]
 
 _WORDS: tuple[tuple[str, str], ...] = (  # longest first: the generic names come last
+    (
+        "loss_fn=lambda output, batch: ...",
+        "--loss FILE.py:NAME (NAME(output, batch) a function in a file of yours)",
+    ),
     ("SearchSpace(optimizers=['adamw', 'adamw8bit'])", "--optimizers adamw,adamw8bit"),
     ("SearchSpace(offload_optimizer=True)", "--offload on"),
     ("SearchSpace(offload_activations=True)", "--offload on"),

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from autotune.errors import AutotuneError, ConfigError
@@ -47,6 +48,10 @@ def resolve(spec: str, what: str, *, call: bool = True) -> Any:
     return obj
 
 
+_FILES: dict[Path, ModuleType] = {}
+"""Python files a command imported, by path: each runs once, however many specs name it."""
+
+
 def _import(target: str, what: str) -> Any:
     """A module by dotted name (the working directory first on the path) or by file."""
     try:
@@ -54,11 +59,15 @@ def _import(target: str, what: str) -> Any:
             with _cwd_on_path():
                 return importlib.import_module(target)
         file = Path(target)
+        key = file.resolve()
+        if key in _FILES:  # MODEL and --batch in one file: its top level runs once
+            return _FILES[key]
         module_spec = importlib.util.spec_from_file_location(file.stem, file)
         if module_spec is None or module_spec.loader is None or not file.is_file():
             raise ConfigError(f"{what}: no Python file at {target!r}.")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+        _FILES[key] = module
         return module
     except ImportError as exc:
         raise ConfigError(f"{what}: cannot import {target!r}: {exc}.") from None

@@ -38,6 +38,7 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
+    _quiet_threads()
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
@@ -60,6 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(f"autotune: error: {_error_line(exc)}", file=sys.stderr)
             return 2
+
+
+def _quiet_threads() -> None:
+    """torch's OpenMP threads wait passively, unless the user said otherwise: spinning,
+    they take the cores that other work on a shared machine needs, and the timings with
+    them (the quickstart tuned 7.8x slower on a busy 2-core machine). OpenMP reads the
+    setting when torch loads, which the commands do after this."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _error_line(exc: Exception) -> str:
@@ -96,11 +106,27 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers are made here too
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
+        prog = self.prog
         if message.startswith("unrecognized arguments:"):
             near = self._nearest(message.split(":", 1)[1].split())
             message += f"; did you mean {near}?" if near else ""
-        self.exit(2, f"autotune: error: {message} (see {self.prog} --help)\n")
+            # reported by the top parser for every command: the help to see is the command's
+            commands = self._commands()
+            command = next((a for a in getattr(self, "_argv", []) if a in commands), None)
+            prog = f"{prog} {command}" if command else prog
+        self.exit(2, f"autotune: error: {message} (see {prog} --help)\n")
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        """The commands' parsers, by name (none for a command's own parser)."""
+        found: dict[str, argparse.ArgumentParser] = {}
+        for action in self._subparsers._group_actions if self._subparsers else ():
+            found.update(getattr(action, "choices", {}) or {})
+        return found
 
     def _nearest(self, words: list[str]) -> str | None:
         """The option, of this parser or its commands', nearest the first unknown one."""
@@ -108,9 +134,8 @@ class _Parser(argparse.ArgumentParser):
         if unknown is None:
             return None
         options = set(self._option_string_actions)
-        for action in self._subparsers._group_actions if self._subparsers else ():
-            for parser in getattr(action, "choices", {}).values():
-                options.update(parser._option_string_actions)
+        for parser in self._commands().values():
+            options.update(parser._option_string_actions)
         found = difflib.get_close_matches(unknown, sorted(options), n=1, cutoff=0.6)
         return found[0] if found else None
 

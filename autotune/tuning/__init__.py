@@ -10,6 +10,7 @@
 * ``_study``: a run kept in a study, each expensive job done once among processes;
   ``_data_parallel``: searching every layout, and results planned for ranks not here.
 * ``_estimate``: ``estimate()``, one config's peak without tuning.
+* ``_progress``: a run's progress where a person watches (a terminal, a notebook).
 * ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced;
   ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself; ``_start``: a run
   that starts from a plan, its config verified first.
@@ -29,22 +30,27 @@ if TYPE_CHECKING:
     from autotune.tuning._autotune import tune
     from autotune.tuning._estimate import estimate
     from autotune.tuning._options import TuneOptions
+    from autotune.tuning._progress import Progress, progress
     from autotune.tuning._start import plan_record
 
 INTERFACE = {
+    "Progress": "autotune.tuning._progress",
     "TuneOptions": "autotune.tuning._options",
     "plan_with": "autotune.tuning._ahead",
     "plan_record": "autotune.tuning._start",
+    "progress": "autotune.tuning._progress",
     "estimate": "autotune.tuning._estimate",
     "tune": "autotune.tuning._autotune",
 }
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
+    "Progress",
     "TuneOptions",
     "estimate",
     "plan_record",
     "plan_with",
+    "progress",
     "tune",
 ]
 

@@ -24,6 +24,7 @@ from autotune.tuning._attention import tune_attentions
 from autotune.tuning._lengths import tune_lengths
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import uncompiled
+from autotune.tuning._progress import progress, shown
 from autotune.tuning._start import resolved_plan, started_from
 
 __all__ = ["autotune", "tune"]
@@ -47,6 +48,7 @@ def autotune(
     study_name: str | None = None,
     world_size: int | None = None,
     start_from: TuneResult | str | Path | None = None,
+    progress: bool | None = None,
 ) -> TuneResult:
     """Find the fastest training configuration of ``model`` whose peak memory fits the budget.
 
@@ -92,6 +94,10 @@ def autotune(
             ``trials``: the plan's prediction against the measurement); the fastest
             measured wins. Its global batch is the default; its world size must be this
             run's.
+        progress: Show the run's progress on stderr (stage, configurations verified, the
+            best so far, and a busy machine); default: where a person watches (a terminal
+            or a notebook) and no logging is set up (else the ``autotune`` logger's records
+            go where your logging sends them). ``False`` silences it.
 
     Returns:
         The verified winner, its predicted and measured numbers, and fallbacks (with
@@ -116,6 +122,7 @@ def autotune(
         study_name=study_name,
         world_size=world_size,
         start_from=resolved_plan(start_from),
+        progress=progress,
     )
     return tune(model, sample_batch, options)
 
@@ -129,6 +136,7 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
             "SearchSpace.attention is not supported with storage= yet; leave one of them out."
         )
     options = started_from(options)
-    if options.table:
-        return tune_lengths(model, sample_batch, options)
-    return tune_attentions(model, sample_batch, options)
+    with progress(quiet=not shown(options.progress)):
+        if options.table:
+            return tune_lengths(model, sample_batch, options)
+        return tune_attentions(model, sample_batch, options)

@@ -34,7 +34,7 @@ from autotune.plan import CostModel
 from autotune.result import Breakdown
 from autotune.train import LossFn, Workload, batch_size, measured_compiling
 from autotune.tuning._pieces import Pieces
-from autotune.tuning._problem import uncompiled
+from autotune.tuning._problem import refuse_meta, uncompiled
 
 __all__ = ["estimate"]
 
@@ -70,6 +70,7 @@ def estimate(
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     model = uncompiled(model)
+    refuse_meta(model)
     batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)

@@ -42,6 +42,9 @@ class TuneOptions:
     world_size: int | None = None
     start_from: TuneResult | None = None
     """A plan (or an earlier result) whose config is verified first."""
+    progress: bool | None = None
+    """Show progress on stderr; ``None``: where a person watches (a terminal, a notebook)
+    and no logging is set up."""
 
     @property
     def table(self) -> bool:

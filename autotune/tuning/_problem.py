@@ -33,7 +33,7 @@ from autotune.tuning._options import TuneOptions
 if TYPE_CHECKING:
     from autotune.measure import Profile
 
-__all__ = ["Problem", "make_problem", "per_rank_batch", "uncompiled", "world_of"]
+__all__ = ["Problem", "make_problem", "per_rank_batch", "refuse_meta", "uncompiled", "world_of"]
 
 log = logging.getLogger("autotune")
 
@@ -152,6 +152,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
     loss_fn, space = options.loss_fn, options.space
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    refuse_meta(model)
     if loss_fn is not None and not callable(loss_fn):
         raise ProfileError("loss_fn must be callable as loss_fn(output, batch) -> scalar tensor.")
     if global_batch_size is not None and (
@@ -195,6 +196,24 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         world=world,
         verifiable=verifiable,
     )
+
+
+def refuse_meta(model: nn.Module) -> None:
+    """A model on the meta device has shapes and no values: nothing of it can train.
+
+    Raises:
+        ProfileError: what to do instead (build it for real, or plan it without memory).
+    """
+    meta = next(
+        (n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None
+    )
+    if meta is not None:
+        raise ProfileError(
+            f"the model is on the meta device ({meta} has a shape and no values), so it "
+            "cannot train: build it on the CPU (or load its weights) and pass that; to plan "
+            "a model too large to build here, pass a function that builds it to "
+            "autotune.plan_ahead(build, sample_batch, budget_gb), which holds no memory."
+        )
 
 
 def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
-"""Progress of a tuning run on a terminal, drawn from the ``autotune`` logger.
+"""Progress of a tuning run where a person watches, drawn from the ``autotune`` logger.
 
-The library only logs (nothing is configured at import); the command line attaches
-:class:`Progress` for the length of a run.
+The library only logs (nothing is configured at import); ``autotune()`` attaches
+:class:`Progress` for the length of a run where a person is watching (a terminal or a
+notebook, :func:`watched`), unless told not to, and so does the command line.
 """
 
 from __future__ import annotations
@@ -13,17 +14,36 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-__all__ = ["Progress", "progress"]
+__all__ = ["Progress", "progress", "shown", "watched"]
+
+
+def watched() -> bool:
+    """Whether a person watches this process's stderr: a terminal, or a notebook's cell
+    (a Jupyter kernel shows stderr under the cell and redraws a line on ``\\r``)."""
+    if "ipykernel" in sys.modules:
+        return True
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def shown(asked: bool | None) -> bool:
+    """Whether to show progress: as ``asked``, or (``None``) where a person watches and
+    has not set up logging (whose handlers would show the records again, or where the
+    user sent them on purpose)."""
+    if asked is not None:
+        return asked
+    return watched() and not logging.getLogger("autotune").hasHandlers()
 
 
 @contextlib.contextmanager
 def progress(*, quiet: bool) -> Iterator[None]:
-    """Show the ``autotune`` logger's progress on stderr while tuning (nothing when quiet)."""
-    if quiet:
+    """Show the ``autotune`` logger's progress on stderr while tuning (nothing when quiet,
+    or where progress is shown already: the command line's around ``autotune()``)."""
+    logger = logging.getLogger("autotune")
+    if quiet or any(isinstance(h, Progress) for h in logger.handlers):
         yield
         return
-    logger = logging.getLogger("autotune")
-    handler = Progress(sys.stderr, tty=sys.stderr.isatty())
+    handler = Progress(sys.stderr, tty=watched())
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)  # DEBUG records may carry per-trial progress

@@ -25,11 +25,11 @@ import yaml
 
 import autotune
 from autotune.cli import main
-from autotune.cli._progress import Progress
 from autotune.config import TrainConfig
 from autotune.result import PARTS, TuneResult
 from autotune.tuning import TuneOptions
 from autotune.tuning._estimate import estimate
+from autotune.tuning._progress import Progress
 from autotune.verify._verifier import Verifier
 
 MODELS = """
@@ -610,3 +610,63 @@ def test_estimate_takes_offload_flags(tuned: Tuned, capsys) -> None:
     assert data["config"]["offload_activations"] == ["blocks.1"]
     assert data["config"]["offload_optimizer"] is True
     assert data["breakdown"]["optimizer"] == 0
+
+
+@pytest.mark.parametrize(("given", "kept"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_keeps_torchs_threads_from_spinning(given: str | None, kept: str) -> None:
+    """OpenMP reads OMP_WAIT_POLICY when torch loads: the command sets it first (a user's
+    own setting stays)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = (
+        "import os\n"
+        "from autotune.cli._main import main\n"
+        "main(['show', 'no-such-file.yaml'])\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.stdout.split() == [kept], done.stderr
+
+
+LOSSLESS = """
+import pathlib
+import torch
+
+with pathlib.Path(__file__).with_suffix(".runs").open("a") as runs:  # a side effect
+    runs.write("run\\n")
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+
+
+def batch():
+    return torch.randn(4, 16)
+
+
+def loss(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_the_loss_advice_works_as_written_and_a_file_runs_once(capsys, tmp_path: Path) -> None:
+    file = tmp_path / "lossless.py"
+    file.write_text(LOSSLESS)
+    spec = ["estimate", f"{file}:model", "--batch", f"{file}:batch", "--micro-batch", "2"]
+    code, _, err = run(capsys, *spec)
+    assert code == 2
+    assert_one_error_line(err, "--loss FILE.py:NAME (NAME(output, batch) a function in a file")
+    assert file.with_suffix(".runs").read_text() == "run\n"  # MODEL and --batch: one import
+    code, out, err = run(capsys, *spec, "--loss", f"{file}:loss")  # the advice, as written
+    assert code == 0, err
+    assert "peak" in out
+
+
+def test_an_unknown_option_points_to_the_commands_own_help(capsys) -> None:
+    code, _, err = run(capsys, "show", "x.yaml", "--jsn")
+    assert code == 2
+    assert_one_error_line(err, "did you mean --json?", "(see autotune show --help)")
