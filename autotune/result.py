@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,10 @@ def load(path: str | Path) -> TuneResult:
     """
     path = Path(path)
     try:
-        if (size := path.stat().st_size) > MAX_BYTES:  # its size, not what would be read
+        status = path.stat()
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block for ever, a device stream
+            raise ConfigError(f"{path} is not a regular file; pass the YAML file autotune wrote.")
+        if (size := status.st_size) > MAX_BYTES:  # its size, not what would be read
             raise too_large(str(path), size)
         with path.open(encoding="utf-8", errors="replace") as f:
             text = f.read(MAX_BYTES + 1)
