@@ -60,6 +60,11 @@ def main() -> None:
         f"budget {mib(result.budget_bytes)}"
     )
     print(f"  speed    predicted {p.samples_per_s:.0f}, measured {m.samples_per_s:.0f} samples/s")
+    print(f"  noise    a timing is sure to about {100 * result.noise:.1f}% on this machine")
+    for config in result.tied:
+        print(f"  tied     {config.describe()} (as fast within that noise; the simpler won)")
+    if result.busy:
+        print(f"  busy     {result.busy}")
     for i, f in enumerate(result.fallbacks, 1):
         print(f"  fallback {i}: {f.describe()}")
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         is_host_storage,
         mark_host,
     )
-    from autotune.device._load import CpuClock, busy_note
+    from autotune.device._load import CpuClock, busy, busy_note
     from autotune.device._resolve import resolve_device
     from autotune.device._target import Target, budget_bytes, discover
 
@@ -54,6 +54,7 @@ INTERFACE = {
     "Target": "autotune.device._target",
     "backend_for": "autotune.device._backend",
     "budget_bytes": "autotune.device._target",
+    "busy": "autotune.device._load",
     "busy_note": "autotune.device._load",
     "device_spec": "autotune.device._catalog",
     "discover": "autotune.device._target",
@@ -80,6 +81,7 @@ __all__ = [
     "Target",
     "backend_for",
     "budget_bytes",
+    "busy",
     "busy_note",
     "device_spec",
     "discover",

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["CpuClock", "busy_note"]
+__all__ = ["CpuClock", "busy", "busy_note"]
 
 _BUSY_SHARE = 0.5
 """Others using this share of the cores this process may run on make the machine busy."""
@@ -59,6 +59,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def busy(others: float | None) -> bool:
+    """Whether other processes keeping ``others`` cores busy make the machine busy."""
+    return others is not None and others >= _BUSY_SHARE * usable_cores()
+
+
 def busy_note(others: float | None, scattered: float | None) -> str | None:
     """Why the machine counts as busy, and what to do; ``None`` where it does not.
 
@@ -69,7 +74,7 @@ def busy_note(others: float | None, scattered: float | None) -> str | None:
     """
     cores = usable_cores()
     why = []
-    if others is not None and others >= _BUSY_SHARE * cores:
+    if busy(others):
         why.append(f"other processes kept {others:.1f} of its {cores} cores busy")
     if scattered is not None:
         why.append(f"timings scattered by {100 * scattered:.0f}% or more each")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from autotune.config import TrainConfig
-from autotune.device import CpuClock, backend_for, busy_note
+from autotune.device import CpuClock, backend_for, busy, busy_note
 from autotune.measure import Profile, measure_collectives, whole_fits, working_copy
 from autotune.plan import Candidate, Planner, planner_of, planners
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
@@ -29,7 +29,10 @@ from autotune.tuning._problem import Problem, make_problem
 from autotune.tuning._profiling import held, profile_model
 from autotune.tuning._study import measure_with, open_store, shared_profile, shared_settle
 from autotune.verify import (
+    BUSY,
     MOST_NOISE,
+    QUIET,
+    Noise,
     StudyStore,
     Verifier,
     choose_winner,
@@ -48,11 +51,13 @@ VERIFY_TOP = 3
 
 @dataclass
 class _Verified:
-    """What verification decided: the winner, every record, the fallback ladder."""
+    """What verification decided: the winner, every record, the fallback ladder, and how
+    noisy the machine's timings were taken to be."""
 
     chosen: TrialRecord
     records: list[TrialRecord]
     fallbacks: list[TrainConfig]
+    noise: Noise
 
 
 def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
@@ -82,7 +87,7 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
                 clock.append(time.perf_counter())
                 info = model_info(model, profile.blocks)
                 return planned_result(info, problem, profile, candidates, started, clock)
-            verified = _verify(work, problem, found, candidates, store, options.start_from)
+            verified = _verify(work, problem, found, candidates, store, options.start_from, cpu)
             clock.append(time.perf_counter())
     finally:
         del work
@@ -124,6 +129,7 @@ def _verify(
     candidates: list[Candidate],
     store: StudyStore | None,
     plan: TuneResult | None,
+    cpu: CpuClock | None,
 ) -> _Verified:
     """Run the best candidates for real (``plan``'s config first, where there is one): the
     winner, every record, the fallback ladder."""
@@ -136,12 +142,15 @@ def _verify(
         first = [record] if record is not None else []
         candidates = [c for c in candidates if c.config != plan.config]
     tried = first + choose_winner(measure, candidates, top=VERIFY_TOP)
-    records = shared_settle(store, verifier, tried)
-    chosen = fastest(records)
+    # Other work on the cores so far: its timings are raced harder (see verify.BUSY).
+    now = CpuClock.now()
+    noise = BUSY if cpu and now and busy(now.others_since(cpu)) else QUIET
+    records = shared_settle(store, verifier, tried, noise)
+    chosen = fastest(records, noise)
     planner = planner_of(found, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the ladder's order.
     once = measure_with(verifier, store, timed=False)
-    return _Verified(chosen, records, fallback_ladder(once, planner, chosen, records))
+    return _Verified(chosen, records, fallback_ladder(once, planner, chosen, records), noise)
 
 
 def _result(
@@ -151,7 +160,7 @@ def _result(
     chosen = verified.chosen
     assert chosen.measured is not None
     prediction = planner.cost.predict(chosen.config)
-    tied, noise = tied_with(chosen, verified.records)
+    tied, noise = tied_with(chosen, verified.records, verified.noise)
     return TuneResult(
         config=chosen.config,
         predicted=prediction.measurement,

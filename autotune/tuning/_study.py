@@ -27,6 +27,7 @@ from autotune.tuning._problem import Problem
 from autotune.verify import (
     PROFILE_JOB,
     Measure,
+    Noise,
     StudyStore,
     Verifier,
     job_id,
@@ -90,15 +91,15 @@ def measure_with(verifier: Verifier, store: StudyStore | None, *, timed: bool = 
 
 
 def shared_settle(
-    store: StudyStore | None, verifier: Verifier, records: list[TrialRecord]
+    store: StudyStore | None, verifier: Verifier, records: list[TrialRecord], model: Noise
 ) -> list[TrialRecord]:
     """The contenders re-timed (see :func:`~autotune.verify._winner.settle`), once per
     set of records among the processes; a resumed run reads the timings it decided with."""
     if store is None:
-        return settle(verifier, records)
+        return settle(verifier, records, model)
     plain = store.once(
         store.job_of("settle", *(r.config for r in records)),
-        lambda: [to_plain(r) for r in settle(verifier, records)],
+        lambda: [to_plain(r) for r in settle(verifier, records, model)],
         "re-timing the contenders",
     )
     return [from_plain(TrialRecord, p) for p in plain]

@@ -20,15 +20,18 @@ from autotune._interface import interface
 if TYPE_CHECKING:
     from autotune.verify._claims import job_id
     from autotune.verify._ladder import fallback_ladder
-    from autotune.verify._lead import MOST_NOISE
+    from autotune.verify._lead import BUSY, MOST_NOISE, QUIET, Noise
     from autotune.verify._studies import PROFILE_JOB, StudyStore, resolve_storage
     from autotune.verify._verifier import Verifier
     from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
 
 INTERFACE = {
+    "BUSY": "autotune.verify._lead",
     "MOST_NOISE": "autotune.verify._lead",
     "Measure": "autotune.verify._winner",
+    "Noise": "autotune.verify._lead",
     "PROFILE_JOB": "autotune.verify._studies",
+    "QUIET": "autotune.verify._lead",
     "StudyStore": "autotune.verify._studies",
     "Verifier": "autotune.verify._verifier",
     "choose_winner": "autotune.verify._winner",
@@ -42,9 +45,12 @@ INTERFACE = {
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
+    "BUSY",
     "MOST_NOISE",
     "PROFILE_JOB",
+    "QUIET",
     "Measure",
+    "Noise",
     "StudyStore",
     "Verifier",
     "choose_winner",

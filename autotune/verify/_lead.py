@@ -19,8 +19,20 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["LEAST_NOISE", "MOST_NOISE", "PRIOR_NOISE", "PRIOR_WEIGHT", "ahead", "lead", "noise"]
+__all__ = [
+    "BUSY",
+    "LEAST_NOISE",
+    "MOST_NOISE",
+    "PRIOR_NOISE",
+    "PRIOR_WEIGHT",
+    "QUIET",
+    "Noise",
+    "ahead",
+    "lead",
+    "noise",
+]
 
 LEAST_NOISE = 0.01
 """The least relative noise of one timing assumed: leads smaller than a few times it are
@@ -37,6 +49,24 @@ whose ratios happened to agree say little about the noise, and would otherwise m
 lead of a few percent look certain on a machine whose timings scatter by five."""
 CONFIDENCE = 1.645
 """Standard errors a lead must exceed: one-sided 95% confidence that it is real."""
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What a machine's timings are assumed to scatter by before they are measured, the
+    most they may, and how many rounds of re-timing a race gets."""
+
+    prior: float = PRIOR_NOISE
+    most: float = MOST_NOISE
+    rounds: int = 2
+
+
+QUIET = Noise()
+"""An idle machine."""
+BUSY = Noise(prior=0.10, most=0.15, rounds=3)
+"""A machine other work shares (see :func:`autotune.device.busy_note`): a config timed
+while the others ran and one timed while they paused differ by tens of percent, so every
+contender within 23% races, a round more, and its lead counts only paired round by round."""
 
 
 def lead(a: Sequence[float], b: Sequence[float]) -> float:
@@ -60,14 +90,15 @@ def ahead(a: Sequence[float], b: Sequence[float], sigma: float) -> bool:
     return lead(a, b) > CONFIDENCE * error
 
 
-def noise(raced: Sequence[Sequence[float]]) -> float:
+def noise(raced: Sequence[Sequence[float]], model: Noise = QUIET) -> float:
     """The relative noise of one timing, from the configurations timed more than once.
 
     Each is compared round by round with the one timed most often (the leader, in every
     round): the spread of those log ratios about their mean is twice the variance of one
     timing, with what a round's timings share taken out. One configuration timed alone
-    gives its own spread. The measured variance is pooled with the 3% assumed, weighted
-    as :data:`PRIOR_WEIGHT` degrees of freedom, and kept between 1% and 4%.
+    gives its own spread. The measured variance is pooled with the noise assumed (3% on
+    a quiet machine), weighted as :data:`PRIOR_WEIGHT` degrees of freedom, and kept
+    between 1% and the most assumed (4% on a quiet machine).
     """
     runs = [list(r) for r in raced if len(r) >= 2]
     squares, freedom = 0.0, 0
@@ -81,8 +112,8 @@ def noise(raced: Sequence[Sequence[float]]) -> float:
             squares /= 2  # a ratio of two timings: twice the variance of one
         else:
             squares, freedom = _spread([[math.log(x) for x in reference]])
-    variance = (squares + PRIOR_WEIGHT * PRIOR_NOISE**2) / (freedom + PRIOR_WEIGHT)
-    return min(max(math.sqrt(variance), LEAST_NOISE), MOST_NOISE)
+    variance = (squares + PRIOR_WEIGHT * model.prior**2) / (freedom + PRIOR_WEIGHT)
+    return min(max(math.sqrt(variance), LEAST_NOISE), model.most)
 
 
 def _spread(groups: Sequence[Sequence[float]]) -> tuple[float, int]:

@@ -16,7 +16,7 @@ from autotune.errors import VerificationError
 from autotune.plan import Candidate
 from autotune.result import Measurement, TrialRecord
 from autotune.verify import _lead
-from autotune.verify._lead import ahead, lead
+from autotune.verify._lead import QUIET, Noise, ahead, lead
 from autotune.verify._verifier import Verifier
 
 __all__ = [
@@ -121,7 +121,7 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
     return idea(a) == idea(b) and large < 1.5 * small
 
 
-def fastest(records: list[TrialRecord]) -> TrialRecord:
+def fastest(records: list[TrialRecord], model: Noise = QUIET) -> TrialRecord:
     """The record with the highest measured throughput; among those it is not known to
     beat (:func:`known_ahead`), the simplest (fewest wrapped or offloaded blocks, then the
     least accumulation, then the smallest peak).
@@ -136,7 +136,7 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    best, tied, sigma = _ties(passed)
+    best, tied, sigma = _ties(passed, model)
     chosen = min(tied, key=_simplicity)
     if chosen is not best:
         log.info(
@@ -150,29 +150,31 @@ def fastest(records: list[TrialRecord]) -> TrialRecord:
     return chosen
 
 
-def tied_with(chosen: TrialRecord, records: list[TrialRecord]) -> tuple[list[TrainConfig], float]:
+def tied_with(
+    chosen: TrialRecord, records: list[TrialRecord], model: Noise = QUIET
+) -> tuple[list[TrainConfig], float]:
     """The configs of ``records`` that ``chosen`` (the winner of :func:`fastest`) is tied
     with: the fastest is not known to be ahead of them (nor of ``chosen``); and the noise
     of one timing that decided it."""
     passed = [r for r in records if r.measured is not None]
     if not passed:
         return [], 0.0
-    _, tied, sigma = _ties(passed)
+    _, tied, sigma = _ties(passed, model)
     return [r.config for r in tied if r.config != chosen.config], sigma
 
 
-def _ties(passed: list[TrialRecord]) -> tuple[TrialRecord, list[TrialRecord], float]:
+def _ties(passed: list[TrialRecord], model: Noise) -> tuple[TrialRecord, list[TrialRecord], float]:
     """The fastest of ``passed``, those it is not known to be ahead of (itself among them),
     and the noise of one timing."""
     best = max(passed, key=_measured_speed)
-    sigma = noise(passed)
+    sigma = noise(passed, model)
     return best, [r for r in passed if not known_ahead(best, r, sigma)], sigma
 
 
-def noise(records: list[TrialRecord]) -> float:
+def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
     """The relative noise of one timing, from the records timed more than once (see
     :func:`autotune.verify._lead.noise`)."""
-    return _lead.noise([speeds(r) for r in records if r.measured is not None])
+    return _lead.noise([speeds(r) for r in records if r.measured is not None], model)
 
 
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float) -> bool:
@@ -206,13 +208,16 @@ def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
     return wrapped, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
 
 
-def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -> list[TrialRecord]:
+def settle(
+    verifier: Verifier, records: list[TrialRecord], model: Noise = QUIET
+) -> list[TrialRecord]:
     """Time the contenders again, interleaved, until their order is known or they tie.
 
     One timing per candidate is at the mercy of whatever else the machine does for those
     seconds. A contender the leader is not known to beat (:func:`known_ahead`, at the
     noise assumed before any re-timing) races it: both are timed again, one after the
-    other, up to ``rounds`` more times, so that a slow spell hits a round's timings alike
+    other, up to ``model.rounds`` more times (``model``: the machine's noise, quiet or
+    busy), so that a slow spell hits a round's timings alike
     and comparing them round by round takes it out. After each round the noise is
     estimated from the rounds, the leader is the best median, and a contender whose order
     against it is now known stops. One still racing after the last round is a tie, which
@@ -231,14 +236,14 @@ def settle(verifier: Verifier, records: list[TrialRecord], *, rounds: int = 2) -
         return statistics.median(rate(c))
 
     leader = max(times, key=median)
-    sigma = _lead.PRIOR_NOISE
+    sigma, rounds = model.prior, model.rounds
     racing = [c for c in times if c != leader and not ahead(rate(leader), rate(c), sigma)]
     for _ in range(rounds):
         if not racing:
             break
         for c in (leader, *racing):
             times[c].append(verifier.retime(c))
-        sigma = _lead.noise([rate(c) for c in times])
+        sigma = _lead.noise([rate(c) for c in times], model)
         timed = (leader, *racing)
         leader = max(timed, key=median)
         racing = [c for c in timed if c != leader and not ahead(rate(leader), rate(c), sigma)]

@@ -124,7 +124,7 @@ def test_settle_races_only_the_contenders_whose_order_is_not_known() -> None:
     # 1.645 standard errors of the noise (the two rounds' ratios pooled with the 3%
     # assumed: 2.5%), so 4 stops racing after one round.
     clock = Clockwork({8: [0.080], 4: [4 / 92]})
-    settled = settle(clock, records, rounds=2)  # type: ignore[arg-type]
+    settled = settle(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4]
     timings = {r.config.micro_batch_size: r.timings for r in settled}
     assert timings == {8: (0.08, 0.08), 4: (4 / 94, 4 / 92), 2: (), 1: ()}
@@ -138,7 +138,7 @@ def test_two_rounds_that_agree_do_not_pass_for_a_quiet_machine() -> None:
     rounds, so the lead is not yet known and the race goes on."""
     records = [record(8, 100.0), record(4, 97.0)]
     clock = Clockwork({8: [0.080, 0.080], 4: [4 / 96, 4 / 96]})
-    settle(clock, records, rounds=2)  # type: ignore[arg-type]
+    settle(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4, 8, 4]
 
 
@@ -147,7 +147,7 @@ def test_settle_calls_a_tie_when_the_lead_stays_within_the_noise() -> None:
     to call (1% per timing at the least), so both race to the end and tie."""
     records = [record(8, 100.0), record(4, 99.0)]
     clock = Clockwork({8: [0.081, 0.079], 4: [0.0402, 0.0406]})
-    settled = settle(clock, records, rounds=2)  # type: ignore[arg-type]
+    settled = settle(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4, 8, 4]
     assert all(len(r.timings) == 3 for r in settled)
     sigma = noise(settled)
@@ -227,3 +227,21 @@ def test_the_result_lists_who_is_tied_with_the_winner_and_how_noisy_timings_were
     # A lead that is known: nothing tied.
     known = [timed(plain, 100.0, 1, (1,) * 3), timed(slow, 60.0, 1, (1,) * 3)]
     assert tied_with(fastest(known), known)[0] == []
+
+
+def test_on_a_busy_machine_every_close_contender_races_a_round_more() -> None:
+    """Timed once each while other work ran, 8 leads 2 by 15% and 1 by 30%. On a quiet
+    machine that 15% is known at once; on a busy one it races three paired rounds, in
+    which 2 turns out as fast: a tie, listed, and the simpler (no accumulation) wins."""
+    from autotune.verify._lead import BUSY
+    from autotune.verify._winner import tied_with
+
+    records = [record(8, 100.0), record(2, 87.0), record(1, 77.0)]
+    assert settle(Clockwork({}), records) == records  # quiet: nothing raced
+    clock = Clockwork({8: [0.080, 0.081, 0.080], 2: [2 / 99.0, 2 / 101.0, 2 / 100.0]})
+    settled = settle(clock, records, BUSY)  # type: ignore[arg-type]
+    assert clock.asked == [8, 2] * 3  # 1 is 30% behind: known even here
+    chosen = fastest(settled, BUSY)
+    tied, sigma = tied_with(chosen, settled, BUSY)
+    assert len(tied) == 1 and sigma > 0.04  # the noise measured, not capped at 4%
+    assert {chosen.config.micro_batch_size, tied[0].micro_batch_size} == {8, 2}
