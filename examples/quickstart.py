@@ -18,7 +18,7 @@ from pathlib import Path
 # a shared machine needs, and make every timing noise. Read when torch loads, so set first.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 import autotune
 from autotune.models import gpt_batch, tiny_gpt
