@@ -99,7 +99,11 @@ def run_job(
     """Tune ``job`` at ``budget``, then run the expert's config beside it."""
     started = time.perf_counter()
     row: dict[str, Any] = {"job": job.name, "budget": budget, "notes": job.notes}
-    model = job.build(device)
+    try:
+        model = job.build(device)
+    except ImportError as exc:  # QLoRA without bitsandbytes: the other jobs still run
+        row["error"] = f"cannot build the model: {exc}"
+        return row
     row["build_s"] = time.perf_counter() - started
     nbytes = budget_bytes(budget, device)
     row["budget_bytes"] = nbytes

@@ -23,6 +23,8 @@
 #   bash benchmarks/gpu_kit.sh plan         # a plan made as without the GPU (fake tensors),
 #                                           # its config then run and tuned on the GPU
 #
+# The QLoRA job needs bitsandbytes, which the GPU machines lack: bring its wheel with the
+# shared set-up (bash ../shared/gpu/kit.sh bitsandbytes).
 # KIT_SMOKE=1 runs `all` on the CPU at tiny shapes (CI does, so that a GPU never spends
 # minutes on a script error).
 set -uo pipefail
