@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,13 @@ def test_tune_from_a_plan_for_other_ranks_or_batches_says_what_to_do(
         autotune.autotune(
             tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=planned, global_batch_size=8
         )
+    # A plan for another model (the same block names, wider) is refused before profiling.
+    started = time.perf_counter()
+    with pytest.raises(autotune.ConfigError, match="the plan is for another model"):
+        autotune.autotune(
+            tiny_gpt(n_embd=256), example_batch(), 1.0, device="cpu", start_from=planned
+        )
+    assert time.perf_counter() - started < 2
 
 
 def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:

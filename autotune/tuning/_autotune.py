@@ -135,7 +135,7 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
         raise ConfigError(
             "SearchSpace.attention is not supported with storage= yet; leave one of them out."
         )
-    options = started_from(options)
+    options = started_from(options, model)
     with progress(quiet=not shown(options.progress)):
         if options.table:
             return tune_lengths(model, sample_batch, options)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from torch import nn
+
 from autotune.errors import ConfigError
 from autotune.result import TrialRecord, TuneResult, load
-from autotune.train import group_size
+from autotune.train import fingerprint, group_size
 from autotune.tuning._options import TuneOptions
 
 __all__ = ["plan_record", "resolved_plan", "started_from"]
@@ -37,17 +39,25 @@ def resolved_plan(start_from: TuneResult | str | Path | None) -> TuneResult | No
     )
 
 
-def started_from(options: TuneOptions) -> TuneOptions:
+def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
     """``options`` with the plan's global batch where none is given, and its precision and
     optimizer in the space.
 
     Raises:
-        ConfigError: a table per sequence length (one config cannot start it), a world
-            size or a global batch other than the plan's.
+        ConfigError: the plan is for another model (checked before anything runs), a
+            table per sequence length (one config cannot start it), a world size or a
+            global batch other than the plan's.
     """
     plan = options.start_from
     if plan is None:
         return options
+    if plan.model.fingerprint and fingerprint(model) != plan.model.fingerprint:
+        raise ConfigError(
+            f"the plan is for another model: a {plan.model.class_name} of "
+            f"{plan.model.n_parameters:,} parameters, and this {type(model).__name__} has "
+            f"{sum(p.numel() for p in model.parameters()):,} or another structure; plan "
+            "this model (autotune plan, or autotune.plan_ahead), or tune it without one."
+        )
     c = plan.config
     if options.table:
         raise ConfigError(
