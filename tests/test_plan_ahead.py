@@ -150,6 +150,11 @@ def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
     printed = capsys.readouterr().out
     assert code == 0 and out.exists()
     assert "NOT VERIFIED" in printed and "A100-40GB" in printed and "peak per rank" in printed
+    assert "other: the CUDA context, the allocator's reserve" in printed
+    assert f"on that GPU, `autotune verify {out} MODEL --batch BATCH`" in printed
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "on A100-40GB\n" in shown and "(cpu)" not in shown  # planned here, not run here
 
     # `tune --from` the plan, here (on the CPU: the code a GPU runs): its budget and
     # global batch, its config verified first, what it predicted beside what was measured.
@@ -172,8 +177,14 @@ def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
 def test_tune_from_a_plan_for_other_ranks_or_batches_says_what_to_do(
     planned, tmp_path: Path
 ) -> None:
+    from autotune.cli._plan import check_hint, describe_plan
+
     ranks = planned.config.replace(parallel="fsdp", world_size=8)
     path = dataclasses.replace(planned, config=ranks).save(tmp_path / "planned.yaml")
+    eight = autotune.load(path)  # what the plan prints and hints: all ranks, torchrun
+    assert "samples/s, all 8 ranks" in describe_plan(eight, 1.0)
+    hint = f"torchrun --nproc-per-node 8 -m autotune.cli tune MODEL --batch BATCH --from {path}"
+    assert hint in check_hint(eight, str(path))
     for world in (None, 8):  # a plan for 8 ranks is verified on 8, not planned again
         with pytest.raises(autotune.ConfigError, match="torchrun --nproc-per-node 8"):
             autotune.autotune(

@@ -235,21 +235,25 @@ def report(args: argparse.Namespace) -> int:
 def _describe(result: TuneResult) -> str:
     c, p, m, b = result.config, result.predicted, result.measured, result.breakdown
     per_rank = f" per rank, global {c.global_batch_size}" if c.world_size > 1 else ""
+    everyone = f", all {c.world_size} ranks" if c.world_size > 1 else ""
     lines = [
         f"config      {c.describe()}",
         f"            effective batch {c.effective_batch_size}{per_rank}; checkpoint: "
         + (", ".join(c.checkpoint) or "none")
         + (f"; selectively: {', '.join(c.selective_checkpoint)}" if c.selective_checkpoint else ""),
-        f"budget      {format_bytes(result.budget_bytes)} on {result.target.name} "
-        f"({result.target.device})",
+        f"budget      {format_bytes(result.budget_bytes)} on {result.target.name}"
+        + ("" if planned_here(result) else f" ({result.target.device})"),
         f"peak        predicted {format_bytes(p.peak_bytes)}, "
         f"measured {format_bytes(m.peak_bytes)}",
-        f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
+        f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} "
+        f"samples/s{everyone}",
         "memory      " + ", ".join(f"{name} {format_bytes(getattr(b, name))}" for name in PARTS),
+        "            (other: the batch, buffers and, on a GPU, the CUDA context and the "
+        "allocator's reserve)",
     ]
     if result.unverified:  # planned, not run: no measurement to show
         lines[3] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
-        lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s, NOT VERIFIED"
+        lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s{everyone}, NOT VERIFIED"
         lines += [f"unverified  {note}" for note in result.unverified]
     lines += [f"{label:<11} {text}" for label, text in sureness(result)]
     for i, f in enumerate(result.fallbacks, 1):
@@ -276,6 +280,12 @@ def _describe(result: TuneResult) -> str:
             for r in planned
         ]
     return "\n".join(lines)
+
+
+def planned_here(result: TuneResult) -> bool:
+    """Whether ``result`` is a plan for a GPU that is not where it was made (its device is
+    the machine that traced it: naming it would say the plan ran there)."""
+    return any(t.error == PLANNED for t in result.trials)
 
 
 def _row(r: LengthRow) -> str:

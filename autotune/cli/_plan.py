@@ -70,8 +70,19 @@ def plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(describe_plan(result, time.perf_counter() - started))
-        print(f"\nwritten to {path}; on the GPU, `autotune verify {path} MODEL --batch BATCH`")
+        print(f"\nwritten to {path}; {check_hint(result, str(path))}")
     return 0
+
+
+def check_hint(result: TuneResult, path: str) -> str:
+    """How to check the plan on its GPUs: the command, whole (torchrun for several ranks)."""
+    n = result.config.world_size
+    if n > 1:
+        return (
+            f"on {n} of those GPUs, `torchrun --nproc-per-node {n} -m autotune.cli tune MODEL "
+            f"--batch BATCH --from {path}` runs it and tunes from it on every rank"
+        )
+    return f"on that GPU, `autotune verify {path} MODEL --batch BATCH` runs it"
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -99,12 +110,13 @@ def describe_plan(result: TuneResult, seconds: float) -> str:
     """The plans, fastest predicted first, for people."""
     c = result.config
     ranks = f"{c.world_size} x " if c.world_size > 1 else ""
+    rate = f"samples/s, all {c.world_size} ranks" if c.world_size > 1 else "samples/s"
     lines = [
         f"planned {result.model.class_name} ({result.model.n_parameters / 1e9:.2f}B parameters) "
         f"for {ranks}{result.target.name}, budget {format_bytes(result.budget_bytes)} per "
         f"rank, in {seconds:.1f} s: NOT VERIFIED",
         "",
-        f"   {'plan':<66} {'peak per rank':>14} {'samples/s':>10}",
+        f"   {'plan':<66} {'peak per rank':>14} {rate:>10}",
     ]
     for i, t in enumerate(result.trials, 1):
         p = t.predicted
@@ -119,6 +131,7 @@ def describe_plan(result: TuneResult, seconds: float) -> str:
             f"{n} {format_bytes(getattr(b, n))}"
             for n in ("parameters", "gradients", "optimizer", "activations", "other")
         )
+        + " (other: the CUDA context, the allocator's reserve, the batch and buffers)"
     )
     lines.append("assumed (check on the GPU):")
     lines += [f"  - {note}" for note in result.unverified]
