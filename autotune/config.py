@@ -7,6 +7,8 @@ that every layer can validate a knob without importing the code that implements 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 from autotune.errors import ConfigError
@@ -234,6 +236,12 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some knobs changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def digest(self) -> str:
+        """A short hash of every knob: a result's file records its config's, so that a
+        config edited by hand is not shown with figures measured for another."""
+        knobs = json.dumps(dataclasses.asdict(self), sort_keys=True, default=list)
+        return hashlib.sha256(knobs.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         """A one-line human summary of the knobs."""

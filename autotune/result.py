@@ -196,8 +196,17 @@ class TuneResult:
     busy: str | None = None
     """Why the machine counted as busy while tuning (others' load, scattered timings), and
     what to do; ``None``: it did not."""
+    figures_for: str = dataclasses.field(default="", compare=False)
+    """The digest of the config the figures were made for (:meth:`TrainConfig.digest`),
+    written with the file; empty: the config in hand."""
     version: int = SCHEMA_VERSION
     """Schema version of the YAML file."""
+
+    @property
+    def edited(self) -> bool:
+        """Whether ``config`` was edited after its figures were made (in the file, by
+        hand): ``predicted``, ``measured`` and the breakdown are then another config's."""
+        return bool(self.figures_for) and self.figures_for != self.config.digest()
 
     def save(self, path: str | Path) -> Path:
         """Write the result as YAML and return the path.
@@ -208,7 +217,8 @@ class TuneResult:
         Raises:
             ConfigError: the file cannot be written (says why).
         """
-        text = yaml.safe_dump(to_plain(self), sort_keys=False, default_flow_style=None)
+        signed = dataclasses.replace(self, figures_for=self.figures_for or self.config.digest())
+        text = yaml.safe_dump(to_plain(signed), sort_keys=False, default_flow_style=None)
         header = "# autotune result; train with autotune.prepare(model, autotune.load(path))\n"
         return write_atomic(path, header + text)
 

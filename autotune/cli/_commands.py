@@ -251,7 +251,12 @@ def _describe(result: TuneResult) -> str:
         "            (other: the batch, buffers and, on a GPU, the CUDA context and the "
         "allocator's reserve)",
     ]
-    if result.unverified:  # planned, not run: no measurement to show
+    if result.edited:  # the figures are another config's
+        lines[3] = "peak        not measured for this config: it was edited after tuning"
+        lines[4] = "throughput  not measured for this config: `autotune verify` runs it"
+        lines[5] = "memory      not predicted for this config"
+        del lines[6]
+    elif result.unverified:  # planned, not run: no measurement to show
         lines[3] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
         lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s{everyone}, NOT VERIFIED"
         lines += [f"unverified  {note}" for note in result.unverified]

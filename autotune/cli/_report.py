@@ -90,10 +90,17 @@ def _summary(result: TuneResult) -> str:
         ("configuration", c.describe()),
         ("effective batch", str(c.effective_batch_size)),
         ("budget", f"{format_bytes(result.budget_bytes)} on {result.target.device}"),
-        ("peak", f"predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)}"),
+        (
+            "peak",
+            f"predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)}"
+            if not result.edited
+            else "not measured for this config: it was edited after tuning",
+        ),
         (
             "throughput",
-            f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s",
+            f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s"
+            if not result.edited
+            else "not measured for this config: autotune verify runs it",
         ),
         *sureness(result),
         ("fallbacks", "; ".join(f.describe() for f in result.fallbacks) or "none"),

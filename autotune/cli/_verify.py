@@ -26,8 +26,9 @@ class _Run:
     length: int | None
     """A table's row (the batch cut to it); ``None``: the one config."""
     config: TrainConfig
-    predicted: Measurement
-    tuned: Measurement
+    predicted: Measurement | None
+    """``None``: the file's config was edited after tuning (the figures are another's)."""
+    tuned: Measurement | None
     measured: Measurement | None = None
     error: str | None = None
 
@@ -56,6 +57,8 @@ def verify(args: argparse.Namespace) -> int:
         print(f"autotune: warning: {difference}", file=sys.stderr)
     runs = [_Run(r.length, r.config, r.predicted, r.measured) for r in result.by_length] or [
         _Run(None, result.config, result.predicted, result.measured)
+        if not result.edited
+        else _Run(None, result.config, None, None)
     ]
     for run in runs:  # a table: each row on the batch cut to its length
         verifier = Verifier(
@@ -79,14 +82,15 @@ def verify(args: argparse.Namespace) -> int:
 
 def _json(run: _Run, device: str, budget: int) -> dict[str, Any]:
     out = {"fits": run.measured is not None, "device": device, "error": run.error}
-    out |= {"budget_bytes": budget, "predicted": to_plain(run.predicted)}
+    out |= {"budget_bytes": budget, "predicted": to_plain(run.predicted)}  # None: edited
     out |= {"measured": to_plain(run.measured)}
     return out if run.length is None else {"length": run.length, **out}
 
 
 def _text(run: _Run, name: str, budget: int) -> str:
     at = "" if run.length is None else f" up to length {run.length}"
-    predicted = format_bytes(run.predicted.peak_bytes)
+    edited = "none for this config (edited after tuning)"
+    predicted = format_bytes(run.predicted.peak_bytes) if run.predicted else edited
     m = run.measured
     if m is None:
         return (
@@ -97,7 +101,12 @@ def _text(run: _Run, name: str, budget: int) -> str:
         f"fits         {run.config.describe()}{at} on {name}\n"
         f"peak         measured {format_bytes(m.peak_bytes)} within the "
         f"{format_bytes(budget)} budget\n"
-        f"             predicted {predicted}; when tuned {format_bytes(run.tuned.peak_bytes)}\n"
-        f"throughput   measured {m.samples_per_s:.1f} samples/s; "
-        f"when tuned {run.tuned.samples_per_s:.1f}"
+        + (
+            f"             predicted {predicted}; when tuned {format_bytes(run.tuned.peak_bytes)}\n"
+            f"throughput   measured {m.samples_per_s:.1f} samples/s; "
+            f"when tuned {run.tuned.samples_per_s:.1f}"
+            if run.tuned
+            else f"             predicted and when tuned: {edited}\n"
+            f"throughput   measured {m.samples_per_s:.1f} samples/s"
+        )
     )

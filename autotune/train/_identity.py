@@ -33,6 +33,11 @@ def fingerprint(model: nn.Module) -> str:
 def differences(result: TuneResult, model: nn.Module, device: torch.device) -> list[str]:
     """What differs between where ``result`` was tuned and where it is about to run."""
     out = []
+    if result.edited:
+        out.append(
+            "its config was edited after tuning, so its peak and speed were measured for "
+            "another config (autotune verify runs this one)"
+        )
     if fingerprint(model) != result.model.fingerprint:
         out.append(
             f"the model's structure differs from the {result.model.class_name} it was tuned on"

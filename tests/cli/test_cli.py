@@ -24,6 +24,7 @@ import torch
 import yaml
 
 import autotune
+from autotune._format import format_bytes
 from autotune.cli import main
 from autotune.config import TrainConfig
 from autotune.result import PARTS, TuneResult
@@ -670,3 +671,29 @@ def test_an_unknown_option_points_to_the_commands_own_help(capsys) -> None:
     code, _, err = run(capsys, "show", "x.yaml", "--jsn")
     assert code == 2
     assert_one_error_line(err, "did you mean --json?", "(see autotune show --help)")
+
+
+def test_a_config_edited_by_hand_is_not_shown_with_another_configs_figures(
+    capsys, tuned: Tuned, tmp_path: Path
+) -> None:
+    result = tuned.result()
+    assert not result.edited  # as written
+    text = tuned.path.read_text()
+    assert f"figures_for: {result.config.digest()}" in text
+    was = result.config.precision  # edited by hand, as a user tries another precision
+    other = "bf16" if was == "fp32" else "fp32"
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(text.replace(f"precision: {was}\n", f"precision: {other}\n", 1))
+    changed = autotune.load(edited)
+    assert changed.config.precision == other and changed.edited
+    code, out, _ = run(capsys, "show", str(edited))
+    assert code == 0
+    assert "peak        not measured for this config: it was edited after tuning" in out
+    assert format_bytes(result.measured.peak_bytes) not in out.split("verified")[0]
+    code, out, _ = run(capsys, "verify", str(edited), *tuned.inputs())
+    assert "predicted and when tuned: none for this config (edited after tuning)" in out
+    from autotune.models import tiny_gpt
+
+    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    with pytest.warns(autotune.AutotuneWarning, match="edited after tuning"):
+        autotune.prepare(model, changed, device="cpu").close()
