@@ -251,3 +251,22 @@ def test_cli_lists_the_devices(capsys) -> None:
     assert main(["plan", "--list-devices"]) == 0
     printed = capsys.readouterr().out
     assert all(name in printed for name in DEVICES)
+
+
+@pytest.mark.parametrize(("precision", "optimizer"), [("bf16", "adamw_fused"), ("fp32", "adamw")])
+def test_a_plan_the_profile_cannot_predict_is_verified_and_cannot_crash_the_run(
+    planned, monkeypatch, precision: str, optimizer: str
+) -> None:
+    """The profile drops every precision but fp32 (as one measured slow on a CPU) and
+    searches AdamW fused; the plan's config at micro-batch 16 (bf16, or an older plan's
+    foreach AdamW) still runs first and outruns every candidate of a space held to
+    micro-batch 1, but cannot win: nothing could predict it (it raised a KeyError)."""
+    monkeypatch.setattr("autotune.measure._time_profile._SLOW_PRECISION", 1e-9)
+    config = autotune.TrainConfig(micro_batch_size=16, precision=precision, optimizer=optimizer)
+    plan = dataclasses.replace(planned, config=config)
+    space = autotune.SearchSpace(micro_batch_sizes=[1], precisions=["fp32"], checkpointing=False)
+    result = autotune.autotune(
+        tiny_gpt(), example_batch(), 1.0, device="cpu", start_from=plan, space=space
+    )
+    assert result.trials[0].config == plan.config and result.trials[0].measured is not None
+    assert result.config.precision == "fp32" and result.config.micro_batch_size == 1

@@ -146,7 +146,7 @@ def _verify(
     now = CpuClock.now()
     noise = BUSY if cpu and now and busy(now.others_since(cpu)) else QUIET
     records = shared_settle(store, verifier, tried, noise)
-    chosen = fastest(records, noise)
+    chosen = fastest(_predictable(records, found) or records, noise)
     planner = planner_of(found, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the ladder's order.
     once = measure_with(verifier, store, timed=False)
@@ -160,7 +160,7 @@ def _result(
     chosen = verified.chosen
     assert chosen.measured is not None
     prediction = planner.cost.predict(chosen.config)
-    tied, noise = tied_with(chosen, verified.records, verified.noise)
+    tied, noise = tied_with(chosen, _predictable(verified.records, [planner]), verified.noise)
     return TuneResult(
         config=chosen.config,
         predicted=prediction.measurement,
@@ -174,6 +174,18 @@ def _result(
         tied=tuple(tied),
         noise=noise,
     )
+
+
+def _predictable(records: list[TrialRecord], found: Sequence[Planner]) -> list[TrialRecord]:
+    """The records whose config the profile can predict: a plan's config is verified even
+    in a precision the profile dropped (measured slow here) or with an optimizer not
+    profiled (``adamw`` where the space searched it fused), and is then no contender."""
+    profile = found[0].cost.profile
+    return [
+        r
+        for r in records
+        if r.config.timeline in profile.precisions and r.config.optimizer in profile.optimizers
+    ]
 
 
 def _busy(start: CpuClock | None, noise: float) -> str | None:
