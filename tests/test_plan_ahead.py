@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -270,3 +271,38 @@ def test_a_plan_the_profile_cannot_predict_is_verified_and_cannot_crash_the_run(
     )
     assert result.trials[0].config == plan.config and result.trials[0].measured is not None
     assert result.config.precision == "fp32" and result.config.micro_batch_size == 1
+
+
+LLAMA = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 256, "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "seq_len", "words"),
+    [
+        ({"num_hidden_layers": 10**6}, 64, "num_hidden_layers is 1000000; it must be a whole"),
+        ({"hidden_size": -4}, 64, "hidden_size is -4; it must be a whole number from 1"),
+        ({}, 10**9, "--seq-len 1,000,000,000 is past 2,097,152 tokens"),
+        ({}, 4096, "--seq-len 4096 is past the model's max_position_embeddings, 128"),
+        ({"rms_norm_eps": "x"}, 64, "transformers cannot read"),
+        (None, 64, "does not state num_hidden_layers, hidden_size, vocab_size"),
+    ],
+    ids=["layers", "negative", "huge-seq", "past-positions", "bad-field", "no-sizes"],
+)
+def test_a_hostile_hugging_face_config_is_refused_fast_naming_the_field(
+    tmp_path: Path, edit, seq_len: int, words: str
+) -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401 (loaded, not timed)
+
+    from autotune.integrations.hf_config import causal_lm
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama"} if edit is None else {**LLAMA, **edit}))
+    started = time.perf_counter()
+    with pytest.raises(autotune.ConfigError, match=re.escape(words)):
+        causal_lm(path, seq_len)
+    assert time.perf_counter() - started < 2
