@@ -306,3 +306,24 @@ def test_a_hostile_hugging_face_config_is_refused_fast_naming_the_field(
     with pytest.raises(autotune.ConfigError, match=re.escape(words)):
         causal_lm(path, seq_len)
     assert time.perf_counter() - started < 2
+
+
+def test_a_builder_that_reads_a_value_or_takes_real_memory_is_said_in_planning_terms() -> None:
+    import numpy as np
+
+    def reads() -> torch.nn.Module:
+        model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+        model.scale = float(model.wte.weight.abs().max().item())  # a value: not on fake
+        return model
+
+    with pytest.raises(autotune.ConfigError, match=r"reads no value \(no \.item\(\)"):
+        autotune.plan_ahead(reads, example_batch(), 1.0)
+
+    def loads() -> torch.nn.Module:
+        weights = np.ones((160, 2**20), dtype=np.float32)  # 640 MiB made for real
+        model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+        model.register_buffer("table", torch.from_numpy(weights[:1, :8]).clone())
+        return model
+
+    with pytest.warns(autotune.AutotuneWarning, match=r"took 0\.\d GiB of this machine's memory"):
+        autotune.plan_ahead(loads, example_batch(), 1.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from autotune.device import (
     budget_bytes,
     device_spec,
 )
-from autotune.errors import ProfileError
+from autotune.errors import AutotuneError, AutotuneWarning, ConfigError, ProfileError
 from autotune.measure import (
     TRACED_ASSUMPTIONS,
     Collectives,
@@ -133,9 +134,7 @@ def plan_with(
     started = time.perf_counter()
     spec = device_spec(device)
     with traced() as mode:
-        model = build()
-        if not isinstance(model, nn.Module):
-            raise ProfileError(f"build() must return a torch.nn.Module, got {type(model)}.")
+        model = _built(build)
         made = sample_batch() if callable(sample_batch) else sample_batch
         sample = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
         problem = _problem(model, sample, spec, options)
@@ -169,6 +168,66 @@ def plan_with(
     )
     notes = (*planning_notes(spec), *result.unverified)
     return dataclasses.replace(result, trials=ranked, unverified=notes)
+
+
+_REAL_BYTES = 512 * 2**20
+"""Host memory a builder may take for real (beyond the process's peak so far) before the
+plan says so: a traced model holds none."""
+
+
+def _built(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` on fake tensors; what goes wrong in it said in planning's terms, and a
+    builder that took real memory (weights loaded, arrays made) named.
+
+    Raises:
+        ConfigError: the builder failed (it read a value, moved to a device, ...).
+        ProfileError: it returned no module.
+    """
+    before = _peak_rss(reset=True)
+    try:
+        model = build()
+    except AutotuneError:
+        raise
+    except Exception as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise ConfigError(
+            f"building the model on fake tensors failed: {type(exc).__name__}: {first}. A "
+            "builder for planning makes the model on the default device and reads no value "
+            "(no .item(), .tolist() or printing a tensor; no .cuda() or .to('cuda')); give "
+            "plan_ahead such a builder."
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"build() must return a torch.nn.Module, got {type(model)}.")
+    if (grown := _peak_rss() - before) > _REAL_BYTES:
+        warnings.warn(
+            f"building the model took {grown / 2**30:.1f} GiB of this machine's memory for "
+            "real (weights loaded, or arrays made outside torch): the plan is right, but a "
+            "builder that makes the model with torch's constructors plans without memory.",
+            AutotuneWarning,
+            stacklevel=4,
+        )
+    return model
+
+
+def _peak_rss(*, reset: bool = False) -> int:
+    """The most host memory this process has held since the last ``reset`` (Linux:
+    ``VmHWM``, which writing 5 to ``/proc/self/clear_refs`` resets to what it holds now;
+    elsewhere since it started), in bytes; 0 where unknown."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
 def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptions) -> Problem:
