@@ -27,13 +27,13 @@ __all__ = ["estimate_command", "export_command", "report", "show", "space_of", "
 
 def tune(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
-    from autotune.tuning import progress
-    from autotune.tuning import tune as run
-
     plan = load(args.start_from) if args.start_from else None
     if args.budget_gb is None and plan is None:
         raise ConfigError("tune needs --budget-gb (e.g. --budget-gb 24), or --from a plan.")
-    model, batch, loss = inputs(args)
+    model, batch, loss = inputs(args)  # a module that is not there: said before torch loads
+    from autotune.tuning import progress
+    from autotune.tuning import tune as run
+
     lengths = args.sequence_lengths
     options = _options(
         args, loss, _integers(lengths, "--sequence-lengths") if lengths else None, plan

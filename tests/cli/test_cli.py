@@ -697,3 +697,16 @@ def test_a_config_edited_by_hand_is_not_shown_with_another_configs_figures(
     model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
     with pytest.warns(autotune.AutotuneWarning, match="edited after tuning"):
         autotune.prepare(model, changed, device="cpu").close()
+
+
+def test_a_module_that_is_not_there_is_said_before_torch_loads() -> None:
+    code = (
+        "import sys\n"
+        "from autotune.cli._main import main\n"
+        "code = main(['tune', 'nosuchmodule:model', '--batch', 'nosuchmodule:batch',\n"
+        "             '--budget-gb', '1', '-o', 'unused.yaml'])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "cannot import 'nosuchmodule'" in done.stderr
