@@ -62,10 +62,15 @@ def records(result: TuneResult) -> list[TrialRecord]:
     return records
 
 
+_BEYOND = 1.03
+"""A rejected config is drawn this far past the budget line at least: it did not fit."""
+
+
 def point(result: TuneResult, r: TrialRecord) -> _Point:
-    if r.measured is None:
+    if r.measured is None:  # it did not fit: beyond the budget, however low it was predicted
         pm = r.predicted
-        return _Point(r.config, pm.peak_bytes, pm.samples_per_s, "rejected", r.error or "")
+        peak = max(pm.peak_bytes, _BEYOND * result.budget_bytes)
+        return _Point(r.config, peak, pm.samples_per_s, "rejected", r.error or "")
     fallback = next((i for i, f in enumerate(result.fallbacks, 1) if f == r.config), None)
     role = "chosen" if r.config == result.config else "fits" if fallback is None else "fallback"
     note = f"fallback {fallback}" if fallback is not None else role
@@ -80,16 +85,17 @@ def scatter(result: TuneResult) -> str:
     points = _points(result)
     budget = result.budget_bytes
     x_max = _nice_bytes(max([budget, *(p.peak for p in points)]) * 1.05)
+    x_min = x_floor(points, x_max)
     y_max = _nice_max(max([1e-9, *(p.speed for p in points)]) * 1.1)
 
     def sx(v: float) -> float:
-        return _LEFT + v / x_max * (WIDTH - _LEFT - _RIGHT)
+        return _LEFT + (v - x_min) / (x_max - x_min) * (WIDTH - _LEFT - _RIGHT)
 
     def sy(v: float) -> float:
         return _H - _BOTTOM - v / y_max * (_H - _TOP - _BOTTOM)
 
     out = [f"<svg width='{WIDTH}' height='{_H}' viewBox='0 0 {WIDTH} {_H}' role='img'>"]
-    out += _axes(x_max, y_max, sx, sy)
+    out += _axes(x_min, x_max, y_max, sx, sy)
     out.append(
         f"<line class='budget' x1='{sx(budget):.1f}' y1='{_TOP}' x2='{sx(budget):.1f}' "
         f"y2='{_H - _BOTTOM}'><title>budget {format_bytes(budget)}</title></line>"
@@ -112,10 +118,20 @@ def scatter(result: TuneResult) -> str:
     return "\n".join(out)
 
 
-def _axes(x_max: float, y_max: float, sx: Any, sy: Any) -> list[str]:
+def x_floor(points: list[_Point], x_max: float) -> float:
+    """Where the memory axis starts: 0, or a round value below every point where they sit
+    in the top half (an axis from 0 would crowd them into its right end)."""
+    low = min((p.peak for p in points), default=0.0)
+    if low < x_max / 2:
+        return 0.0
+    step = x_max / 10
+    return math.floor(0.9 * low / step) * step
+
+
+def _axes(x_min: float, x_max: float, y_max: float, sx: Any, sy: Any) -> list[str]:
     out = []
     for i in range(6):
-        x, y = x_max * i / 5, y_max * i / 5
+        x, y = x_min + (x_max - x_min) * i / 5, y_max * i / 5
         out.append(
             f"<line class='grid' x1='{sx(x):.1f}' y1='{_TOP}' x2='{sx(x):.1f}' "
             f"y2='{_H - _BOTTOM}'/><text x='{sx(x):.1f}' y='{_H - _BOTTOM + 15}' "
@@ -139,7 +155,7 @@ def _axes(x_max: float, y_max: float, sx: Any, sy: Any) -> list[str]:
 def _marker(p: _Point, x: float, y: float) -> str:
     tip = _esc(
         f"{p.config.describe()}\n{p.note}\npeak {format_bytes(p.peak)}, {p.speed:.1f} samples/s"
-        + ("\n(predicted)" if p.role == "rejected" else "")
+        + ("\n(predicted speed; it did not fit)" if p.role == "rejected" else "")
     )
     if p.role == "rejected":
         return f"<path class='rejected' d='{_cross(x, y, 5)}'><title>{tip}</title></path>"
@@ -162,7 +178,7 @@ def _legend() -> list[str]:
         ("chosen", "chosen"),
         ("fallback", "fallback"),
         ("fits", "fits"),
-        ("rejected", "rejected (at predicted peak)"),
+        ("rejected", "rejected (did not fit)"),
     ]
     out, x = [], _LEFT
     for role, label in items:
@@ -227,7 +243,13 @@ def render_png(result: TuneResult) -> bytes:
     if front:
         ax.step([x / mib for x, _ in front], [y for _, y in front], where="post", label="Pareto")
     ax.axvline(result.budget_bytes / mib, color="#c00", linestyle="--", label="budget")
-    ax.set(xlabel="peak device memory (MiB)", ylabel="samples/s", xlim=(0, None), ylim=(0, None))
+    x_max = max([result.budget_bytes, *(p.peak for p in points)]) * 1.05
+    ax.set(
+        xlabel="peak device memory (MiB)",
+        ylabel="samples/s",
+        xlim=(x_floor(points, x_max) / mib, None),
+        ylim=(0, None),
+    )
     ax.legend()
     left = 0.0
     for name in PARTS:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._format import format_bytes
 from autotune.config import TrainConfig
 from autotune.device import backend_for
 from autotune.errors import NonFiniteError
@@ -143,7 +144,10 @@ class Verifier:
         if error is not None:
             return None, error
         if peak > self.budget_bytes:
-            return None, f"measured peak {peak} bytes exceeds the budget of {self.budget_bytes}"
+            return None, (
+                f"measured peak {format_bytes(peak)} exceeds the budget of "
+                f"{format_bytes(self.budget_bytes)}"
+            )
         return Measurement(peak, step_s, config.global_batch_size / step_s), None
 
     @staticmethod

@@ -152,3 +152,26 @@ def test_png_with_matplotlib(result: TuneResult, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = write_report(result, tmp_path / "report.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rejected_config_is_drawn_past_the_budget_and_the_axis_fits_the_points(
+    result: TuneResult,
+) -> None:
+    import dataclasses
+
+    chosen = next(t for t in result.trials if t.config == result.config)
+    # predicted at 40 MiB, but it ran out of memory: it did not fit the 80 MiB budget
+    under = TrialRecord(TrainConfig(micro_batch_size=12), m(40, 800), None, "out of memory")
+    crowded = dataclasses.replace(result, trials=(under, chosen), fallbacks=())
+    scatter, _ = svgs(render_html(crowded))
+    (budget,) = [
+        e
+        for e in scatter.findall("line")
+        if e.get("class") == "budget" and e.find("title") is not None
+    ]
+    (cross,) = [p for p in scatter.findall("path") if p.find("title") is not None]
+    xs = [float(v) for v in re.findall(r"[\d.]+", cross.get("d", ""))]
+    assert (xs[0] + xs[2]) / 2 > float(budget.get("x1") or 0)  # beyond the budget line
+    assert "it did not fit" in (cross.findtext("title") or "")
+    ticks = [t.text for t in scatter.findall("text") if t.get("text-anchor") == "middle"]
+    assert ticks[0] not in ("0 B", "0.0 B")  # the memory axis starts near the points
