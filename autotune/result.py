@@ -217,14 +217,15 @@ class TuneResult:
         Raises:
             ConfigError: the file cannot be written (says why).
         """
-        signed = dataclasses.replace(self, figures_for=self.figures_for or self.config.digest())
-        text = yaml.safe_dump(to_plain(signed), sort_keys=False, default_flow_style=None)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
         header = "# autotune result; train with autotune.prepare(model, autotune.load(path))\n"
         return write_atomic(path, header + text)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plain-data form written to YAML."""
-        result = to_plain(self)
+        """The plain-data form written to YAML (with the digest of the config its figures
+        are for, see :attr:`edited`)."""
+        signed = dataclasses.replace(self, figures_for=self.figures_for or self.config.digest())
+        result = to_plain(signed)
         assert isinstance(result, dict)
         return result
 
