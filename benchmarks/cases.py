@@ -22,7 +22,7 @@ import autotune
 from autotune.models import GPTConfig, gpt_batch, tiny_gpt
 from autotune.train._loss import LossFn
 
-__all__ = ["Case", "cases_for"]
+__all__ = ["GPT2_124M", "LLAMA_1B", "Case", "cases_for", "hf_gpt2", "hf_llama", "lm_batch"]
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,14 @@ def _classification_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
     return F.cross_entropy(output, batch[-1])
 
 
-def _lm_batch(vocab: int, seq: int, n: int) -> dict[str, torch.Tensor]:
+def lm_batch(vocab: int, seq: int, n: int) -> dict[str, torch.Tensor]:
     """A Hugging Face causal-LM batch: the model shifts ``labels`` itself."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab, (n, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _hf_gpt2(**shape: Any) -> Callable[[], nn.Module]:
+def hf_gpt2(**shape: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -116,7 +116,7 @@ def _hf_gpt2(**shape: Any) -> Callable[[], nn.Module]:
     return build
 
 
-def _hf_llama(**shape: Any) -> Callable[[], nn.Module]:
+def hf_llama(**shape: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -156,15 +156,15 @@ def _cpu_cases() -> list[Case]:
         ),
         Case(
             "hf-gpt2-small",
-            _hf_gpt2(**gpt2),
-            lambda n: _lm_batch(2048, 128, n),
+            hf_gpt2(**gpt2),
+            lambda n: lm_batch(2048, 128, n),
             32,
             extra={**gpt2, "seq": 128},
         ),
         Case(
             "hf-llama-small",
-            _hf_llama(**llama),
-            lambda n: _lm_batch(2048, 128, n),
+            hf_llama(**llama),
+            lambda n: lm_batch(2048, 128, n),
             32,
             extra={**llama, "seq": 128},
         ),
@@ -180,30 +180,35 @@ def _cpu_cases() -> list[Case]:
     ]
 
 
+GPT2_124M = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
+"""GPT-2 small (its vocabulary, 50257, is transformers' default)."""
+LLAMA_1B = {  # TinyLlama's width at 20 layers: ~1.0B parameters
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+"""The ~1B LLaMA of the GPU cases and jobs."""
+
+
 def _cuda_cases() -> list[Case]:
-    gpt2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}  # 124M
-    llama = {  # TinyLlama's width at 20 layers: ~1.0B parameters
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_hidden_layers": 20,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "vocab_size": 32000,
-        "max_position_embeddings": 2048,
-    }
+    gpt2, llama = GPT2_124M, LLAMA_1B
     return [
         Case(
             "gpt2-124m",
-            _hf_gpt2(**gpt2),
-            lambda n: _lm_batch(50257, 1024, n),
+            hf_gpt2(**gpt2),
+            lambda n: lm_batch(50257, 1024, n),
             32,
             budgets_gib=(24.0, 16.0),
             extra={**gpt2, "seq": 1024},
         ),
         Case(
             "llama-1b",
-            _hf_llama(**llama),
-            lambda n: _lm_batch(32000, 1024, n),
+            hf_llama(**llama),
+            lambda n: lm_batch(32000, 1024, n),
             16,
             # fp32 AdamW state alone (16 bytes per parameter) is ~16 GB: at 16 GiB only a
             # lighter optimizer can fit, so the tuner may swap it; the baseline keeps AdamW.

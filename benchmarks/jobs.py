@@ -14,6 +14,7 @@ script error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 import autotune
+from benchmarks.cases import GPT2_124M, LLAMA_1B, hf_gpt2, hf_llama, lm_batch
 
 __all__ = ["Job", "jobs"]
 
@@ -64,39 +66,19 @@ def budget_bytes(budget: str, device: torch.device) -> int:
     raise ValueError(f"budget {budget!r}: write 24GiB, 512MiB or card")
 
 
-def _lm_batch(vocab: int, seq: int) -> Callable[[int], dict[str, torch.Tensor]]:
-    def sample(n: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(vocab, (n, seq), generator=g)
-        return {"input_ids": ids, "labels": ids.clone()}
-
-    return sample
+def _sample(vocab: int, seq: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    return functools.partial(lm_batch, vocab, seq)
 
 
-def _gpt2(shape: dict[str, int]) -> Callable[[torch.device], nn.Module]:
-    def build(device: torch.device) -> nn.Module:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        torch.manual_seed(0)
-        return GPT2LMHeadModel(GPT2Config(**shape))  # on the host: the tuner copies it over
-
-    return build
+def _on_the_host(build: Callable[[], nn.Module]) -> Callable[[torch.device], nn.Module]:
+    """A job's builder of a model made on the host: the tuner copies it to the device."""
+    return lambda device: build()
 
 
 def _llama_config(shape: dict[str, int]) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(**shape)
-
-
-def _llama(shape: dict[str, int]) -> Callable[[torch.device], nn.Module]:
-    def build(device: torch.device) -> nn.Module:
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(0)
-        return LlamaForCausalLM(_llama_config(shape))
-
-    return build
 
 
 def _qlora(shape: dict[str, int], rank: int) -> Callable[[torch.device], nn.Module]:
@@ -174,16 +156,7 @@ def _shape(llama: dict[str, int], seq: int) -> dict[str, int]:
 
 def jobs(*, smoke: bool = False) -> list[Job]:
     """The three jobs; ``smoke``: at tiny shapes and MiB budgets, for the CPU."""
-    gpt2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
-    llama = {
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_hidden_layers": 20,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "vocab_size": 32000,
-        "max_position_embeddings": 2048,
-    }
+    gpt2, llama = {**GPT2_124M, "vocab_size": 50257}, LLAMA_1B
     llama7 = {  # Llama 2 7B
         "hidden_size": 4096,
         "intermediate_size": 11008,
@@ -206,8 +179,8 @@ def jobs(*, smoke: bool = False) -> list[Job]:
     return [
         Job(
             "gpt2-124m",
-            _gpt2(gpt2),
-            _lm_batch(gpt2["vocab_size"], seq["gpt2"]),
+            _on_the_host(hf_gpt2(**gpt2)),
+            _sample(gpt2["vocab_size"], seq["gpt2"]),
             32,
             budgets["gpt2"],
             {"layers": gpt2["n_layer"], "width": gpt2["n_embd"], "seq": seq["gpt2"]},
@@ -215,8 +188,8 @@ def jobs(*, smoke: bool = False) -> list[Job]:
         ),
         Job(
             "llama-1b",
-            _llama(llama),
-            _lm_batch(llama["vocab_size"], seq["llama"]),
+            _on_the_host(hf_llama(**llama)),
+            _sample(llama["vocab_size"], seq["llama"]),
             16,
             budgets["llama"],
             _shape(llama, seq["llama"]),
@@ -225,7 +198,7 @@ def jobs(*, smoke: bool = False) -> list[Job]:
         Job(
             "qlora-7b",
             _qlora(llama7, 16 if not smoke else 4),
-            _lm_batch(llama7["vocab_size"], seq["qlora"]),
+            _sample(llama7["vocab_size"], seq["qlora"]),
             16,
             budgets["qlora"],
             _shape(llama7, seq["qlora"]),
