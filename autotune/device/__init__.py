@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     )
     from autotune.device._load import CpuClock, busy, busy_note
     from autotune.device._resolve import resolve_device
-    from autotune.device._target import Target, budget_bytes, discover
+    from autotune.device._target import Target, budget_bytes, discover, host_peak_bytes
 
 INTERFACE = {
     "Backend": "autotune.device._backend",
@@ -59,6 +59,7 @@ INTERFACE = {
     "device_spec": "autotune.device._catalog",
     "discover": "autotune.device._target",
     "host_empty": "autotune.device._host",
+    "host_peak_bytes": "autotune.device._target",
     "host_memory": "autotune.device._host",
     "in_host_memory": "autotune.device._host",
     "is_host_storage": "autotune.device._host",
@@ -87,6 +88,7 @@ __all__ = [
     "discover",
     "host_empty",
     "host_memory",
+    "host_peak_bytes",
     "in_host_memory",
     "is_host_storage",
     "mark_host",

@@ -18,7 +18,7 @@ from autotune.device._resolve import resolve_device
 from autotune.errors import BudgetError
 from autotune.result import TargetInfo
 
-__all__ = ["Target", "budget_bytes", "discover"]
+__all__ = ["Target", "budget_bytes", "discover", "host_peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,37 @@ def _host_total_bytes() -> int:
 
 
 def _host_available_bytes() -> int:
+    available = _proc_kib("/proc/meminfo", "MemAvailable:")
+    return available * 1024 if available is not None else _host_total_bytes()
+
+
+def host_peak_bytes(*, reset: bool = False) -> int:
+    """The most host memory this process has held since the last ``reset`` (Linux:
+    ``VmHWM``, which writing 5 to ``/proc/self/clear_refs`` resets to what it holds now;
+    elsewhere since it started), in bytes; 0 where unknown."""
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    peak = _proc_kib("/proc/self/status", "VmHWM:")
+    if peak is not None:
+        return peak * 1024
     try:
-        with open("/proc/meminfo") as f:
+        import resource
+    except ImportError:  # not Unix
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """The kB figure of the line of ``path`` starting with ``key`` (``None``: not there)."""
+    try:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(key):
+                    return int(line.split()[1])
     except OSError:
         pass
-    return _host_total_bytes()
+    return None

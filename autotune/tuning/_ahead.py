@@ -34,6 +34,7 @@ from autotune.device import (
     Target,
     budget_bytes,
     device_spec,
+    host_peak_bytes,
 )
 from autotune.errors import AutotuneError, AutotuneWarning, ConfigError, ProfileError
 from autotune.measure import (
@@ -183,7 +184,7 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
         ConfigError: the builder failed (it read a value, moved to a device, ...).
         ProfileError: it returned no module.
     """
-    before = _peak_rss(reset=True)
+    before = host_peak_bytes(reset=True)
     try:
         model = build()
     except AutotuneError:
@@ -198,7 +199,7 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
         ) from exc
     if not isinstance(model, nn.Module):
         raise ProfileError(f"build() must return a torch.nn.Module, got {type(model)}.")
-    if (grown := _peak_rss() - before) > _REAL_BYTES:
+    if (grown := host_peak_bytes() - before) > _REAL_BYTES:
         warnings.warn(
             f"building the model took {grown / 2**30:.1f} GiB of this machine's memory for "
             "real (weights loaded, or arrays made outside torch): the plan is right, but a "
@@ -207,27 +208,6 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
             stacklevel=4,
         )
     return model
-
-
-def _peak_rss(*, reset: bool = False) -> int:
-    """The most host memory this process has held since the last ``reset`` (Linux:
-    ``VmHWM``, which writing 5 to ``/proc/self/clear_refs`` resets to what it holds now;
-    elsewhere since it started), in bytes; 0 where unknown."""
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import resource
-    except ImportError:  # not Unix
-        return 0
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
 def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptions) -> Problem:
