@@ -53,7 +53,7 @@ from autotune.train import LossFn, map_tensors
 from autotune.tuning._data_parallel import planned_result, search_layouts
 from autotune.tuning._once import model_info
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, world_of
+from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, twinned, world_of
 from autotune.tuning._profiling import profile_model
 from autotune.tuning._rank_check import rank_checked
 
@@ -220,9 +220,7 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         # fp16 runs at bf16's peak on every GPU of the table, and needs a loss scaler
         precisions=_without_fp16(options.space.precisions),
         # every GPU of the table has torch's fused AdamW kernel, which an expert sets
-        optimizers=tuple(
-            dict.fromkeys(FUSED_OPTIMIZERS.get(o, o) for o in options.space.optimizers)
-        ),
+        optimizers=twinned(options.space.optimizers, FUSED_OPTIMIZERS),
         offload_optimizer=False,
         offload_activations=False,
         compile_blocks=False,

@@ -33,7 +33,15 @@ from autotune.tuning._options import TuneOptions
 if TYPE_CHECKING:
     from autotune.measure import Profile
 
-__all__ = ["Problem", "make_problem", "per_rank_batch", "refuse_meta", "uncompiled", "world_of"]
+__all__ = [
+    "Problem",
+    "make_problem",
+    "per_rank_batch",
+    "refuse_meta",
+    "twinned",
+    "uncompiled",
+    "world_of",
+]
 
 log = logging.getLogger("autotune")
 
@@ -237,8 +245,13 @@ def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
         AutotuneWarning,
         stacklevel=4,
     )
-    names = dict.fromkeys(PAGED_OPTIMIZERS.get(o, o) for o in space.optimizers)
-    return dataclasses.replace(space, optimizers=tuple(names))
+    return dataclasses.replace(space, optimizers=twinned(space.optimizers, PAGED_OPTIMIZERS))
+
+
+def twinned(optimizers: Sequence[str], twins: dict[str, str]) -> tuple[str, ...]:
+    """``optimizers`` with each that has a twin in ``twins`` replaced by it, once each,
+    in order."""
+    return tuple(dict.fromkeys(twins.get(o, o) for o in optimizers))
 
 
 def _fused_where_it_runs(space: SearchSpace, target: Target) -> SearchSpace:
@@ -248,9 +261,8 @@ def _fused_where_it_runs(space: SearchSpace, target: Target) -> SearchSpace:
     fused = [o for o in space.optimizers if o in FUSED_OPTIMIZERS]
     if not fused or not fused_runs(target.device):
         return space
-    names = dict.fromkeys(FUSED_OPTIMIZERS.get(o, o) for o in space.optimizers)
     log.info("AdamW searched fused on %s (adamw_fused)", target.device)
-    return dataclasses.replace(space, optimizers=tuple(names))
+    return dataclasses.replace(space, optimizers=twinned(space.optimizers, FUSED_OPTIMIZERS))
 
 
 def world_of(world_size: int | None) -> tuple[int, bool]:
