@@ -172,8 +172,8 @@ def plan_with(
 
 
 _REAL_BYTES = 512 * 2**20
-"""Host memory a builder may take for real (beyond the process's peak so far) before the
-plan says so: a traced model holds none."""
+"""Host memory a builder may take for real while it runs (its peak above what the process
+held when it began) before the plan says so: a traced model holds none."""
 
 
 def _built(build: Callable[[], nn.Module]) -> nn.Module:
