@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from autotune import Measurement, TrainConfig, TuneResult
+from autotune.config import FUSED_OPTIMIZERS
 from autotune.train._loss import LossFn
 from autotune.verify._verifier import Verifier
 
@@ -60,10 +61,11 @@ def hand_candidates(points: Sequence[Point], n_blocks: int) -> list[TrainConfig]
     who tried them all: :func:`hand_config` over timings of them taken together (one
     timing each in a sweep is too noisy to choose by)."""
     default = TrainConfig().optimizer
+    users = (default, FUSED_OPTIMIZERS.get(default, default))  # fused where the device has it
     picks: dict[tuple[str, bool], Point] = {}
     for p in points:
         c = p.config
-        if p.measured is None or c.optimizer != default or c.offload_optimizer:
+        if p.measured is None or c.optimizer not in users or c.offload_optimizer:
             continue
         if c.offload_activations or c.selective_checkpoint:
             continue
