@@ -181,10 +181,17 @@ class Claims:
                 study_id = self.storage.create_new_study([_CLAIM], self.name(job, attempt + 1))
         except DuplicatedStudyError:
             return None  # another process took it between our look and our claim
-        for key, value in (("owner", self.me), ("machine", self._machine)):
-            self.storage.set_study_user_attr(study_id, key, value)
-        self.storage.set_study_user_attr(study_id, "pid", os.getpid())
-        self.storage.set_study_user_attr(study_id, "beat", time.time())
+        if self.published(job) is not None:
+            # Published since our look: whoever published tidied before our claim existed.
+            self.tidy(job)
+            return None
+        try:
+            for key, value in (("owner", self.me), ("machine", self._machine)):
+                self.storage.set_study_user_attr(study_id, key, value)
+            self.storage.set_study_user_attr(study_id, "pid", os.getpid())
+            self.storage.set_study_user_attr(study_id, "beat", time.time())
+        except KeyError:
+            return None  # published meanwhile and our claim tidied away with the others
         return self._owned(Claim(self, job, attempt + 1, study_id))
 
     def holder(self, job: str) -> Holder | None:
@@ -203,9 +210,11 @@ class Claims:
         """``job``'s claims and commit marker in the storage, by attempt."""
         start = f"{self.prefix}{job}{_SEP}"
         return {
-            int(s.study_name[len(start) :]): _Attempt(s.study_name, s.direction, s.user_attrs)
+            int(s.study_name[len(start) :]): _Attempt(s.study_name, s.directions[0], s.user_attrs)
             for s in self.storage.get_all_studies()
-            if s.study_name.startswith(start)
+            # A study deleted between the storage's queries of names and of directions
+            # comes back without a direction: it is gone.
+            if s.study_name.startswith(start) and s.directions
         }
 
     def _latest(self, job: str) -> tuple[int, dict[str, Any]]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import optuna
 import pytest
 from optuna.study import StudyDirection
+from optuna.study._frozen import FrozenStudy
 
 from autotune.verify import _claims
 from autotune.verify._claims import Claim, Claims, storage_of
@@ -200,4 +201,49 @@ def test_the_first_published_result_is_final(storage) -> None:
         storage.set_study_user_attr(storage.get_study_id_from_name("s"), "result:job", "b's")
         claim.commit("a's")  # its marker is made, and it finds the job published
     assert a.result("job") == "b's"
+    assert studies(storage) == ["s"]
+
+
+def test_a_claim_deleted_while_the_storage_is_read_is_not_seen(storage, monkeypatch) -> None:
+    # What a database storage returns for a claim that another process's tidy() deleted
+    # between its query of the names and its query of the directions: no direction.
+    a = of(storage, "a")
+    storage.create_new_study([StudyDirection.MAXIMIZE], "s~claim~job~0")
+    read = storage.get_all_studies
+
+    def racing() -> list[FrozenStudy]:
+        seen = read()
+        for s in seen:
+            if "claim" in s.study_name:
+                s._directions = []
+        return seen
+
+    monkeypatch.setattr(storage, "get_all_studies", racing)
+    assert a.holder("job") is None and a.result("job") is None
+
+
+def test_a_claim_tidied_away_as_it_is_made_is_given_up(storage, monkeypatch) -> None:
+    a, b = of(storage, "a"), of(storage, "b")
+    make = storage.create_new_study
+
+    def then_published(directions, name):  # b publishes the job the instant a's claim exists
+        made = make(directions, name)
+        if name.startswith("s~claim~"):
+            monkeypatch.setattr(a, "published", lambda job: None)  # a looked just before
+            b.publish("job", "b's")
+        return made
+
+    monkeypatch.setattr(storage, "create_new_study", then_published)
+    assert a.claim("job") is None
+    assert b.result("job") == "b's" and studies(storage) == ["s"]
+
+
+def test_a_claim_made_after_the_job_was_published_is_not_left_behind(storage) -> None:
+    a, b = of(storage, "a"), of(storage, "b")
+    owned = a.claim("job")
+    assert owned is not None
+    with owned as claim:
+        claim.commit("a's")
+    # b looked before a published (it saw no result) and claims now.
+    assert b.claim("job") is None
     assert studies(storage) == ["s"]
