@@ -69,6 +69,8 @@ class Breakdown:
 
 PARTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Breakdown))
 """The fields of :class:`Breakdown`, in order: what holds memory at the peak."""
+OTHER = "the batch, buffers and, on a GPU, the CUDA context and the allocator's reserve"
+"""What a breakdown's ``other`` holds, in words."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,8 @@ class LengthRow:
     config: TrainConfig
     """The fastest verified configuration at ``length``."""
     predicted: Measurement
-    measured: Measurement
+    measured: Measurement | None
+    """``None``: planned for a world size not here, not run."""
     fallbacks: tuple[TrainConfig, ...] = ()
     """Verified at ``length``, with this row's effective batch, fastest to most frugal."""
 
@@ -165,8 +168,9 @@ class TuneResult:
     """The fastest verified configuration under the budget."""
     predicted: Measurement
     """What the cost model predicted for ``config``."""
-    measured: Measurement
-    """What the verification run measured for ``config``."""
+    measured: Measurement | None
+    """What the verification run measured for ``config``; ``None`` when nothing ran (a
+    plan, or a world size tuned in one process: see ``unverified``)."""
     budget_bytes: int
     target: TargetInfo
     model: ModelInfo

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import autotune
 from autotune.cli._commands import _describe
@@ -51,7 +52,7 @@ def test_a_plan_is_ranked_within_the_budget_and_says_what_it_assumed(planned) ->
     assert planned.target.name == "RTX4090-24GB"
     speeds = [t.predicted.samples_per_s for t in planned.trials]
     assert len(speeds) > 1 and speeds == sorted(speeds, reverse=True)
-    assert all(t.measured is None for t in planned.trials)  # none of them run
+    assert planned.measured is None and all(t.measured is None for t in planned.trials)
     assert all(t.predicted.peak_bytes <= planned.budget_bytes for t in planned.trials)
     assert planned.trials[0].config == planned.config
     # On the GPU the context and the allocator's reserve are held beside the tensors.
@@ -61,8 +62,11 @@ def test_a_plan_is_ranked_within_the_budget_and_says_what_it_assumed(planned) ->
 
 
 def test_a_plan_is_written_and_read_back_as_planned(planned, tmp_path: Path) -> None:
-    back = autotune.load(planned.save(tmp_path / "planned.yaml"))
+    saved = planned.save(tmp_path / "planned.yaml")
+    assert yaml.safe_load(saved.read_text())["measured"] is None  # not the prediction again
+    back = autotune.load(saved)
     assert back.config == planned.config and back.unverified == planned.unverified
+    assert back.measured is None
     shown = _describe(back)  # `autotune show`: ranked on predictions, none run
     assert f"planned     {len(back.trials)} configs, fastest predicted first, none run" in shown
     assert "run for real" not in shown
@@ -151,7 +155,7 @@ def test_cli_plans_a_factory(capsys, tmp_path: Path) -> None:
     printed = capsys.readouterr().out
     assert code == 0 and out.exists()
     assert "NOT VERIFIED" in printed and "A100-40GB" in printed and "peak per rank" in printed
-    assert "other: the CUDA context, the allocator's reserve" in printed
+    assert "other: the batch, buffers and, on a GPU, the CUDA context" in printed
     assert f"on that GPU, `autotune verify {out} MODEL --batch BATCH`" in printed
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 from autotune._files import check_writable, write_atomic
 from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
+from autotune.cli._figures import figures
 from autotune.cli._inputs import inputs
 from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import PARTS, PLANNED, LengthRow, TrialRecord, TuneResult, load
+from autotune.result import OTHER, PARTS, PLANNED, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -233,33 +234,23 @@ def report(args: argparse.Namespace) -> int:
 
 
 def _describe(result: TuneResult) -> str:
-    c, p, m, b = result.config, result.predicted, result.measured, result.breakdown
+    c, b = result.config, result.breakdown
     per_rank = f" per rank, global {c.global_batch_size}" if c.world_size > 1 else ""
-    everyone = f", all {c.world_size} ranks" if c.world_size > 1 else ""
     lines = [
         f"config      {c.describe()}",
         f"            effective batch {c.effective_batch_size}{per_rank}; checkpoint: "
         + (", ".join(c.checkpoint) or "none")
         + (f"; selectively: {', '.join(c.selective_checkpoint)}" if c.selective_checkpoint else ""),
-        f"budget      {format_bytes(result.budget_bytes)} on {result.target.name}"
-        + ("" if planned_here(result) else f" ({result.target.device})"),
-        f"peak        predicted {format_bytes(p.peak_bytes)}, "
-        f"measured {format_bytes(m.peak_bytes)}",
-        f"throughput  predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} "
-        f"samples/s{everyone}",
-        "memory      " + ", ".join(f"{name} {format_bytes(getattr(b, name))}" for name in PARTS),
-        "            (other: the batch, buffers and, on a GPU, the CUDA context and the "
-        "allocator's reserve)",
     ]
-    if result.edited:  # the figures are another config's
-        lines[3] = "peak        not measured for this config: it was edited after tuning"
-        lines[4] = "throughput  not measured for this config: `autotune verify` runs it"
-        lines[5] = "memory      not predicted for this config"
-        del lines[6]
-    elif result.unverified:  # planned, not run: no measurement to show
-        lines[3] = f"peak        predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"
-        lines[4] = f"throughput  predicted {p.samples_per_s:.1f} samples/s{everyone}, NOT VERIFIED"
-        lines += [f"unverified  {note}" for note in result.unverified]
+    lines += [f"{label:<11} {text}" for label, text in figures(result)]
+    if result.edited:  # the breakdown is another config's
+        lines.append("memory      not predicted for this config")
+    else:
+        lines += [
+            "memory      " + ", ".join(f"{n} {format_bytes(getattr(b, n))}" for n in PARTS),
+            f"            (other: {OTHER})",
+        ]
+    lines += [f"unverified  {note}" for note in result.unverified]
     lines += [f"{label:<11} {text}" for label, text in sureness(result)]
     for i, f in enumerate(result.fallbacks, 1):
         lines.append(f"fallback {i}  {f.describe()}")
@@ -287,19 +278,13 @@ def _describe(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
-def planned_here(result: TuneResult) -> bool:
-    """Whether ``result`` is a plan for a GPU that is not where it was made (its device is
-    the machine that traced it: naming it would say the plan ran there)."""
-    return any(t.error == PLANNED for t in result.trials)
-
-
 def _row(r: LengthRow) -> str:
     """One row of a table per sequence length."""
-    m = r.measured
+    m = r.measured or r.predicted
     return (
         f"{r.length:>6}  {r.config.describe()}: {m.samples_per_s:.1f} samples/s "
-        f"({m.samples_per_s * r.length:.0f} tokens/s), peak {format_bytes(m.peak_bytes)}, "
-        f"{len(r.fallbacks)} fallbacks"
+        f"({m.samples_per_s * r.length:.0f} tokens/s), peak {format_bytes(m.peak_bytes)}"
+        f"{'' if r.measured else ', predicted, NOT VERIFIED'}, {len(r.fallbacks)} fallbacks"
     )
 
 

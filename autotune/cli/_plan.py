@@ -24,7 +24,7 @@ from autotune._files import check_writable
 from autotune._format import GIB, format_bytes
 from autotune.cli._inputs import resolve
 from autotune.errors import BudgetTooSmallError, ConfigError
-from autotune.result import TuneResult
+from autotune.result import OTHER, PARTS, TuneResult
 
 __all__ = ["plan"]
 
@@ -127,11 +127,8 @@ def describe_plan(result: TuneResult, seconds: float) -> str:
     b = result.breakdown
     lines.append(
         "\nthe first, at its peak: "
-        + ", ".join(
-            f"{n} {format_bytes(getattr(b, n))}"
-            for n in ("parameters", "gradients", "optimizer", "activations", "other")
-        )
-        + " (other: the CUDA context, the allocator's reserve, the batch and buffers)"
+        + ", ".join(f"{n} {format_bytes(getattr(b, n))}" for n in PARTS)
+        + f" (other: {OTHER})"
     )
     lines.append("assumed (check on the GPU):")
     lines += [f"  - {note}" for note in result.unverified]

@@ -16,6 +16,7 @@ from pathlib import Path
 from autotune._files import write_atomic
 from autotune._format import format_bytes
 from autotune.cli._chart import COLORS, WIDTH, point, records, render_png, scatter
+from autotune.cli._figures import figures
 from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
@@ -85,23 +86,12 @@ svg text { font: 11px system-ui, sans-serif; fill: #333; }
 
 
 def _summary(result: TuneResult) -> str:
-    c, p, m = result.config, result.predicted, result.measured
+    c = result.config
     rows = [
         ("configuration", c.describe()),
         ("effective batch", str(c.effective_batch_size)),
-        ("budget", f"{format_bytes(result.budget_bytes)} on {result.target.device}"),
-        (
-            "peak",
-            f"predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)}"
-            if not result.edited
-            else "not measured for this config: it was edited after tuning",
-        ),
-        (
-            "throughput",
-            f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s"
-            if not result.edited
-            else "not measured for this config: autotune verify runs it",
-        ),
+        *figures(result),
+        *(("unverified", note) for note in result.unverified),
         *sureness(result),
         ("fallbacks", "; ".join(f.describe() for f in result.fallbacks) or "none"),
         (
@@ -183,14 +173,16 @@ def _lengths(result: TuneResult) -> str:
         (
             _num(str(r.length)),
             _esc(r.config.describe()),
-            _num(format_bytes(r.measured.peak_bytes)),
-            _num(f"{r.measured.samples_per_s:.1f}"),
-            _num(f"{r.measured.samples_per_s * r.length:.0f}"),
+            _num(format_bytes(m.peak_bytes)),
+            _num(f"{m.samples_per_s:.1f}"),
+            _num(f"{m.samples_per_s * r.length:.0f}"),
             _num(str(len(r.fallbacks))),
+            _esc("measured" if r.measured else "predicted, not run"),
         )
         for r in result.by_length
+        for m in [r.measured or r.predicted]
     ]
-    head = ("up to length", "configuration", "peak", "samples/s", "tokens/s", "fallbacks")
+    head = ("up to length", "configuration", "peak", "samples/s", "tokens/s", "fallbacks", "")
     return _table(head, rows)
 
 

@@ -95,10 +95,10 @@ def origin(result: TuneResult, what: str) -> tuple[str, ...]:
         f"tuned for {result.model.class_name} on {result.target.name} ({result.target.device}) "
         f"within {format_bytes(result.budget_bytes)}{' per rank' if c.world_size > 1 else ''}; "
         + (
-            f"predicted peak {format_bytes(result.predicted.peak_bytes)}, NOT VERIFIED: "
+            f"measured peak {format_bytes(result.measured.peak_bytes)}"
+            if result.measured and not result.unverified
+            else f"predicted peak {format_bytes(result.predicted.peak_bytes)}, NOT VERIFIED: "
             + "; ".join(result.unverified)
-            if result.unverified
-            else f"measured peak {format_bytes(result.measured.peak_bytes)}"
         ),
     )
 

@@ -148,7 +148,7 @@ class Autotune(pl.Callback):
         log.info(
             "autotune: %s=%s (was %s), accumulate_grad_batches=%d, precision %s, "
             "%d of %d blocks checkpointed (%d selectively); predicted peak %.1f MiB, "
-            "%.1f samples/s",
+            "%.1f samples/s %s",
             self.batch_arg_name,
             c.micro_batch_size,
             before,
@@ -158,7 +158,8 @@ class Autotune(pl.Callback):
             len(result.model.blocks),
             len(c.selective_checkpoint),
             result.predicted.peak_bytes / 2**20,
-            result.measured.samples_per_s,
+            (result.measured or result.predicted).samples_per_s,
+            "measured" if result.measured else "predicted, not run",
         )
 
     def _tune(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: str) -> TuneResult:

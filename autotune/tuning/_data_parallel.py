@@ -78,7 +78,7 @@ def planned_result(
     return TuneResult(
         config=best.config,
         predicted=best.prediction.measurement,
-        measured=best.prediction.measurement,
+        measured=None,  # nothing ran
         budget_bytes=problem.budget,
         target=problem.target.info(),
         model=info,

@@ -73,7 +73,6 @@ def rank_checked(
         result,
         config=config,
         predicted=dataclasses.replace(predicted, peak_bytes=peak),
-        measured=dataclasses.replace(predicted, peak_bytes=peak),
         breakdown=candidate.prediction.breakdown,
         unverified=(*result.unverified, note),
     )

@@ -1,0 +1,45 @@
+"""A result's figures in words, as far as they are true of the config in hand: measured,
+predicted only (a plan, nothing run), or another config's (the file was edited); what
+``show``, ``tune`` and the report print."""
+
+from __future__ import annotations
+
+from autotune._format import format_bytes
+from autotune.result import PLANNED, TuneResult
+
+__all__ = ["figures"]
+
+
+def _planned_here(result: TuneResult) -> bool:
+    """Whether ``result`` is a plan for a GPU that is not where it was made (its device is
+    the machine that traced it: naming it would say the plan ran there)."""
+    return any(t.error == PLANNED for t in result.trials)
+
+
+def figures(result: TuneResult) -> list[tuple[str, str]]:
+    """(label, text) rows: the budget, the peak and the throughput."""
+    p, m = result.predicted, result.measured
+    everyone = f", all {result.config.world_size} ranks" if result.config.world_size > 1 else ""
+    budget = f"{format_bytes(result.budget_bytes)} on {result.target.name}" + (
+        "" if _planned_here(result) else f" ({result.target.device})"
+    )
+    if result.edited:
+        return [
+            ("budget", budget),
+            ("peak", "not measured for this config: it was edited after tuning"),
+            ("throughput", "not measured for this config: `autotune verify` runs it"),
+        ]
+    if m is None or result.unverified:
+        return [
+            ("budget", budget),
+            ("peak", f"predicted {format_bytes(p.peak_bytes)} per rank, NOT VERIFIED"),
+            ("throughput", f"predicted {p.samples_per_s:.1f} samples/s{everyone}, NOT VERIFIED"),
+        ]
+    return [
+        ("budget", budget),
+        ("peak", f"predicted {format_bytes(p.peak_bytes)}, measured {format_bytes(m.peak_bytes)}"),
+        (
+            "throughput",
+            f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s{everyone}",
+        ),
+    ]
