@@ -33,7 +33,7 @@ from autotune.errors import (
     ProfileError,
     VerificationError,
 )
-from autotune.result import Breakdown, LengthRow, Measurement, TrialRecord, TuneResult, load
+from autotune.result import Breakdown, Costs, LengthRow, Measurement, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from autotune.train._sampler import LengthBucketSampler
     from autotune.tuning._ahead import plan_ahead
     from autotune.tuning._autotune import autotune
-    from autotune.tuning._estimate import estimate
+    from autotune.tuning._estimate import Estimate, estimate
 
 __all__ = [
     "Applied",
@@ -57,7 +57,9 @@ __all__ = [
     "BudgetError",
     "BudgetTooSmallError",
     "ConfigError",
+    "Costs",
     "DistributedError",
+    "Estimate",
     "LengthBucketSampler",
     "LengthRow",
     "LossError",
@@ -90,6 +92,7 @@ _LAZY = {
     "peak_memory": "autotune.measure._peak_memory",
     "apply": "autotune.train._prepare",
     "autotune": "autotune.tuning._autotune",
+    "Estimate": "autotune.tuning._estimate",
     "estimate": "autotune.tuning._estimate",
     "find_blocks": "autotune._blocks",
     "plan_ahead": "autotune.tuning._ahead",

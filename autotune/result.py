@@ -27,6 +27,7 @@ __all__ = [
     "PLANNED",
     "SCHEMA_VERSION",
     "Breakdown",
+    "Costs",
     "LengthRow",
     "Measurement",
     "ModelInfo",
@@ -71,6 +72,32 @@ PARTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Breakdown))
 """The fields of :class:`Breakdown`, in order: what holds memory at the peak."""
 OTHER = "the batch, buffers and, on a GPU, the CUDA context and the allocator's reserve"
 """What a breakdown's ``other`` holds, in words."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What each part of training one config costs on the device, each at its own most
+    (a :class:`Breakdown` is what holds memory at the one moment of the peak: there the
+    gradients may not exist yet, or the activations be gone). The parts peak at different
+    moments, so their sum is more than the peak."""
+
+    micro_batch: int
+    parameters: int
+    gradients: int
+    """Held from the first backward to the optimizer step (trained parameters only)."""
+    optimizer: int
+    """The optimizer's state, held for the whole run (0: on the host)."""
+    optimizer_step: int
+    """What the optimizer's step takes beside its state while it runs."""
+    activations: int
+    """The most one micro-batch's forward and backward hold at ``micro_batch``: grows with it."""
+    activations_per_sample: int
+    """What one more sample in the micro-batch adds to ``activations``."""
+    batch: int
+    """The step's input batch on the device (every micro-batch): grows with the micro-batch."""
+    other: int
+    """Buffers, precision copies and, on a GPU, the CUDA context and the allocator's reserve
+    at the peak."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
-from autotune.result import OTHER, PARTS, PLANNED, LengthRow, TrialRecord, TuneResult, load
+from autotune.result import OTHER, PARTS, PLANNED, Costs, LengthRow, TrialRecord, TuneResult, load
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -183,11 +183,13 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.keep_gathered is not None:
         knobs["keep_gathered"] = _checkpoint(args.keep_gathered, model, blocks)
     config = config.replace(**{k: v for k, v in knobs.items() if v is not None})
-    peak, parts = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
+    found = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
+    peak, parts = found
     target = discover(args.device)
     if args.json:
         out = {"config": to_plain(config), "device": str(target.device), "peak_bytes": peak}
-        print(json.dumps({**out, "breakdown": to_plain(parts)}, indent=2))
+        out |= {"breakdown": to_plain(parts), "costs": to_plain(found.costs)}
+        print(json.dumps(out, indent=2))
         return 0
     print(f"config       {config.describe()} (effective batch {config.effective_batch_size})")
     print(f"checkpoint   {', '.join(config.checkpoint) or 'none'}")
@@ -205,10 +207,41 @@ def estimate_command(args: argparse.Namespace) -> int:
         )
     else:
         print(f"peak         {format_bytes(peak)} predicted")
+    print("at the peak  what holds memory at that moment")
     for name in PARTS:
         value = getattr(parts, name)
-        print(f"  {name:<11}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
+        print(f"  {name:<15}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
+    if found.costs is not None and found.costs.gradients and not parts.gradients:
+        print("  (the peak comes in the first forward, before the backward makes gradients)")
+    if found.costs is not None:
+        print("\n".join(_costs(found.costs)))
     return 0
+
+
+def _costs(c: Costs) -> list[str]:
+    """What each part costs at its own most, and what grows with the micro-batch."""
+    rows = [
+        ("parameters", c.parameters, ""),
+        ("gradients", c.gradients, "from the first backward to the optimizer step"),
+        ("optimizer", c.optimizer, "its state" if c.optimizer else "its state is on the host"),
+        ("optimizer step", c.optimizer_step, "beside the state while the step runs"),
+        (
+            "activations",
+            c.activations,
+            f"grows with the micro-batch: {format_bytes(c.activations_per_sample)} a sample more",
+        ),
+        ("batch", c.batch, "grows with the micro-batch"),
+        (
+            "other",
+            c.other,
+            "buffers, precision copies and, on a GPU, the CUDA context and the allocator's reserve",
+        ),
+    ]
+    return [
+        f"costs        each part at its own most, at micro-batch {c.micro_batch}",
+        "             (the parts peak at different moments: their sum is more than the peak)",
+        *(f"  {name:<15}{format_bytes(value):>12}  {why}".rstrip() for name, value, why in rows),
+    ]
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from autotune.config import TrainConfig
 from autotune.device import pinned_bytes
 from autotune.measure import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
 from autotune.plan._knobs import Knobs, Mask
-from autotune.result import Breakdown
+from autotune.result import Breakdown, Costs
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
 
@@ -231,6 +231,35 @@ class MemoryModel(ProfileView):
             else:
                 total += variant.moved[i](micro_batch)
         return total
+
+    def costs(self, config: TrainConfig) -> Costs:
+        """What each part of ``config`` costs at its own most (one process)."""
+        knobs = self.knobs(config)
+        prof = self.profile
+        opt = prof.optimizers[knobs.optimizer]
+        device_peak, live_peak, _ = self.peaks_of(knobs)
+        acts = self._activations(knobs, knobs.micro_batch)
+        base = prof.precisions[knobs.precision].base_bytes
+        return Costs(
+            micro_batch=knobs.micro_batch,
+            parameters=prof.param_bytes,
+            gradients=prof.grad_bytes,
+            optimizer=0 if knobs.offload_optimizer else opt.state_bytes,
+            optimizer_step=0 if knobs.offload_optimizer else opt.step_peak_bytes,
+            activations=acts,
+            activations_per_sample=self._activations(knobs, knobs.micro_batch + 1) - acts,
+            batch=math.ceil(prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum),
+            other=base - prof.param_bytes + device_peak - live_peak,
+        )
+
+    def _activations(self, knobs: Knobs, b: int) -> int:
+        """The most the first micro-batch's forward and backward hold at micro-batch ``b``
+        above what it began with, less the gradients it has made by then."""
+        first, _ = self._micro[knobs.precision]
+        shares = self.variant_shares(knobs.mask)
+        moved = self.profile.precisions[knobs.precision].moved
+        peak, _, grads = self._replay(first, 0.0, b, knobs.mask, shares, moved, None)
+        return max(math.ceil(peak - grads), 0)
 
     def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
         """Predicted peak device bytes of ``config`` and what holds them at the peak."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,12 +31,33 @@ from autotune.measure import (
     working_copy,
 )
 from autotune.plan import CostModel
-from autotune.result import Breakdown
+from autotune.result import Breakdown, Costs
 from autotune.train import LossFn, Workload, batch_size, measured_compiling
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import refuse_meta, uncompiled
 
-__all__ = ["estimate"]
+__all__ = ["Estimate", "estimate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The predicted peak of one config, what holds it at the peak, and what each part
+    costs. Unpacks as ``peak_bytes, at_peak`` (and ``[0]`` is the peak)."""
+
+    peak_bytes: int
+    """Predicted peak device bytes (as defined in the README for the device)."""
+    at_peak: Breakdown
+    """What holds the memory at the moment of the peak (a snapshot: the gradients are 0
+    when the peak comes in the first forward, before any exist)."""
+    costs: Costs | None
+    """What each part costs at its own most, and what grows with the micro-batch
+    (``None`` with data parallelism: a rank's parts are in ``at_peak``)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.peak_bytes, self.at_peak))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.peak_bytes, self.at_peak)[index]
 
 
 def estimate(
@@ -47,7 +68,7 @@ def estimate(
     device: torch.device | str | None = None,
     loss_fn: LossFn | None = None,
     blocks: Sequence[str] | None = None,
-) -> tuple[int, Breakdown]:
+) -> Estimate:
     """Predict the peak device memory of training ``model`` with ``config``.
 
     Args:
@@ -59,8 +80,8 @@ def estimate(
         blocks: Qualified names of the blocks; default :func:`autotune.find_blocks`.
 
     Returns:
-        The predicted peak bytes (as defined in the README for the device) and what
-        holds them at the peak.
+        The predicted peak bytes (as defined in the README for the device), what holds
+        them at the peak, and what each part costs (``peak, at_peak = estimate(...)``).
 
     Raises:
         BlockError: the config checkpoints or offloads a module that is not one of the blocks.
@@ -95,7 +116,9 @@ def estimate(
     profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
     # After the profile's training steps the context holds what loads lazily too.
     context = max(target.context_bytes, backend_for(target.device).context_bytes())
-    return CostModel(dataclasses.replace(profile, context_bytes=context)).memory(config)
+    costs = CostModel(dataclasses.replace(profile, context_bytes=context))
+    peak, at_peak = costs.memory(config)
+    return Estimate(peak, at_peak, costs.costs(config) if config.parallel == "none" else None)
 
 
 def _memory(

@@ -242,12 +242,33 @@ def test_estimate_knob_flags(capsys: pytest.CaptureFixture[str], tuned: Tuned) -
     code, out, _ = run(capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.1")
     assert code == 0
     assert "checkpoint   blocks.1" in out
-    assert [line.split()[0] for line in out.splitlines()[-5:]] == list(PARTS)
+    lines = out.splitlines()
+    at_peak = lines.index("at the peak  what holds memory at that moment")
+    assert [line.split()[0] for line in lines[at_peak + 1 : at_peak + 6]] == list(PARTS)
     code, out, _ = run(
         capsys, "estimate", *tuned.inputs(), "--checkpoint", "blocks.0",
         "--selective-checkpoint", "blocks.1",
     )  # fmt: skip
     assert code == 0 and "selective    blocks.1" in out
+
+
+def test_estimate_says_what_each_part_costs_and_what_grows(
+    capsys: pytest.CaptureFixture[str], tuned: Tuned
+) -> None:
+    args = ["estimate", *tuned.inputs(), "--json", "--micro-batch"]
+    eight, nine = (json.loads(run(capsys, *args, n)[1]) for n in ("8", "9"))
+    fixed = ("parameters", "gradients", "optimizer", "optimizer_step")
+    assert [eight["costs"][k] for k in fixed] == [nine["costs"][k] for k in fixed]
+    assert all(eight["costs"][k] > 0 for k in fixed)
+    # The gradients cost their full size, whatever of them the peak's snapshot holds.
+    assert eight["costs"]["gradients"] >= eight["breakdown"]["gradients"]
+    # One more sample adds to the peak what the costs say it adds (the peak is in the
+    # micro-batch's forward and backward here): its activations and its input.
+    sample = eight["costs"]["activations_per_sample"] + eight["costs"]["batch"] // 8
+    assert nine["peak_bytes"] - eight["peak_bytes"] == pytest.approx(sample, rel=0.02)
+    assert nine["costs"]["batch"] * 8 == eight["costs"]["batch"] * 9
+    _, out, _ = run(capsys, *args[:-2], "--micro-batch", "8")
+    assert "grows with the micro-batch" in out and "their sum is more than the peak" in out
 
 
 @pytest.mark.parametrize(
