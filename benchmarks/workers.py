@@ -66,11 +66,15 @@ def one_run(workers: int, folder: Path, poll_s: float) -> dict[str, object]:
         for _ in range(workers)
     ]
     outs = [p.communicate(timeout=900) for p in procs]
-    failed = [err.strip().splitlines()[-1:] for p, (_, err) in zip(procs, outs) if p.returncode]
+    failed = [
+        err.strip().splitlines()[-1:]
+        for p, (_, err) in zip(procs, outs, strict=True)
+        if p.returncode
+    ]
     winners = sorted(
         {
             json.loads(out.strip().splitlines()[-1])["winner"]
-            for p, (out, _) in zip(procs, outs)
+            for p, (out, _) in zip(procs, outs, strict=True)
             if p.returncode == 0
         }
     )
