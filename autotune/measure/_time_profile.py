@@ -10,6 +10,8 @@ where that was profiled) at two of those sizes.
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -33,6 +35,10 @@ _SATURATED_S = 0.5
 _LONGEST_PASS_S = 2.0
 _SLOW_PRECISION = 1.6
 """A precision this many times slower than fp32 at the same micro-batch cannot win."""
+_NEAR = 1.25
+"""A first ratio within this factor of :data:`_SLOW_PRECISION` is timed twice more, in
+turn with fp32, and the median ratio decides: one timing must not keep a precision in one
+run and drop it in the next."""
 _COMPILED_PAYS = 0.97
 """Compiled blocks are timed in full where a pass takes at most this share of the eager
 pass's time at the probe's micro-batch (they may still save memory; that alone is not
@@ -86,7 +92,7 @@ def fast_precisions(
                 kept.append(p)
                 continue
             timed[p] = {b: profiler.fwd_bwd_time(p, b)}
-            ratio = timed[p][b] / seconds
+            ratio = _ratio(profiler, p, reference, b, timed[p][b] / seconds)
             if ratio > _SLOW_PRECISION:
                 notes.append(_slow_note(p, ratio, device_name))
             else:
@@ -304,8 +310,9 @@ def _drop_slow(
         times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
         eager, compiled = timeline_parts(p)
-        if "fp32" in feasible and times[p][b] > _SLOW_PRECISION * ref:
-            notes.append(_slow_note(p, times[p][b] / ref, device_name))
+        ratio = _ratio(profiler, p, reference, b, times[p][b] / ref)
+        if "fp32" in feasible and ratio > _SLOW_PRECISION:
+            notes.append(_slow_note(p, ratio, device_name))
             del feasible[p], times[p]
         elif compiled and eager in feasible:
             twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
@@ -316,6 +323,15 @@ def _drop_slow(
                     f"{device_name}, not searched"
                 )
                 del feasible[p], times[p]
+
+
+def _ratio(profiler: Profiler, p: str, reference: str, b: int, first: float) -> float:
+    """Precision ``p``'s time over the reference's at micro-batch ``b``: ``first`` or, when
+    near the threshold, the median of it and two more pairs timed in turn."""
+    if abs(math.log(first / _SLOW_PRECISION)) >= math.log(_NEAR):
+        return first
+    more = [profiler.fwd_bwd_time(p, b) / profiler.fwd_bwd_time(reference, b) for _ in range(2)]
+    return statistics.median([first, *more])
 
 
 def _timed(

@@ -59,11 +59,16 @@ class Noise:
     prior: float = PRIOR_NOISE
     most: float = MOST_NOISE
     rounds: int = 2
+    drift: float = 0.03
+    """How far a config's speed may move from one tuning run to the next on this machine
+    (another process's memory layout, clocks, caches: what the rounds of one run share,
+    so no pairing takes it out): a winner's lead smaller than it is a tie, so that the
+    same inputs give the same winner, or one the result lists as tied with it."""
 
 
 QUIET = Noise()
 """An idle machine."""
-BUSY = Noise(prior=0.10, most=0.15, rounds=3)
+BUSY = Noise(prior=0.10, most=0.15, rounds=3, drift=0.10)
 """A machine other work shares (see :func:`autotune.device.busy_note`): a config timed
 while the others ran and one timed while they paused differ by tens of percent, so every
 contender within 23% races, a round more, and its lead counts only paired round by round."""

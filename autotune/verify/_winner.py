@@ -123,8 +123,9 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
 
 def fastest(records: list[TrialRecord], model: Noise = QUIET) -> TrialRecord:
     """The record with the highest measured throughput; among those it is not known to
-    beat (:func:`known_ahead`), the simplest (fewest wrapped or offloaded blocks, then the
-    least accumulation, then the smallest peak).
+    beat (:func:`known_ahead`, by more than the run-to-run drift), the simplest (fewest
+    wrapped or offloaded blocks, then fp32 before mixed precision, then the least
+    accumulation, then the smallest peak).
 
     Raises:
         VerificationError: no configuration fitted.
@@ -168,7 +169,7 @@ def _ties(passed: list[TrialRecord], model: Noise) -> tuple[TrialRecord, list[Tr
     and the noise of one timing."""
     best = max(passed, key=_measured_speed)
     sigma = noise(passed, model)
-    return best, [r for r in passed if not known_ahead(best, r, sigma)], sigma
+    return best, [r for r in passed if not known_ahead(best, r, sigma, model.drift)], sigma
 
 
 def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
@@ -177,11 +178,12 @@ def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
     return _lead.noise([speeds(r) for r in records if r.measured is not None], model)
 
 
-def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float) -> bool:
+def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float, drift: float = 0.0) -> bool:
     """Whether ``a`` is faster than ``b`` with 95% confidence, given the relative noise
     ``sigma`` of one timing: its lead, round by round where both were re-timed, exceeds
-    1.645 standard errors. A lead smaller than that is a tie."""
-    return ahead(speeds(a), speeds(b), sigma)
+    1.645 standard errors, and ``drift`` (what a speed moves from run to run). A lead
+    smaller than that is a tie."""
+    return ahead(speeds(a), speeds(b), sigma) and lead(speeds(a), speeds(b)) > math.log1p(drift)
 
 
 def speeds(r: TrialRecord) -> list[float]:
@@ -196,7 +198,7 @@ def _measured_speed(r: TrialRecord) -> float:
     return r.measured.samples_per_s if r.measured is not None else 0.0
 
 
-def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
+def _simplicity(r: TrialRecord) -> tuple[int, int, int, int]:
     c = r.config
     wrapped = (
         len(c.checkpoint)
@@ -205,7 +207,8 @@ def _simplicity(r: TrialRecord) -> tuple[int, int, int]:
         + int(c.offload_optimizer)
         + int(bool(c.compile_blocks))  # tied with eager code: no compiling
     )
-    return wrapped, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
+    mixed = int(c.precision != "fp32")  # tied with fp32: no autocast, no loss scaling
+    return wrapped, mixed, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
 
 
 def settle(

@@ -168,3 +168,20 @@ def test_checkpointed_and_selective_passes_are_timed_on_the_kept_pass_runner(
     assert (2, (0, 1, 3)) in asked and (16, (0, 1, 3)) in asked
     sizes = [b for b, _ in asked]
     assert len(sizes) == len(set(sizes))  # every size timed once
+
+
+@pytest.mark.parametrize(("bf16", "dropped"), [((1.55, 1.7, 1.7), True), ((1.7, 1.5, 1.5), False)])
+def test_a_precision_near_the_slow_line_is_timed_again_before_it_is_dropped(
+    setup, monkeypatch, bf16: tuple[float, ...], dropped: bool
+) -> None:
+    """One timing near 1.6x fp32's must not decide: the median of three pairs does."""
+    profiler, _ = setup
+    ratios = iter(bf16)
+    monkeypatch.setattr(
+        profiler,
+        "fwd_bwd_time",
+        lambda precision, b: 1.0 if precision == "fp32" else next(ratios),
+    )
+    fast = fast_precisions(profiler, ("fp32", "bf16"), (1, 2, 4), device_name="cpu")
+    assert ("bf16" not in fast.precisions) is dropped
+    assert next(ratios, None) is None  # all three timed

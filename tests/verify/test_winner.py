@@ -8,7 +8,15 @@ from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
 from autotune.plan._cost import Prediction
 from autotune.plan._planner import Candidate
 from autotune.result import Breakdown
-from autotune.verify._winner import choose_winner, fastest, known_ahead, noise, settle
+from autotune.verify._lead import BUSY
+from autotune.verify._winner import (
+    choose_winner,
+    fastest,
+    known_ahead,
+    noise,
+    settle,
+    tied_with,
+)
 
 
 def candidate(b: int, speed: float, peak: int) -> Candidate:
@@ -245,3 +253,22 @@ def test_on_a_busy_machine_every_close_contender_races_a_round_more() -> None:
     tied, sigma = tied_with(chosen, settled, BUSY)
     assert len(tied) == 1 and sigma > 0.04  # the noise measured, not capped at 4%
     assert {chosen.config.micro_batch_size, tied[0].micro_batch_size} == {8, 2}
+
+
+def test_a_lead_within_the_run_to_run_drift_is_a_tie_won_by_the_simpler_config() -> None:
+    """Rounds that agree to the last digit make a 2% lead certain within one run, but a
+    speed moves by about 3% from run to run on a quiet machine (10% on a busy one): the
+    next run could order them the other way, so it is a tie, given to the simpler."""
+    steady = (1.0, 1.0, 1.0)
+    mixed = TrainConfig(micro_batch_size=8, precision="bf16")
+    accumulating = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+    fp32 = TrainConfig(micro_batch_size=8)
+    assert fastest([timed(mixed, 102.0, 1, steady), timed(fp32, 100.0, 9, steady)]).config is fp32
+    # fp32 before mixed precision, then the least accumulation.
+    ordered = [timed(mixed, 102.0, 1, steady), timed(accumulating, 100.0, 9, steady)]
+    assert fastest(ordered).config is accumulating
+    beyond = [timed(mixed, 105.0, 1, steady), timed(fp32, 100.0, 9, steady)]
+    assert fastest(beyond).config is mixed
+    assert fastest(beyond, BUSY).config is fp32
+    tied, _ = tied_with(beyond[1], beyond, BUSY)
+    assert tied == [mixed]
