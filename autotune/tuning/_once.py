@@ -22,7 +22,15 @@ from autotune.device import CpuClock, backend_for, busy, busy_note
 from autotune.measure import Profile, measure_collectives, whole_fits, working_copy
 from autotune.plan import Candidate, Planner, planner_of, planners
 from autotune.result import ModelInfo, Spent, TrialRecord, TuneResult
-from autotune.train import broadcast, fingerprint, group_size, measured_compiling, rank, rank_zero
+from autotune.train import (
+    agree_max,
+    broadcast,
+    fingerprint,
+    group_size,
+    measured_compiling,
+    rank,
+    rank_zero,
+)
 from autotune.tuning._data_parallel import planned_result, search_layouts
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem, make_problem
@@ -142,9 +150,11 @@ def _verify(
         first = [record] if record is not None else []
         candidates = [c for c in candidates if c.config != plan.config]
     tried = first + choose_winner(measure, candidates, top=VERIFY_TOP)
-    # Other work on the cores so far: its timings are raced harder (see verify.BUSY).
+    # Other work on the cores so far: its timings are raced harder (see verify.BUSY). Every
+    # rank races alike (the rounds are collectives): busy where any rank saw it busy.
     now = CpuClock.now()
-    noise = BUSY if cpu and now and busy(now.others_since(cpu)) else QUIET
+    seen = float(bool(cpu and now and busy(now.others_since(cpu))))
+    noise = BUSY if agree_max([seen], problem.target.device)[0] else QUIET
     records = shared_settle(store, verifier, tried, noise)
     chosen = fastest(_predictable(records, found) or records, noise)
     planner = planner_of(found, chosen.config)
