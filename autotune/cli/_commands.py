@@ -21,7 +21,7 @@ from autotune.result import OTHER, PARTS, PLANNED, Costs, LengthRow, TrialRecord
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
-    from autotune.tuning import TuneOptions
+    from autotune.tuning import Estimate, TuneOptions
 
 __all__ = ["estimate_command", "export_command", "report", "show", "space_of", "tune"]
 
@@ -184,38 +184,48 @@ def estimate_command(args: argparse.Namespace) -> int:
         knobs["keep_gathered"] = _checkpoint(args.keep_gathered, model, blocks)
     config = config.replace(**{k: v for k, v in knobs.items() if v is not None})
     found = estimate(model, batch, config, device=args.device, loss_fn=loss, blocks=blocks)
-    peak, parts = found
     target = discover(args.device)
     if args.json:
-        out = {"config": to_plain(config), "device": str(target.device), "peak_bytes": peak}
-        out |= {"breakdown": to_plain(parts), "costs": to_plain(found.costs)}
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"config       {config.describe()} (effective batch {config.effective_batch_size})")
-    print(f"checkpoint   {', '.join(config.checkpoint) or 'none'}")
+        out = {"config": to_plain(config), "device": str(target.device)}
+        out |= {"peak_bytes": found.peak_bytes, "breakdown": to_plain(found.at_peak)}
+        print(json.dumps(out | {"costs": to_plain(found.costs)}, indent=2))
+    else:
+        print(_estimated(config, found, f"{target.name} ({target.device})"))
+    return 0
+
+
+def _estimated(config: TrainConfig, found: Estimate, device: str) -> str:
+    """``autotune estimate``'s text: the config, its peak, what holds it, what each costs."""
+    peak, parts = found
+    lines = [
+        f"config       {config.describe()} (effective batch {config.effective_batch_size})",
+        f"checkpoint   {', '.join(config.checkpoint) or 'none'}",
+    ]
     if config.selective_checkpoint:
-        print(f"selective    {', '.join(config.selective_checkpoint)}")
+        lines.append(f"selective    {', '.join(config.selective_checkpoint)}")
     if config.offload_activations or config.offload_optimizer:
-        print(f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}", end="")
-        print(", optimizer on the host" if config.offload_optimizer else "")
-    print(f"device       {target.name} ({target.device})")
+        lines.append(
+            f"offloaded    {', '.join(config.offload_activations) or 'no blocks'}"
+            + (", optimizer on the host" if config.offload_optimizer else "")
+        )
+    lines.append(f"device       {device}")
     if config.world_size > 1:
-        print(
+        lines.append(
             f"peak         {format_bytes(peak)} predicted per rank of {config.world_size} "
             f"({config.parallel}; planned in one process, the collectives' buffers of the "
             "backend are not in it)"
         )
     else:
-        print(f"peak         {format_bytes(peak)} predicted")
-    print("at the peak  what holds memory at that moment")
+        lines.append(f"peak         {format_bytes(peak)} predicted")
+    lines.append("at the peak  what holds memory at that moment")
     for name in PARTS:
         value = getattr(parts, name)
-        print(f"  {name:<15}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
+        lines.append(f"  {name:<15}{format_bytes(value):>12}  {100 * value / max(peak, 1):5.1f}%")
     if found.costs is not None and found.costs.gradients and not parts.gradients:
-        print("  (the peak comes in the first forward, before the backward makes gradients)")
+        lines.append("  (the peak comes in the first forward, before the backward makes gradients)")
     if found.costs is not None:
-        print("\n".join(_costs(found.costs)))
-    return 0
+        lines += _costs(found.costs)
+    return "\n".join(lines)
 
 
 def _costs(c: Costs) -> list[str]:

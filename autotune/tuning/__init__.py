@@ -9,7 +9,7 @@
   shallow copies of it where it does not fit the device whole.
 * ``_study``: a run kept in a study, each expensive job done once among processes;
   ``_data_parallel``: searching every layout, and results planned for ranks not here.
-* ``_estimate``: ``estimate()``, one config's peak without tuning.
+* ``_estimate``: ``estimate()``, one config's peak without tuning, and what each part costs.
 * ``_progress``: a run's progress where a person watches (a terminal, a notebook).
 * ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced;
   ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself; ``_start``: a run
@@ -28,12 +28,13 @@ from autotune._interface import interface
 if TYPE_CHECKING:
     from autotune.tuning._ahead import plan_with
     from autotune.tuning._autotune import tune
-    from autotune.tuning._estimate import estimate
+    from autotune.tuning._estimate import Estimate, estimate
     from autotune.tuning._options import TuneOptions
     from autotune.tuning._progress import Progress, progress
     from autotune.tuning._start import plan_record
 
 INTERFACE = {
+    "Estimate": "autotune.tuning._estimate",
     "Progress": "autotune.tuning._progress",
     "TuneOptions": "autotune.tuning._options",
     "plan_with": "autotune.tuning._ahead",
@@ -45,6 +46,7 @@ INTERFACE = {
 """What the other layers may import from here, by the private module that defines it."""
 
 __all__ = [
+    "Estimate",
     "Progress",
     "TuneOptions",
     "estimate",
