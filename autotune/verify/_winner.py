@@ -57,6 +57,11 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     the most optimistic calibration so far and 15% more, stays below the best measured
     speed is not run.
 
+    The plainest candidate (nothing wrapped, fp32, the fastest predicted such) is run too
+    where none like it fitted and it could still win: a config with more parts must beat
+    it by more than the noise to win, and the same inputs then give the same winner even
+    where the profile's timings move the others' ranking from run to run.
+
     Returns:
         The verification records, rejected ones included; the caller picks the winner.
     """
@@ -64,16 +69,19 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     fitted: list[TrainConfig] = []
     calibration: list[float] = []  # measured / predicted speed of each fitted candidate
     best, hopeless = 0.0, 0
-    for cand in _tie_frugal(candidates):
-        if len(fitted) >= top or len(records) >= 3 * top:
-            break
-        if any(_alike(cand.config, f) for f in fitted):
+    tried: set[TrainConfig] = set()
+    plainest = [c for c in candidates if _plain(c.config)][:1]
+    for i, cand in enumerate([*_tie_frugal(candidates), *plainest]):
+        if i < len(candidates) and (len(fitted) >= top or len(records) >= 3 * top):
+            continue  # past the top: only the plainest is left to try
+        if any(_alike(cand.config, f) for f in fitted) or cand.config in tried:
             continue
         predicted = cand.prediction.measurement.samples_per_s
         if len(calibration) >= 2 and predicted * max(calibration) * (1 + _MODEL_SLACK) < best:
             hopeless += 1  # it cannot beat what was measured
             continue
         log.info("verifying %s", cand.config.describe())
+        tried.add(cand.config)
         record = measure(cand.config, cand.prediction.measurement)
         if record is None:
             log.info("  another process is verifying it")
@@ -93,6 +101,11 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     if hopeless:
         log.info("not verified: %d candidates that could not beat %.1f samples/s", hopeless, best)
     return records
+
+
+def _plain(c: TrainConfig) -> bool:
+    """Nothing wrapped, offloaded or compiled, in fp32: the simplest way to train."""
+    return c.precision == "fp32" and _simplicity_of(c)[:2] == (0, 0)
 
 
 def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
@@ -199,7 +212,11 @@ def _measured_speed(r: TrialRecord) -> float:
 
 
 def _simplicity(r: TrialRecord) -> tuple[int, int, int, int]:
-    c = r.config
+    return (*_simplicity_of(r.config), r.measured.peak_bytes if r.measured else 0)
+
+
+def _simplicity_of(c: TrainConfig) -> tuple[int, int, int]:
+    """Wrapped or offloaded blocks, mixed precision, accumulation: fewer is simpler."""
     wrapped = (
         len(c.checkpoint)
         + len(c.selective_checkpoint)
@@ -208,7 +225,7 @@ def _simplicity(r: TrialRecord) -> tuple[int, int, int, int]:
         + int(bool(c.compile_blocks))  # tied with eager code: no compiling
     )
     mixed = int(c.precision != "fp32")  # tied with fp32: no autocast, no loss scaling
-    return wrapped, mixed, c.grad_accum_steps, r.measured.peak_bytes if r.measured else 0
+    return wrapped, mixed, c.grad_accum_steps
 
 
 def settle(

@@ -272,3 +272,28 @@ def test_a_lead_within_the_run_to_run_drift_is_a_tie_won_by_the_simpler_config()
     assert fastest(beyond, BUSY).config is fp32
     tied, _ = tied_with(beyond[1], beyond, BUSY)
     assert tied == [mixed]
+
+
+def test_the_plainest_candidate_is_verified_where_it_could_still_win() -> None:
+    """Past the top few, the fastest predicted fp32 config with nothing wrapped runs too:
+    a config with more parts then wins only by more than the noise, run after run."""
+    ran: list[str] = []
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        ran.append(config.describe().split(" adamw")[0])
+        return fits(config, predicted)
+
+    def ranked(speed: float, **knobs: object) -> Candidate:
+        config = TrainConfig(**knobs)  # type: ignore[arg-type]
+        prediction = Measurement(100, config.micro_batch_size / speed, speed)
+        return Candidate(config, Prediction(prediction, Breakdown(0, 0, 0, 0, 100)))
+
+    mixed = [ranked(100.0, micro_batch_size=16, precision="bf16"),
+             ranked(98.0, micro_batch_size=64, precision="bf16", checkpoint=("a",))]  # fmt: skip
+    plain = ranked(92.0, micro_batch_size=16, grad_accum_steps=4)
+    choose_winner(measure, [*mixed, plain], top=2)
+    assert ran[-1] == "micro_batch=16 accum=4 fp32 checkpoint=0"
+    # Where the measured speeds say it cannot win (70 * 1.15 < 100), it is not run.
+    ran.clear()
+    choose_winner(measure, [*mixed, ranked(70.0, micro_batch_size=16, grad_accum_steps=4)], top=2)
+    assert len(ran) == 2
