@@ -58,7 +58,7 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     speed is not run.
 
     The plainest candidate (nothing wrapped, fp32, the fastest predicted such) is run too
-    where none like it fitted and it could still win: a config with more parts must beat
+    where no plain config fitted and it could still win: a config with more parts must beat
     it by more than the noise to win, and the same inputs then give the same winner even
     where the profile's timings move the others' ranking from run to run.
 
@@ -74,6 +74,8 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
     for i, cand in enumerate([*_tie_frugal(candidates), *plainest]):
         if i < len(candidates) and (len(fitted) >= top or len(records) >= 3 * top):
             continue  # past the top: only the plainest is left to try
+        if i == len(candidates) and any(_plain(f) for f in fitted):
+            break  # a plain config fitted already
         if any(_alike(cand.config, f) for f in fitted) or cand.config in tried:
             continue
         predicted = cand.prediction.measurement.samples_per_s
@@ -194,9 +196,11 @@ def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float, drift: float = 0.0) -> bool:
     """Whether ``a`` is faster than ``b`` with 95% confidence, given the relative noise
     ``sigma`` of one timing: its lead, round by round where both were re-timed, exceeds
-    1.645 standard errors, and ``drift`` (what a speed moves from run to run). A lead
-    smaller than that is a tie."""
-    return ahead(speeds(a), speeds(b), sigma) and lead(speeds(a), speeds(b)) > math.log1p(drift)
+    1.645 standard errors; and its median speed is ahead by more than ``drift`` (what one
+    config's speed moves against another's from run to run). A smaller lead is a tie."""
+    if not ahead(speeds(a), speeds(b), sigma):
+        return False
+    return _measured_speed(a) > (1 + drift) * _measured_speed(b)
 
 
 def speeds(r: TrialRecord) -> list[float]:
