@@ -149,18 +149,25 @@ def _verify(
         record = measure(plan.config, plan.predicted)  # the plan's prediction, to compare
         first = [record] if record is not None else []
         candidates = [c for c in candidates if c.config != plan.config]
-    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP)
-    # Other work on the cores so far: its timings are raced harder (see verify.BUSY). Every
-    # rank races alike (the rounds are collectives): busy where any rank saw it busy.
-    now = CpuClock.now()
-    seen = float(bool(cpu and now and busy(now.others_since(cpu))))
-    noise = BUSY if agree_max([seen], problem.target.device)[0] else QUIET
+    # Other work on the cores while profiling: the calibrated predictions are looser.
+    slack = _machine(cpu, problem).slack
+    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack)
+    noise = _machine(cpu, problem)  # and while verifying: raced harder (see verify.BUSY)
     records = shared_settle(store, verifier, tried, noise)
     chosen = fastest(_predictable(records, found) or records, noise)
     planner = planner_of(found, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the ladder's order.
     once = measure_with(verifier, store, timed=False)
     return _Verified(chosen, records, fallback_ladder(once, planner, chosen, records), noise)
+
+
+def _machine(start: CpuClock | None, problem: Problem) -> Noise:
+    """How noisy the machine has been since ``start``: busy where others' work took its
+    cores. Every rank decides alike (verification's rounds are collectives): busy where
+    any rank saw it busy."""
+    now = CpuClock.now()
+    seen = float(bool(start and now and busy(now.others_since(start))))
+    return BUSY if agree_max([seen], problem.target.device)[0] else QUIET
 
 
 def _result(

@@ -64,11 +64,15 @@ class Noise:
     (another process's memory layout, clocks, caches: what the rounds of one run share,
     so no pairing takes it out): a winner's lead smaller than it is a tie, so that the
     same inputs give the same winner, or one the result lists as tied with it."""
+    slack: float = 0.15
+    """How much better than its most optimistic calibration a candidate's speed may turn
+    out: the time model's error from config to config, larger where the profile's
+    timings were taken beside other work."""
 
 
 QUIET = Noise()
 """An idle machine."""
-BUSY = Noise(prior=0.10, most=0.15, rounds=3, drift=0.10)
+BUSY = Noise(prior=0.10, most=0.15, rounds=3, drift=0.10, slack=0.5)
 """A machine other work shares (see :func:`autotune.device.busy_note`): a config timed
 while the others ran and one timed while they paused differ by tens of percent, so every
 contender within 23% races, a round more, and its lead counts only paired round by round."""

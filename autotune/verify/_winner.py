@@ -35,15 +35,13 @@ log = logging.getLogger("autotune")
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
 
-_MODEL_SLACK = 0.15
-"""How much better than its most optimistic calibration a candidate's speed may still turn
-out: the time model's error differs from config to config by up to about this much."""
-
 Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
 """Runs a config for real (or reads its outcome from a study); None: another process has it."""
 
 
-def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) -> list[TrialRecord]:
+def choose_winner(
+    measure: Measure, candidates: list[Candidate], *, top: int, slack: float = QUIET.slack
+) -> list[TrialRecord]:
     """Run distinct good candidates until ``top`` of them fit (or ``3 * top`` ran).
 
     Candidates are taken fastest predicted first, except that predictions within 3% of
@@ -54,8 +52,8 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
 
     Verification skips what cannot win: each fitted candidate calibrates the time model
     (measured / predicted speed); once two have, a candidate whose prediction, scaled by
-    the most optimistic calibration so far and 15% more, stays below the best measured
-    speed is not run.
+    the most optimistic calibration so far and ``slack`` more (15% on a quiet machine),
+    stays below the best measured speed is not run.
 
     The plainest candidate (nothing wrapped, fp32, the fastest predicted such) is run too
     where no plain config fitted and it could still win: a config with more parts must beat
@@ -79,7 +77,7 @@ def choose_winner(measure: Measure, candidates: list[Candidate], *, top: int) ->
         if any(_alike(cand.config, f) for f in fitted) or cand.config in tried:
             continue
         predicted = cand.prediction.measurement.samples_per_s
-        if len(calibration) >= 2 and predicted * max(calibration) * (1 + _MODEL_SLACK) < best:
+        if len(calibration) >= 2 and predicted * max(calibration) * (1 + slack) < best:
             hopeless += 1  # it cannot beat what was measured
             continue
         log.info("verifying %s", cand.config.describe())
