@@ -310,8 +310,11 @@ def _drop_slow(
         times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
         eager, compiled = timeline_parts(p)
-        ratio = _ratio(profiler, p, reference, b, times[p][b] / ref)
-        if "fp32" in feasible and ratio > _SLOW_PRECISION:
+        ratio = times[p][b] / ref
+        if (
+            "fp32" in feasible
+            and (ratio := _ratio(profiler, p, reference, b, ratio)) > _SLOW_PRECISION
+        ):
             notes.append(_slow_note(p, ratio, device_name))
             del feasible[p], times[p]
         elif compiled and eager in feasible:

@@ -105,7 +105,7 @@ def choose_winner(
 
 def _plain(c: TrainConfig) -> bool:
     """Nothing wrapped, offloaded or compiled, in fp32: the simplest way to train."""
-    return c.precision == "fp32" and _simplicity_of(c)[:2] == (0, 0)
+    return _simplicity_of(c)[:2] == (0, 0)
 
 
 def _tie_frugal(candidates: list[Candidate]) -> list[Candidate]:
