@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 from autotune.errors import ConfigError
@@ -23,6 +24,8 @@ __all__ = [
     "PARALLEL",
     "PRECISIONS",
     "TrainConfig",
+    "check_optimizer",
+    "is_factory",
     "timeline_key",
     "timeline_knobs",
     "timeline_parts",
@@ -51,6 +54,28 @@ FUSED_OPTIMIZERS: dict[str, str] = {"adamw": "adamw_fused"}
 """Optimizers with a fused twin (one kernel for the whole step: the same math, no
 temporary copies of the states, faster): where the device has the fused kernel, the
 tuner searches the twin in their place."""
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_<][\w.<>]*")
+"""An optimizer factory's import path, ``module:qualified.name``."""
+
+
+def is_factory(optimizer: str) -> bool:
+    """Whether ``optimizer`` names a factory of the user's by its import path
+    (``module:name``) rather than one of :data:`OPTIMIZERS`."""
+    return isinstance(optimizer, str) and _FACTORY.fullmatch(optimizer) is not None
+
+
+def check_optimizer(optimizer: object, where: str) -> None:
+    """Raise ConfigError unless ``optimizer`` is a name of :data:`OPTIMIZERS` or a
+    factory's import path."""
+    if optimizer in OPTIMIZERS or (isinstance(optimizer, str) and is_factory(optimizer)):
+        return
+    got = str(optimizer)[:60]
+    raise ConfigError(
+        f"{where} must be one of {', '.join(OPTIMIZERS)}, or the import path of a factory "
+        f"of your own (module:function), got {got!r}."
+    )
+
+
 ATTENTION: tuple[str, ...] = (
     "eager",
     "sdpa",
@@ -107,7 +132,8 @@ class TrainConfig:
     offload_activations: tuple[str, ...] = ()
     """Blocks whose saved activations go to pinned host memory."""
     optimizer: str = "adamw"
-    """Optimizer name, one of :data:`OPTIMIZERS`."""
+    """Optimizer name, one of :data:`OPTIMIZERS`, or the import path (``module:name``)
+    of the factory of your own it was tuned with (see ``autotune(optimizer=...)``)."""
     offload_optimizer: bool = False
     """Keep optimizer states and run the step on the host (with FSDP: its
     ``CPUOffloadPolicy``, the sharded parameters and gradients on the host too)."""
@@ -145,9 +171,7 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             got = str(self.precision)[:40]
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {got!r}.")
-        if self.optimizer not in OPTIMIZERS:
-            got = str(self.optimizer)[:40]
-            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {got!r}.")
+        check_optimizer(self.optimizer, "optimizer")
         for name in _BLOCK_CHOICES:
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):

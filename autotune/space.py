@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.config import ATTENTION, OPTIMIZERS, PRECISIONS
+from autotune.config import ATTENTION, PRECISIONS, check_optimizer
 from autotune.errors import ConfigError
 
 __all__ = ["SearchSpace"]
@@ -37,7 +37,9 @@ class SearchSpace:
     precisions: tuple[str, ...] = PRECISIONS
     """Precisions to consider; those the device lacks are dropped."""
     optimizers: tuple[str, ...] = ("adamw",)
-    """Optimizers to consider; the first is the user's, the rest are opt-in swaps."""
+    """Optimizers to consider; the first is the user's, the rest are opt-in swaps. A name
+    of :data:`~autotune.config.OPTIMIZERS`, or a factory's import path (``module:name``;
+    ``autotune(optimizer=...)`` puts one first)."""
     checkpointing: bool = True
     """Whether blocks may be checkpointed."""
     selective_checkpointing: bool = True
@@ -66,15 +68,19 @@ class SearchSpace:
     installed); each is tuned and the fastest verified wins. ``None``: the model's own."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("precisions", PRECISIONS), ("optimizers", OPTIMIZERS)):
-            value = tuple(getattr(self, name))
-            bad = [v for v in value if v not in allowed]
-            if not value or bad:
-                raise ConfigError(
-                    f"SearchSpace.{name} must be a non-empty list from {', '.join(allowed)}; "
-                    f"got {list(value)}."
-                )
-            object.__setattr__(self, name, value)
+        value = tuple(self.precisions)
+        if not value or any(v not in PRECISIONS for v in value):
+            raise ConfigError(
+                f"SearchSpace.precisions must be a non-empty list from {', '.join(PRECISIONS)}; "
+                f"got {list(value)}."
+            )
+        object.__setattr__(self, "precisions", value)
+        optimizers = tuple(self.optimizers)
+        if not optimizers:
+            raise ConfigError("SearchSpace.optimizers must not be empty; the first is yours.")
+        for o in optimizers:
+            check_optimizer(o, "each of SearchSpace.optimizers")
+        object.__setattr__(self, "optimizers", optimizers)
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
         if self.attention is not None:

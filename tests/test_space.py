@@ -12,7 +12,7 @@ from autotune import ConfigError, SearchSpace
     [
         ({"precisions": ()}, "SearchSpace.precisions must be a non-empty list"),
         ({"precisions": ("fp8",)}, "from fp32, bf16, fp16; got \\['fp8'\\]"),
-        ({"optimizers": ("lion",)}, "SearchSpace.optimizers must be a non-empty list"),
+        ({"optimizers": ("lion",)}, "each of SearchSpace.optimizers must be one of"),
         ({"micro_batch_sizes": (4, 0)}, "micro_batch_sizes must be positive integers"),
         ({"micro_batch_sizes": (True,)}, "micro_batch_sizes must be positive integers"),
         ({"micro_batch_sizes": ()}, "micro_batch_sizes must be positive integers"),

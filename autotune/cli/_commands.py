@@ -12,7 +12,7 @@ from autotune._files import check_writable, write_atomic
 from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
 from autotune.cli._figures import figures
-from autotune.cli._inputs import inputs
+from autotune.cli._inputs import inputs, resolve
 from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
@@ -110,9 +110,12 @@ def _options(
 
 def space_of(args: argparse.Namespace) -> SearchSpace:
     """The search space the flags of ``tune`` describe."""
+    from autotune.tuning import with_optimizer
+
     offload = {"auto": None, "on": True, "off": False}[args.offload]
     knobs: dict[str, Any] = {
-        "optimizers": _names(args.optimizers) or ("adamw",),
+        "optimizers": tuple(_optimizer(o, "--optimizers") for o in _names(args.optimizers))
+        or ("adamw",),
         "offload_optimizer": offload,
         "offload_activations": offload,
         "checkpointing": not args.no_checkpointing,
@@ -125,7 +128,18 @@ def space_of(args: argparse.Namespace) -> SearchSpace:
         knobs["blocks"] = _names(args.blocks)
     if args.micro_batch_sizes:
         knobs["micro_batch_sizes"] = _integers(args.micro_batch_sizes, "--micro-batch-sizes")
-    return SearchSpace(**knobs)
+    space = SearchSpace(**knobs)
+    return with_optimizer(space, args.optimizer and _optimizer(args.optimizer, "--optimizer"))
+
+
+def _optimizer(spec: str, flag: str) -> str:
+    """A named optimizer as it is; a factory's ``module:name`` (or ``file.py:name``)
+    imported and registered, its name returned."""
+    if ":" not in spec:
+        return spec
+    from autotune.train import factory_name
+
+    return factory_name(resolve(spec, flag, call=False))
 
 
 def _integers(text: str, flag: str) -> tuple[int, ...]:
@@ -162,7 +176,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         "micro_batch_size": args.micro_batch,
         "grad_accum_steps": args.accum,
         "precision": args.precision,
-        "optimizer": args.optimizer,
+        "optimizer": args.optimizer and _optimizer(args.optimizer, "--optimizer"),
     }
     if args.checkpoint is not None:
         knobs["checkpoint"] = _checkpoint(args.checkpoint, model, blocks)

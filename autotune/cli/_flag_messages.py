@@ -14,6 +14,7 @@ _WORDS: tuple[tuple[str, str], ...] = (  # longest first: the generic names come
         "--loss FILE.py:NAME (NAME(output, batch) a function in a file of yours)",
     ),
     ("SearchSpace(optimizers=['adamw', 'adamw8bit'])", "--optimizers adamw,adamw8bit"),
+    ("optimizer=<that function> (or its import path as a string)", "--optimizer MODULE:FACTORY"),
     ("SearchSpace(offload_optimizer=True)", "--offload on"),
     ("SearchSpace(offload_activations=True)", "--offload on"),
     ("SearchSpace(checkpointing=True)", "no --no-checkpointing"),

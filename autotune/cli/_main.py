@@ -249,6 +249,13 @@ def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
         "searched as adamw_fused where torch has the fused kernel)",
     )
     tune.add_argument(
+        "--optimizer",
+        metavar="MODULE:FACTORY",
+        help="your optimizer: a function of the trainable parameters (or of the model, its "
+        "first parameter named model) returning a torch.optim.Optimizer, in place of adamw; "
+        "the YAML records its path, and autotune.prepare(..., optimizer=) takes it again",
+    )
+    tune.add_argument(
         "--precisions",
         help=f"precisions to search, e.g. bf16,fp32 (default {','.join(PRECISIONS)})",
     )
@@ -330,7 +337,8 @@ def _add_estimate(sub: Any) -> None:
     )
     est.add_argument(
         "--optimizer",
-        help="adamw, adamw_fused, adamw8bit, paged_adamw8bit, paged_adamw, adafactor or sgd",
+        help="adamw, adamw_fused, adamw8bit, paged_adamw8bit, paged_adamw, adafactor, sgd, "
+        "or your factory MODULE:FACTORY (as for tune)",
     )
     est.add_argument(
         "--offload-activations", help="blocks to offload to the host: all, none, or a comma list"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, is_factory
 from autotune.errors import ConfigError
 from autotune.integrations._export_file import (
     HF_OPTIM,
@@ -98,8 +98,9 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
         "gradient_accumulation_steps": c.grad_accum_steps,
         "bf16": c.precision == "bf16",
         "fp16": c.precision == "fp16",
-        "optim": HF_OPTIM[c.optimizer],
     }
+    if not is_factory(c.optimizer):
+        settings["optim"] = HF_OPTIM[c.optimizer]
     if c.optimizer in _ADAMW:
         settings["weight_decay"] = 0.01  # torch's and bitsandbytes' AdamW default, as tuned
     if c.optimizer == "sgd":
@@ -107,6 +108,11 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
     if on_cpu(result):
         settings["use_cpu"] = True
     warnings = []
+    if is_factory(c.optimizer):
+        warnings.append(
+            f"optimizer {c.optimizer}: TrainingArguments cannot name your factory; build "
+            "the optimizer with it and pass Trainer(optimizers=(optimizer, None))."
+        )
     if c.optimizer == "adafactor":
         warnings.append(
             "optimizer adafactor: Hugging Face's 'adafactor' is transformers' Adafactor, "

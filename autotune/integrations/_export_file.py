@@ -152,7 +152,7 @@ def compiled_in_code(c: TrainConfig, where: str) -> list[str]:
 
 
 def optimizer_in_code(c: TrainConfig, how: str) -> str:
-    build = TORCH_OPTIMIZER[c.optimizer]
+    build = TORCH_OPTIMIZER.get(c.optimizer, "it with your factory")
     return f"optimizer {c.optimizer} is not in this file: build {build} and {how}."
 
 

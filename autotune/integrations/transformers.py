@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-from autotune.config import PAGED_OPTIMIZERS
+from autotune.config import PAGED_OPTIMIZERS, is_factory
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._export import hf_settings
 from autotune.integrations._export_file import HF_OPTIM_TUNED
@@ -129,7 +129,8 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
     tuned = result.config.optimizer
     same = {tuned, PAGED_OPTIMIZERS.get(tuned, tuned)}
     same |= {p for p, twin in PAGED_OPTIMIZERS.items() if twin == tuned}
-    if HF_OPTIM_TUNED.get(optim, optim) not in same:  # paged or not: the same states
+    # Paged or not: the same states. A factory's optimizer is passed as Trainer(optimizers=).
+    if not is_factory(tuned) and HF_OPTIM_TUNED.get(optim, optim) not in same:
         differ.append(f"optim={optim!r} (tuned {settings['optim']!r})")
     if getattr(args, "gradient_checkpointing", False) or getattr(
         args, "activation_checkpointing", False

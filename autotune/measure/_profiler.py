@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.config import TrainConfig, timeline_knobs, timeline_parts
+from autotune.config import TrainConfig, is_factory, timeline_knobs, timeline_parts
 from autotune.device import backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
@@ -119,7 +119,8 @@ class Profiler:
         return TrainConfig(micro_batch_size=b, **timeline_knobs(key, self.blocks), **knobs)
 
     def runner(self, config: TrainConfig) -> Runner:
-        return prepare(self.model, config, lr=_PROFILE_LR, loss_fn=self.loss_fn, device=self.device)
+        lr = None if is_factory(config.optimizer) else _PROFILE_LR  # a factory sets its own
+        return prepare(self.model, config, lr=lr, loss_fn=self.loss_fn, device=self.device)
 
     def first_step(self, config: TrainConfig, b: int) -> Runner:
         """Build a runner and take one step; user-model failures become ProfileError."""

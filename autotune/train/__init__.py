@@ -41,7 +41,14 @@ if TYPE_CHECKING:
     from autotune.train._identity import differences, fingerprint
     from autotune.train._lengths import sequence_length, truncate
     from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
-    from autotune.train._optimizers import available, build_optimizer, fused_runs
+    from autotune.train._optimizers import (
+        OptimizerFactory,
+        available,
+        build_optimizer,
+        factory_name,
+        fused_runs,
+        not_at_hand,
+    )
     from autotune.train._parallel import (
         agree_max,
         broadcast,
@@ -60,6 +67,7 @@ if TYPE_CHECKING:
 INTERFACE = {
     "Applied": "autotune.train._applied",
     "LossFn": "autotune.train._loss",
+    "OptimizerFactory": "autotune.train._optimizers",
     "Runner": "autotune.train._runner",
     "Workload": "autotune.train._workload",
     "agree_max": "autotune.train._parallel",
@@ -79,12 +87,14 @@ INTERFACE = {
     "copy_model": "autotune.train._quantized",
     "describe_call": "autotune.train._loss",
     "differences": "autotune.train._identity",
+    "factory_name": "autotune.train._optimizers",
     "fingerprint": "autotune.train._identity",
     "fused_runs": "autotune.train._optimizers",
     "gathered_tensors": "autotune.train._parallel",
     "group_size": "autotune.train._parallel",
     "map_tensors": "autotune.train._batch",
     "measured_compiling": "autotune.train._compiled",
+    "not_at_hand": "autotune.train._optimizers",
     "one_per_storage": "autotune.train._quantized",
     "prepare": "autotune.train._prepare",
     "quantization_state": "autotune.train._quantized",
@@ -103,6 +113,7 @@ INTERFACE = {
 __all__ = [
     "Applied",
     "LossFn",
+    "OptimizerFactory",
     "Runner",
     "Workload",
     "agree_max",
@@ -122,12 +133,14 @@ __all__ = [
     "copy_model",
     "describe_call",
     "differences",
+    "factory_name",
     "fingerprint",
     "fused_runs",
     "gathered_tensors",
     "group_size",
     "map_tensors",
     "measured_compiling",
+    "not_at_hand",
     "one_per_storage",
     "prepare",
     "quantization_state",

@@ -62,7 +62,7 @@ class Applied:
         model: nn.Module,
         config: TrainConfig,
         *,
-        lr: float,
+        lr: float | None,
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),
         units: Sequence[str] = (),
@@ -110,11 +110,14 @@ class Applied:
         if self.host is not None:
             self.host.close()
             self.host = None
+        model, params = self.model, self.params
         if not offload or self.config.parallel == "fsdp":  # FSDP offloads by its own policy
-            return build_optimizer(name, self.params, lr)
-        self.host = OptimizerOffloader(
-            self.params, self.device, lambda masters: build_optimizer(name, masters, lr)
-        )
+            return build_optimizer(name, params, lr, model=model)
+
+        def build(masters: list[torch.Tensor]) -> torch.optim.Optimizer:
+            return build_optimizer(name, masters, lr, model=model, standing_for=params)
+
+        self.host = OptimizerOffloader(params, self.device, build)
         return self.host.optimizer
 
     # --- the pieces of a training step --------------------------------------------------

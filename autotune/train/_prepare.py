@@ -3,13 +3,14 @@ trains as tuned, or into a handle for a loop of one's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, is_factory
 from autotune.device import backend_for, resolve_device
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
@@ -18,6 +19,12 @@ from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
 from autotune.train._loss import LossFn
+from autotune.train._optimizers import (
+    OptimizerFactory,
+    factory_name,
+    not_at_hand,
+    registered,
+)
 from autotune.train._parallel import check_group
 from autotune.train._quantized import model_tensors
 from autotune.train._runner import Runner
@@ -29,7 +36,9 @@ def prepare(
     model: nn.Module,
     config: TrainConfig | TuneResult,
     *,
-    lr: float = 3e-4,
+    lr: float | None = None,
+    optimizer: OptimizerFactory | str | None = None,
+    other_optimizer: bool = False,
     loss_fn: LossFn | None = None,
     device: torch.device | str | None = None,
     strict: bool = False,
@@ -48,7 +57,14 @@ def prepare(
     Args:
         model: The model to train (modified in place).
         config: A :class:`TrainConfig`, or a :class:`TuneResult` (its ``config``).
-        lr: Learning rate of the optimizer.
+        lr: Learning rate of a named optimizer (default 3e-4); a factory sets its own.
+        optimizer: Your optimizer factory (see :func:`autotune.autotune`), or its import
+            path ``module:name``: needed for a result tuned with one (its path is in the
+            config), unless it was passed earlier in this process. With a
+            :class:`TrainConfig` it replaces the config's optimizer.
+        other_optimizer: With a :class:`TuneResult` tuned with another optimizer than
+            ``optimizer``, train with ``optimizer`` anyway (its memory was not measured:
+            the budget may not hold) instead of raising ConfigError.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
             ``output.loss``, or the first element of a tuple output.
         device: Where to train; default: the device a result was tuned on if it is
@@ -64,6 +80,7 @@ def prepare(
     until the runner is closed. A result tuned per sequence length (``by_length``) trains
     each batch with the row of its padded length, each row with its own fallbacks.
     """
+    config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=True)
     config, result, target, foreign = _setup(model, config, device, strict, "prepare")
     model.train()
     disable_kv_cache(model)  # prepare() owns the model for training: left off
@@ -89,7 +106,9 @@ def apply(
     model: nn.Module,
     config: TrainConfig | TuneResult,
     *,
-    lr: float = 3e-4,
+    lr: float | None = None,
+    optimizer: OptimizerFactory | str | None = None,
+    other_optimizer: bool = False,
     device: torch.device | str | None = None,
     strict: bool = False,
     blocks: Sequence[str] | None = None,
@@ -104,10 +123,12 @@ def apply(
     on (the model stays on the device, its weights as trained). Its train/eval mode is left
     as it is. The handle gives the loop the micro-batches with their loss weights, the
     autocast context, the GradScaler, the optimizer the config names (built on first use
-    with ``lr``), the optimizer step (with clipping and a scheduler) and, given a
+    with ``lr``, or by your ``optimizer`` factory), the optimizer step (with clipping and a
+    scheduler) and, given a
     :class:`TuneResult`, the fallback ladder (:meth:`Applied.run`) and the allocator's cap
     at the result's budget. The arguments are :func:`prepare`'s.
     """
+    config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=False)
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
@@ -119,6 +140,66 @@ def apply(
     handle.on_undo(disable_hf_checkpointing(model))
     _hold(handle, result, foreign)
     return handle
+
+
+def _optimizer_in(
+    config: TrainConfig | TuneResult,
+    optimizer: OptimizerFactory | str | None,
+    lr: float | None,
+    other: bool,
+    needed: bool,
+) -> TrainConfig | TuneResult:
+    """``config`` with the user's optimizer factory registered, checked against the one a
+    result was tuned with, and put in its place in a :class:`TrainConfig`. ``needed``: the
+    optimizer is built now (a runner), so its factory must be at hand; :func:`apply`
+    builds it on first use, and a trainer's callback never does (the trainer's is used)."""
+    tuned = config.config.optimizer if isinstance(config, TuneResult) else None
+    if optimizer is None:
+        name = getattr(config.config if isinstance(config, TuneResult) else config, "optimizer", "")
+        if is_factory(name):
+            _no_lr(name, lr)
+            if needed and not registered(name):  # a path in a file is never imported on its own
+                raise not_at_hand(name)
+        return config
+    name = factory_name(optimizer)
+    _no_lr(name, lr)
+    if tuned is not None and tuned != name and not other:
+        raise ConfigError(
+            f"this result was tuned with optimizer {tuned}, not {name}: its memory and speed "
+            "were measured with that one. Tune again with yours (autotune(..., "
+            "optimizer=...)), or pass other_optimizer=True to train with it on this config "
+            "anyway."
+        )
+    if isinstance(config, TuneResult):
+        return _with_optimizer(config, name)
+    return config.replace(optimizer=name) if isinstance(config, TrainConfig) else config
+
+
+def _no_lr(name: str, lr: float | None) -> None:
+    if lr is not None:
+        raise ConfigError(
+            f"lr= is the learning rate of the optimizers autotune names; your factory {name} "
+            "sets its own: leave lr out."
+        )
+
+
+def _with_optimizer(result: TuneResult, name: str) -> TuneResult:
+    """``result`` with every config in it (winner, fallbacks, rows) training ``name``."""
+
+    def each(configs: Sequence[TrainConfig]) -> tuple[TrainConfig, ...]:
+        return tuple(c.replace(optimizer=name) for c in configs)
+
+    rows = tuple(
+        dataclasses.replace(r, config=r.config.replace(optimizer=name), fallbacks=each(r.fallbacks))
+        for r in result.by_length
+    )
+    return dataclasses.replace(
+        result,
+        config=result.config.replace(optimizer=name),
+        fallbacks=each(result.fallbacks),
+        by_length=rows,
+        tied=each(result.tied),
+    )
 
 
 def _setup(

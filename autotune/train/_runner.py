@@ -46,7 +46,7 @@ class Runner(Applied):
         model: nn.Module,
         config: TrainConfig,
         *,
-        lr: float,
+        lr: float | None,
         loss_fn: LossFn | None,
         device: torch.device,
         fallbacks: Sequence[TrainConfig] = (),

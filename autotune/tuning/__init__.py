@@ -27,7 +27,7 @@ from autotune._interface import interface
 
 if TYPE_CHECKING:
     from autotune.tuning._ahead import plan_with
-    from autotune.tuning._autotune import tune
+    from autotune.tuning._autotune import tune, with_optimizer
     from autotune.tuning._estimate import Estimate, estimate
     from autotune.tuning._options import TuneOptions
     from autotune.tuning._progress import Progress, progress
@@ -42,6 +42,7 @@ INTERFACE = {
     "progress": "autotune.tuning._progress",
     "estimate": "autotune.tuning._estimate",
     "tune": "autotune.tuning._autotune",
+    "with_optimizer": "autotune.tuning._autotune",
 }
 """What the other layers may import from here, by the private module that defines it."""
 
@@ -54,6 +55,7 @@ __all__ = [
     "plan_with",
     "progress",
     "tune",
+    "with_optimizer",
 ]
 
 __getattr__, __dir__ = interface(__name__, INTERFACE)

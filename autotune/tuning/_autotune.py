@@ -9,6 +9,7 @@ The loops are :func:`~autotune.tuning._lengths.tune_lengths` and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 from autotune.errors import ConfigError
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
-from autotune.train import LossFn
+from autotune.train import LossFn, OptimizerFactory, factory_name
 from autotune.tuning._attention import tune_attentions
 from autotune.tuning._lengths import tune_lengths
 from autotune.tuning._options import TuneOptions
@@ -27,7 +28,7 @@ from autotune.tuning._problem import uncompiled
 from autotune.tuning._progress import progress, shown
 from autotune.tuning._start import resolved_plan, started_from
 
-__all__ = ["autotune", "tune"]
+__all__ = ["autotune", "tune", "with_optimizer"]
 
 
 def autotune(
@@ -36,6 +37,7 @@ def autotune(
     budget_gb: float = 24.0,
     *,
     loss_fn: LossFn | None = None,
+    optimizer: OptimizerFactory | str | None = None,
     global_batch_size: int | None = None,
     global_batch_tokens: int | None = None,
     sequence_lengths: Sequence[int] | None = None,
@@ -59,6 +61,14 @@ def autotune(
         budget_gb: Device memory the training run may use, in GiB.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
             ``output.loss``, or the first element of a tuple output.
+        optimizer: Your optimizer: a function that builds a ``torch.optim.Optimizer``
+            from a list of the model's trainable parameters, or from the model itself
+            where its first parameter is named ``model`` (parameter groups), or an
+            optimizer class; or its import path ``module:name``. Its state and step are
+            measured and verified like the named ones, offloaded to the host where the
+            space allows; the result records its path, and :func:`autotune.prepare` takes
+            it again. It takes the place of the space's first optimizer (default
+            ``adamw``, built with ``prepare(..., lr=)``).
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             default: no accumulation, the micro-batch is the batch.
         global_batch_tokens: Tokens per optimizer step instead (``global_batch_size``
@@ -114,7 +124,7 @@ def autotune(
         global_batch_tokens=global_batch_tokens,
         sequence_lengths=sequence_lengths,
         device=device,
-        space=space or SearchSpace(),
+        space=with_optimizer(space or SearchSpace(), optimizer),
         n_trials=n_trials,
         timeout_s=timeout_s,
         seed=seed,
@@ -140,3 +150,13 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
         if options.table:
             return tune_lengths(model, sample_batch, options)
         return tune_attentions(model, sample_batch, options)
+
+
+def with_optimizer(space: SearchSpace, optimizer: OptimizerFactory | str | None) -> SearchSpace:
+    """``space`` with the user's optimizer factory (registered here) as its first
+    optimizer, in the place of the default one."""
+    if optimizer is None:
+        return space
+    name = factory_name(optimizer)
+    rest = tuple(o for o in space.optimizers[1:] if o != name)
+    return dataclasses.replace(space, optimizers=(name, *rest))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autotune._blocks import find_blocks, resolve_blocks
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, is_factory
 from autotune.device import Target, backend_for, discover
 from autotune.errors import BlockError, ProfileError
 from autotune.measure import (
@@ -32,7 +32,16 @@ from autotune.measure import (
 )
 from autotune.plan import CostModel
 from autotune.result import Breakdown, Costs
-from autotune.train import LossFn, Workload, batch_size, measured_compiling
+from autotune.train import (
+    LossFn,
+    OptimizerFactory,
+    Workload,
+    available,
+    batch_size,
+    factory_name,
+    measured_compiling,
+    not_at_hand,
+)
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import refuse_meta, uncompiled
 
@@ -68,6 +77,7 @@ def estimate(
     device: torch.device | str | None = None,
     loss_fn: LossFn | None = None,
     blocks: Sequence[str] | None = None,
+    optimizer: OptimizerFactory | str | None = None,
 ) -> Estimate:
     """Predict the peak device memory of training ``model`` with ``config``.
 
@@ -78,6 +88,8 @@ def estimate(
         device: Where the memory is predicted; default CUDA if available, else CPU.
         loss_fn: ``loss_fn(output, batch) -> scalar``, or ``None``.
         blocks: Qualified names of the blocks; default :func:`autotune.find_blocks`.
+        optimizer: Your optimizer factory, or its import path (as for
+            :func:`autotune.autotune`): in the config's place, its state and step measured.
 
     Returns:
         The predicted peak bytes (as defined in the README for the device), what holds
@@ -88,6 +100,10 @@ def estimate(
         ProfileError: the model does not train on the sample batch, or does not fit.
     """
     config = config or TrainConfig()
+    if optimizer is not None:
+        config = config.replace(optimizer=factory_name(optimizer))
+    elif is_factory(config.optimizer) and not available(config.optimizer):
+        raise not_at_hand(config.optimizer)  # a path read from a file is never imported
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     model = uncompiled(model)

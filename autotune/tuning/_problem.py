@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from autotune._blocks import eager_module, resolve_blocks
-from autotune.config import FUSED_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS
+from autotune.config import FUSED_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS, is_factory
 from autotune.device import Target, backend_for, budget_bytes, discover
 from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
 from autotune.plan import micro_batch_candidates
@@ -25,6 +25,7 @@ from autotune.train import (
     batch_size,
     build_optimizer,
     compiled_parts,
+    factory_name,
     fused_runs,
     group_size,
 )
@@ -174,7 +175,9 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
             "or None for no accumulation."
         )
     for name in space.optimizers:
-        if not available(name):
+        if is_factory(name):
+            factory_name(name)  # named in the space: imported, or a clear ConfigError
+        elif not available(name):
             build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
     target = discover(options.device)
     budget = budget_bytes(options.budget_gb, target)

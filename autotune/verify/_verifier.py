@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autotune._format import format_bytes
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, is_factory
 from autotune.device import backend_for
 from autotune.errors import NonFiniteError
 from autotune.measure import measure_peak, state_tensors
@@ -160,8 +160,9 @@ class Verifier:
     def _prepare(self, config: TrainConfig) -> Runner:
         # Data parallelism wraps the model for good: a copy of it, each time.
         model = self.model if config.parallel == "none" else copy_model(self.model)
+        lr = None if is_factory(config.optimizer) else 1e-6  # a factory sets its own
         return prepare(
-            model, config, lr=1e-6, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
+            model, config, lr=lr, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )
 
     def _measure(self, runner: Runner, batch: Any, timed: bool = True) -> tuple[int, float]:

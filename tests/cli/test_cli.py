@@ -206,6 +206,26 @@ def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
     assert json.loads(out) == result.to_dict()
 
 
+def test_tune_and_estimate_take_your_optimizer(capsys, tuned: Tuned, tmp_path, monkeypatch) -> None:
+    out_path = tmp_path / "yours.yaml"
+    yours = ["--optimizer", "user_optimizers:sign_momentum"]
+    args = [*tuned.inputs(), "--budget-gb", "0.004", "--global-batch", "8", "--device", "cpu"]
+    code, _, err = run(
+        capsys, "tune", *args, *yours, "--precisions", "fp32", "-q", "-o", str(out_path)
+    )
+    assert code == 0, err
+    result = autotune.load(out_path)
+    assert result.config.optimizer == "user_optimizers:sign_momentum"
+    again = ["estimate", *tuned.inputs(), "--config", str(out_path), "--json"]
+    code, out, err = run(capsys, *again, *yours)
+    assert code == 0, err
+    assert json.loads(out)["peak_bytes"] == result.predicted.peak_bytes
+    monkeypatch.setattr("autotune.train._optimizers._FACTORIES", {})  # a new process
+    code, _, err = run(capsys, *again)
+    assert code == 2
+    assert_one_error_line(err, "pass it: --optimizer MODULE:FACTORY")
+
+
 # --- estimate --------------------------------------------------------------------------
 
 
