@@ -29,7 +29,11 @@ class SignMomentum(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "beta": beta})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:  # Lightning's: the forward and backward run in here
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -40,6 +44,7 @@ class SignMomentum(torch.optim.Optimizer):
                 momentum = state["momentum"]
                 momentum.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
                 p.add_(momentum.sign(), alpha=-group["lr"])
+        return loss
 
 
 def sign_momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:

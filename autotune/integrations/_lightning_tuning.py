@@ -7,15 +7,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 
 from autotune.config import FUSED_OPTIMIZERS
 from autotune.errors import ConfigError, LossError
+from autotune.train import OptimizerFactory, factory_name
 
 __all__ = ["as_a_model", "first_batch", "optimizer_name", "step_loss"]
 
@@ -57,8 +58,16 @@ def first_batch(trainer: pl.Trainer) -> Any:
     return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
-def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str:
-    """The autotune optimizer whose state costs what the module's optimizer's does."""
+def optimizer_name(
+    optimizers: list[torch.optim.Optimizer],
+    module: pl.LightningModule,
+    given: OptimizerFactory | str | None = None,
+) -> str:
+    """The optimizer to tune with: ``given`` (the user's factory); else the autotune
+    optimizer whose state and step are the module's optimizer's, where autotune knows its
+    class; else the module's own ``configure_optimizers`` as the factory, measured."""
+    if given is not None:
+        return factory_name(given)
     if len(optimizers) != 1:
         raise ConfigError(
             f"Autotune tunes modules with one optimizer; configure_optimizers returned "
@@ -66,14 +75,36 @@ def optimizer_name(optimizers: list[torch.optim.Optimizer]) -> str:
         )
     name = type(optimizers[0]).__name__
     if name not in _OPTIMIZERS:
-        warnings.warn(
-            f"Autotune does not know the state of optimizer {name}; it tunes as for AdamW "
-            "(two states per parameter). Pass space=SearchSpace(optimizers=[...]) to say.",
-            stacklevel=3,
-        )
-    tuned = _OPTIMIZERS.get(name, "adamw")
+        return factory_name(_configured(module))
+    tuned = _OPTIMIZERS[name]
     fused = tuned == "adamw" and bool(optimizers[0].defaults.get("fused"))
     return FUSED_OPTIMIZERS[tuned] if fused else tuned
+
+
+def _configured(module: pl.LightningModule) -> OptimizerFactory:
+    """The module's ``configure_optimizers`` as a factory of (a copy of) the module, named
+    by its import path."""
+
+    def configured(model: nn.Module) -> torch.optim.Optimizer:
+        return _the_optimizer(model.configure_optimizers())  # type: ignore[operator]
+
+    configured.__module__ = type(module).__module__
+    configured.__qualname__ = f"{type(module).__qualname__}.configure_optimizers"
+    return configured
+
+
+def _the_optimizer(conf: Any) -> torch.optim.Optimizer:
+    """The optimizer of what ``configure_optimizers`` returns: an optimizer, a list or
+    tuple (of optimizers, and schedulers), or a dict with ``"optimizer"``."""
+    if isinstance(conf, torch.optim.Optimizer):
+        return conf
+    if isinstance(conf, Mapping):
+        return _the_optimizer(conf.get("optimizer"))
+    if isinstance(conf, (list, tuple)) and conf:
+        return _the_optimizer(conf[0])
+    raise ConfigError(
+        f"configure_optimizers returned {type(conf).__name__}, with no optimizer in it to tune."
+    )
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from autotune.integrations._lightning_tuning import as_a_model, first_batch, opt
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
-from autotune.train import Applied, apply, check_finite
+from autotune.train import Applied, OptimizerFactory, apply, check_finite
 from autotune.tuning import TuneOptions, tune
 
 __all__ = ["Autotune"]
@@ -50,6 +50,10 @@ class Autotune(pl.Callback):
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             ``None``: the micro-batch is the batch and its size is tuned for throughput.
         batch_arg_name: The attribute that holds the dataloaders' batch size.
+        optimizer: The factory the module's ``configure_optimizers`` builds its optimizer
+            with (as for :func:`autotune.autotune`); default: the module's optimizer, by
+            its class where autotune knows it (AdamW, SGD, ...), else
+            ``configure_optimizers`` itself, on a copy of the module, measured.
         space, n_trials, timeout_s, seed, storage, study_name: As for
             :func:`autotune.autotune`. The space's optimizer is always the one the module
             configures, never offloaded: Lightning steps that one, on the device.
@@ -67,6 +71,7 @@ class Autotune(pl.Callback):
         global_batch_size: int | None = None,
         *,
         batch_arg_name: str = "batch_size",
+        optimizer: OptimizerFactory | str | None = None,
         space: SearchSpace | None = None,
         n_trials: int | None = None,
         timeout_s: float | None = None,
@@ -75,6 +80,7 @@ class Autotune(pl.Callback):
         study_name: str | None = None,
     ) -> None:
         self.batch_arg_name = batch_arg_name
+        self.optimizer = optimizer
         self.options = TuneOptions(
             budget_gb=budget_gb,
             global_batch_size=global_batch_size,
@@ -121,7 +127,7 @@ class Autotune(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device
-        optimizer = optimizer_name(trainer.optimizers)
+        optimizer = optimizer_name(trainer.optimizers, pl_module, self.optimizer)
         result = (
             self._given if self._given is not None else self._tune(trainer, pl_module, optimizer)
         )

@@ -11,6 +11,7 @@ import torch
 from conftest import MICRO, G, Recorder, fresh, gpt2, runner_replay, samples
 from test_transformers import Rows
 from torch.utils.data import DataLoader
+from user_optimizers import sign_momentum
 
 from autotune import SearchSpace, TuneResult
 from autotune.errors import ConfigError, NonFiniteError
@@ -120,6 +121,34 @@ def test_autotune_tunes_at_fit_start_and_trains_as_tuned(tuned: TuneResult) -> N
     # the blocks are unwrapped when fit ends, and nothing of the tuning is left behind
     assert not any("forward" in vars(m) for m in module.modules())
     assert callback.handle is None
+
+
+class LitSign(LitGPT):
+    """A module whose optimizer autotune has never heard of."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = sign_momentum([p for p in self.parameters() if p.requires_grad])
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1),
+        }
+
+
+def test_an_unknown_optimizer_is_tuned_as_configure_optimizers_builds_it(tuned) -> None:
+    module = LitSign()
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(MICRO,))
+    callback = Autotune(tuned.budget_bytes / 2**30, global_batch_size=G, space=space, n_trials=20)
+    watch = Watch(tuned.budget_bytes)
+    trainer_with(callback, watch).fit(module)
+    result = callback.result
+    assert result is not None
+    assert result.config.optimizer == f"{__name__}:LitSign.configure_optimizers"
+    # Its one momentum per parameter measured (SGD's, by chance the same size), not
+    # assumed to be AdamW's two.
+    params = sum(p.numel() * 4 for p in module.parameters())
+    assert result.breakdown.optimizer == params
+    assert watch.reading.peak_bytes <= result.budget_bytes
+    assert watch.reading.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.03)
 
 
 def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
