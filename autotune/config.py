@@ -154,6 +154,10 @@ class TrainConfig:
     graph shared by identical blocks), beneath their checkpoint wrapper where they are
     checkpointed. A compiled block is kept or checkpointed whole, never selectively or
     offloaded."""
+    eval_batch_size: int | None = dataclasses.field(default=None, compare=False)
+    """Samples per evaluation forward (no gradients) that fit the budget beside this
+    config's training state, measured after a training step; ``None``: not measured. Not
+    a knob of training: configs that differ only here are equal."""
 
     @property
     def timeline(self) -> str:
@@ -161,7 +165,8 @@ class TrainConfig:
         return timeline_key(self.precision, bool(self.compile_blocks))
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "grad_accum_steps"):
+        names = ("micro_batch_size", "grad_accum_steps")
+        for name in names if self.eval_batch_size is None else (*names, "eval_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH:
                 shown = value if type(value) is not int else f"{value:.3g}"
@@ -264,7 +269,9 @@ class TrainConfig:
     def digest(self) -> str:
         """A short hash of every knob: a result's file records its config's, so that a
         config edited by hand is not shown with figures measured for another."""
-        knobs = json.dumps(dataclasses.asdict(self), sort_keys=True, default=list)
+        fields = dataclasses.asdict(self)
+        del fields["eval_batch_size"]  # not a knob of training: the figures hold without it
+        knobs = json.dumps(fields, sort_keys=True, default=list)
         return hashlib.sha256(knobs.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -290,4 +297,6 @@ class TrainConfig:
             parts.append(f"attention={self.attention}")
         if self.compile_blocks:
             parts.append(f"compiled={len(self.compile_blocks)}")
+        if self.eval_batch_size is not None:
+            parts.append(f"eval_batch={self.eval_batch_size}")
         return " ".join(parts)

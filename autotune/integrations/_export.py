@@ -99,6 +99,8 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
         "bf16": c.precision == "bf16",
         "fp16": c.precision == "fp16",
     }
+    if c.eval_batch_size is not None:  # the largest evaluation batch beside the state
+        settings["per_device_eval_batch_size"] = c.eval_batch_size
     if not is_factory(c.optimizer):
         settings["optim"] = HF_OPTIM[c.optimizer]
     if c.optimizer in _ADAMW:
@@ -150,9 +152,15 @@ def to_lightning(result: TuneResult) -> Export:
         trainer["devices"] = c.world_size
         if c.parallel == "ddp":
             trainer["strategy"] = "ddp"
+    evaluation = (
+        f" and your validation DataLoader batch_size={c.eval_batch_size} at most (the "
+        "largest evaluation batch that fits beside the training state)"
+        if c.eval_batch_size is not None
+        else ""
+    )
     warnings = [
         f"micro_batch_size {c.micro_batch_size} is not a Trainer setting: give your "
-        f"DataLoader batch_size={c.micro_batch_size}.",
+        f"DataLoader batch_size={c.micro_batch_size}{evaluation}.",
         optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
         *checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
         *compiled_in_code(c, "Lightning (torch.compile(model) in configure_model)"),

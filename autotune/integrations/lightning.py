@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -28,7 +29,7 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
-from autotune.errors import ConfigError
+from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._lightning_ladder import Ladder, precision_plugin
 from autotune.integrations._lightning_tuning import as_a_model, first_batch, optimizer_name
 from autotune.integrations._one_process import per_process
@@ -50,6 +51,9 @@ class Autotune(pl.Callback):
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             ``None``: the micro-batch is the batch and its size is tuned for throughput.
         batch_arg_name: The attribute that holds the dataloaders' batch size.
+        eval_batch_arg_name: The attribute that holds the validation DataLoader's batch
+            size, set to the largest evaluation batch that fits beside the training state
+            (measured); ``None``: a validation loader with a larger batch is warned of.
         optimizer: The factory the module's ``configure_optimizers`` builds its optimizer
             with (as for :func:`autotune.autotune`); default: the module's optimizer, by
             its class where autotune knows it (AdamW, SGD, ...), else
@@ -71,6 +75,7 @@ class Autotune(pl.Callback):
         global_batch_size: int | None = None,
         *,
         batch_arg_name: str = "batch_size",
+        eval_batch_arg_name: str | None = None,
         optimizer: OptimizerFactory | str | None = None,
         space: SearchSpace | None = None,
         n_trials: int | None = None,
@@ -80,6 +85,7 @@ class Autotune(pl.Callback):
         study_name: str | None = None,
     ) -> None:
         self.batch_arg_name = batch_arg_name
+        self.eval_batch_arg_name = eval_batch_arg_name
         self.optimizer = optimizer
         self.options = TuneOptions(
             budget_gb=budget_gb,
@@ -105,6 +111,13 @@ class Autotune(pl.Callback):
                 f"Autotune sets the batch size through the attribute {self.batch_arg_name!r}, "
                 "which neither the module, its hparams, the datamodule nor its hparams has; "
                 "give your DataLoader batch_size=self.batch_size, or pass batch_arg_name=."
+            )
+        named = self.eval_batch_arg_name
+        if named is not None and not lightning_hasattr(pl_module, named):
+            raise ConfigError(
+                f"Autotune sets the evaluation batch size through the attribute {named!r}, "
+                "which neither the module, its hparams, the datamodule nor its hparams has; "
+                f"give your validation DataLoader batch_size=self.{named}."
             )
         if not pl_module.automatic_optimization:
             raise ConfigError(
@@ -141,6 +154,8 @@ class Autotune(pl.Callback):
         c = result.config
         before = lightning_getattr(pl_module, self.batch_arg_name)
         lightning_setattr(pl_module, self.batch_arg_name, c.micro_batch_size)
+        if self.eval_batch_arg_name is not None and c.eval_batch_size is not None:
+            lightning_setattr(pl_module, self.eval_batch_arg_name, c.eval_batch_size)
         _reload_dataloaders(trainer)
         trainer.accumulate_grad_batches = c.grad_accum_steps
         trainer.strategy.precision_plugin = precision_plugin(c, device)
@@ -178,6 +193,20 @@ class Autotune(pl.Callback):
         options = self.options.replace(device=trainer.strategy.root_device, space=space)
         with as_a_model(module, trainer, sample):
             return tune(module, sample, options)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fits = self.result.config.eval_batch_size if self.result is not None else None
+        loaders = trainer.val_dataloaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        asked = max((getattr(d, "batch_size", None) or 0 for d in loaders), default=0)
+        if fits is not None and asked > fits:
+            warnings.warn(
+                f"the validation DataLoader's batch_size={asked} does not fit the budget "
+                f"beside the training state; the largest that does is {fits}: build it with "
+                "that, or pass Autotune(eval_batch_arg_name=...) to have it set.",
+                AutotuneWarning,
+                stacklevel=2,
+            )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -10,6 +10,9 @@ to the model when training starts: the exact per-block checkpoint mask and activ
 offload (``gradient_checkpointing`` means every layer, and some models reject it), and
 the key/value cache off; it puts the model back when training ends.
 
+The evaluation batch (``per_device_eval_batch_size``) is the largest that fits beside the
+training state, measured; the callback lowers one that asks for more.
+
 A ``Trainer`` step cannot be run again, so the fallback ladder does not apply here: a
 step that runs out of memory raises, as it would without autotune. Optimizer offload
 cannot be expressed either (use the DeepSpeed export).
@@ -32,14 +35,22 @@ from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.train import Applied, apply, check_finite
 
-__all__ = ["AutotuneCallback", "training_arguments"]
+__all__ = ["AutotuneCallback", "sample_batch", "training_arguments"]
 
 log = logging.getLogger("autotune")
 
 
-def training_arguments(result: TuneResult, output_dir: str, **overrides: Any) -> TrainingArguments:
+def training_arguments(
+    result: TuneResult,
+    output_dir: str,
+    *,
+    args_class: type[TrainingArguments] = TrainingArguments,
+    **overrides: Any,
+) -> TrainingArguments:
     """Real ``TrainingArguments`` as ``result`` was tuned; ``overrides`` win (a warning
-    says which tuned setting one of them changes).
+    says which tuned setting one of them changes). ``args_class``: a subclass to build
+    instead, e.g. TRL's ``SFTConfig`` (with its own settings, ``packing=True``, among the
+    overrides).
 
     What ``TrainingArguments`` cannot express is a warning (:class:`AutotuneWarning`)
     that says what to do; the checkpoint mask is :class:`AutotuneCallback`'s.
@@ -48,7 +59,9 @@ def training_arguments(result: TuneResult, output_dir: str, **overrides: Any) ->
     settings, unsaid = hf_settings(result)
     for message in unsaid:
         warnings.warn(message, AutotuneWarning, stacklevel=2)
-    changed = sorted(k for k in overrides if k in settings and overrides[k] != settings[k])
+    # An evaluation batch other than the tuned one: the callback lowers one too large.
+    tuned = {k: v for k, v in settings.items() if k != "per_device_eval_batch_size"}
+    changed = sorted(k for k in overrides if k in tuned and overrides[k] != tuned[k])
     if changed:
         warnings.warn(
             f"overrides change tuned settings ({', '.join(changed)}): the peak memory and "
@@ -56,7 +69,27 @@ def training_arguments(result: TuneResult, output_dir: str, **overrides: Any) ->
             AutotuneWarning,
             stacklevel=2,
         )
-    return TrainingArguments(output_dir=output_dir, **{**settings, **overrides})
+    # The callback applies the tuned per-block mask: not every layer (TRL's SFTConfig
+    # checkpoints every layer unless told not to).
+    settings["gradient_checkpointing"] = False
+    return args_class(output_dir=output_dir, **{**settings, **overrides})
+
+
+def sample_batch(trainer: Any) -> dict[str, Any]:
+    """The first batch ``trainer``'s own dataloader makes, as its training step passes it
+    to the model: the sample to tune with. Its collator decides the batch's shape (TRL's
+    packing makes rows of ``max_length`` from several sequences), and TRL's ``SFTTrainer``
+    computes its loss through the fused LM head it puts on the model (per-token
+    log-probabilities in chunks, never the whole logits), which the batch then asks for
+    (``fused_lm_head=True``), so that the tuned step is the trainer's."""
+    batch = dict(next(iter(trainer.get_train_dataloader())))
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # TRL keeps the model's own signature on its patched forward (functools.wraps): the
+    # argument shows in the code.
+    code = getattr(getattr(base.forward, "__func__", base.forward), "__code__", None)
+    fused = code is not None and "fused_lm_head" in code.co_varnames
+    return {**batch, "fused_lm_head": True} if fused else batch
 
 
 class AutotuneCallback(TrainerCallback):
@@ -79,6 +112,7 @@ class AutotuneCallback(TrainerCallback):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError("AutotuneCallback got no model from the Trainer.")
         _check_args(args, self.result)
+        _fit_evaluation(args, self.result.config.eval_batch_size)
         device = next(model.parameters()).device
         self.handle = apply(model, per_process(self.result, "the Trainer"), device=device)
         c = self.result.config
@@ -106,6 +140,21 @@ class AutotuneCallback(TrainerCallback):
         if self.handle is not None:
             self.handle.undo()
             self.handle = None
+
+
+def _fit_evaluation(args: TrainingArguments, fits: int | None) -> None:
+    """Lower the evaluation batch to the largest that fits beside the training state,
+    where the arguments ask for more (an evaluation that would run out of memory)."""
+    asked = args.per_device_eval_batch_size
+    if fits is None or asked <= fits:
+        return
+    warnings.warn(
+        f"per_device_eval_batch_size={asked} does not fit the budget beside the training "
+        f"state; evaluating with {fits}, the largest that does.",
+        AutotuneWarning,
+        stacklevel=3,
+    )
+    args.per_device_eval_batch_size = fits
 
 
 def _check_result(result: object, where: str) -> None:

@@ -38,6 +38,7 @@ def autotune(
     *,
     loss_fn: LossFn | None = None,
     optimizer: OptimizerFactory | str | None = None,
+    eval_batch_size: int | None = None,
     global_batch_size: int | None = None,
     global_batch_tokens: int | None = None,
     sequence_lengths: Sequence[int] | None = None,
@@ -69,6 +70,11 @@ def autotune(
             space allows; the result records its path, and :func:`autotune.prepare` takes
             it again. It takes the place of the space's first optimizer (default
             ``adamw``, built with ``prepare(..., lr=)``).
+        eval_batch_size: The evaluation batch you want, checked: every config verified
+            records in ``eval_batch_size`` the largest evaluation batch (a no-grad forward
+            with its loss, after a training step) that fits the budget beside its
+            training state, or this one where it fits (a warning where it does not). The
+            exports set it (``per_device_eval_batch_size``).
         global_batch_size: Samples per optimizer step, kept exact with accumulation;
             default: no accumulation, the micro-batch is the batch.
         global_batch_tokens: Tokens per optimizer step instead (``global_batch_size``
@@ -133,6 +139,7 @@ def autotune(
         world_size=world_size,
         start_from=resolved_plan(start_from),
         progress=progress,
+        eval_batch_size=eval_batch_size,
     )
     return tune(model, sample_batch, options)
 

@@ -32,6 +32,7 @@ from autotune.train import (
     rank_zero,
 )
 from autotune.tuning._data_parallel import planned_result, search_layouts
+from autotune.tuning._evaluation import with_eval_batches
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem, make_problem
 from autotune.tuning._profiling import held, profile_model
@@ -95,7 +96,7 @@ def tune_once(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult
                 clock.append(time.perf_counter())
                 info = model_info(model, profile.blocks)
                 return planned_result(info, problem, profile, candidates, started, clock)
-            verified = _verify(work, problem, found, candidates, store, options.start_from, cpu)
+            verified = _verify(work, problem, found, candidates, store, options, cpu)
             clock.append(time.perf_counter())
     finally:
         del work
@@ -136,11 +137,13 @@ def _verify(
     found: list[Planner],
     candidates: list[Candidate],
     store: StudyStore | None,
-    plan: TuneResult | None,
+    options: TuneOptions,
     cpu: CpuClock | None,
 ) -> _Verified:
-    """Run the best candidates for real (``plan``'s config first, where there is one): the
-    winner, every record, the fallback ladder."""
+    """Run the best candidates for real (a plan's config first, where there is one): the
+    winner, every record, the fallback ladder; the winner and its fallbacks with their
+    evaluation batch sizes."""
+    plan = options.start_from
     verifier = Verifier.of(problem.workload(work), problem.budget, problem.target.context_bytes)
     measure = measure_with(verifier, store)
     first: list[TrialRecord] = []
@@ -158,7 +161,11 @@ def _verify(
     planner = planner_of(found, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the ladder's order.
     once = measure_with(verifier, store, timed=False)
-    return _Verified(chosen, records, fallback_ladder(once, planner, chosen, records), noise)
+    ladder = fallback_ladder(once, planner, chosen, records)
+    most = problem.space.max_micro_batch_size
+    sized = with_eval_batches(verifier, [chosen.config, *ladder], options.eval_batch_size, most)
+    chosen = dataclasses.replace(chosen, config=sized[0])
+    return _Verified(chosen, records, sized[1:], noise)
 
 
 def _machine(start: CpuClock | None, problem: Problem) -> Noise:

@@ -42,6 +42,9 @@ class TuneOptions:
     world_size: int | None = None
     start_from: TuneResult | None = None
     """A plan (or an earlier result) whose config is verified first."""
+    eval_batch_size: int | None = None
+    """The evaluation batch the user wants, checked against each config; ``None``: the
+    largest that fits."""
     progress: bool | None = None
     """Show progress on stderr; ``None``: where a person watches (a terminal, a notebook)
     and no logging is set up."""

@@ -174,11 +174,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
             f"{str(global_batch_size)[:40]}; pass the number of samples per optimizer step, "
             "or None for no accumulation."
         )
-    for name in space.optimizers:
-        if is_factory(name):
-            factory_name(name)  # named in the space: imported, or a clear ConfigError
-        elif not available(name):
-            build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
+    _check_eval_and_optimizers(options.eval_batch_size, space)
     target = discover(options.device)
     budget = budget_bytes(options.budget_gb, target)
     space = _fused_where_it_runs(_unpaged_off_cuda(space, target), target)
@@ -249,6 +245,21 @@ def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
         stacklevel=4,
     )
     return dataclasses.replace(space, optimizers=twinned(space.optimizers, PAGED_OPTIMIZERS))
+
+
+def _check_eval_and_optimizers(wanted: int | None, space: SearchSpace) -> None:
+    if wanted is not None and (
+        isinstance(wanted, bool) or not isinstance(wanted, int) or not 1 <= wanted <= MAX_BATCH
+    ):
+        raise ConfigError(
+            f"eval_batch_size must be a positive integer, got {str(wanted)[:40]}; or None for "
+            "the largest that fits."
+        )
+    for name in space.optimizers:
+        if is_factory(name):
+            factory_name(name)  # named in the space: imported, or a clear ConfigError
+        elif not available(name):
+            build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
 
 
 def twinned(optimizers: Sequence[str], twins: dict[str, str]) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ becomes the reason the configuration was rejected.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import statistics
@@ -234,6 +235,52 @@ class Verifier:
             times.append(timed())
         return times
 
+    def eval_batch(self, config: TrainConfig, wanted: int | None, most: int) -> int | None:
+        """The largest evaluation batch (a no-grad forward with its loss, in eval mode, in
+        the config's precision) that fits the budget after a training step of ``config``,
+        up to ``most``; ``wanted``: that size, where it fits. Measured: at the micro-batch
+        and twice it, the line through them says the largest, which is run (and lowered
+        until it fits). ``None``: not even the micro-batch fits."""
+        self._release(before=True)
+        runner = self._prepare(config)
+        try:
+            runner.step(resize(self.sample, config.effective_batch_size))  # the state made
+            measure = functools.partial(self._eval_peak, runner)
+            small, budget = config.micro_batch_size, self.budget_bytes
+            return _largest_fitting(measure, small, wanted, most, budget)
+        finally:
+            runner.close()
+            del runner
+            self._release()
+
+    def _eval_peak(self, runner: Runner, n: int) -> int | None:
+        """The peak of one evaluation forward of ``n`` samples beside the training state
+        (``None``: over the budget)."""
+        batch = resize(self.sample, n)
+        batch = map_tensors(batch, torch.clone)  # a loader's batch holds n rows
+        held = [] if self.backend.caching else tensors_on(batch, self.device)
+        model = runner.model
+        was_training = model.training
+        model.eval()
+        self._release(before=True)
+        try:
+            with (
+                measure_peak(
+                    self.device,
+                    existing=[*self._state(runner), *held],
+                    budget_bytes=self.budget_bytes,
+                    context_bytes=self.context_bytes,
+                    foreign_bytes=self.foreign_bytes,
+                ) as reading,
+                torch.no_grad(),
+            ):
+                runner.forward_loss(batch)
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            model.train(was_training)
+        return reading.peak_bytes if reading.peak_bytes <= self.budget_bytes else None
+
     def retime(self, config: TrainConfig) -> float:
         """Seconds per step of ``config`` again, without measuring its peak (it fitted).
 
@@ -294,3 +341,25 @@ def _next_batch(batch: Any) -> None:
     the next step's batch while the last one is still held (``for batch in loader``)."""
     made = map_tensors(batch, torch.clone)
     del made
+
+
+def _largest_fitting(
+    peak: Callable[[int], int | None], small: int, wanted: int | None, most: int, budget: int
+) -> int | None:
+    """The largest size ``n`` up to ``most`` whose ``peak(n)`` fits (is not ``None``):
+    ``wanted`` where it fits, else from the line through ``small`` and twice it."""
+    if wanted is not None:
+        if peak(wanted) is not None:
+            return wanted
+        most = min(most, wanted - 1)
+    first = peak(small) if small <= most else None
+    if first is None:
+        return None
+    second = peak(2 * small) if 2 * small <= most else None
+    if second is None:
+        return small
+    slope = max((second - first) / small, 1.0)
+    n = min(most, 2 * small + int((budget - second) / slope))
+    while n > 2 * small and peak(n) is None:
+        n = max(2 * small, int(n * 0.9))
+    return n

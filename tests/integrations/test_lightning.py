@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from conftest import MICRO, G, Recorder, fresh, gpt2, runner_replay, samples
-from test_transformers import Rows
+from test_transformers import Rows, vocab_rows, wide_vocab_gpt2
 from torch.utils.data import DataLoader
 from user_optimizers import sign_momentum
 
-from autotune import SearchSpace, TuneResult
-from autotune.errors import ConfigError, NonFiniteError
+import autotune
+from autotune import SearchSpace, TrainConfig, TuneResult
+from autotune.errors import AutotuneWarning, ConfigError, NonFiniteError
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 
@@ -67,6 +69,9 @@ class Watch(pl.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.stack.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.stack.close()  # the guard's tracker off, for whatever runs next
 
 
 def trainer_with(*callbacks: pl.Callback) -> pl.Trainer:
@@ -149,6 +154,68 @@ def test_an_unknown_optimizer_is_tuned_as_configure_optimizers_builds_it(tuned) 
     assert result.breakdown.optimizer == params
     assert watch.reading.peak_bytes <= result.budget_bytes
     assert watch.reading.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.03)
+
+
+class LitWide(pl.LightningModule):
+    """A wide-vocabulary GPT-2 validated every step, its validation batch an attribute."""
+
+    def __init__(self, eval_batch_size: int = 8) -> None:
+        super().__init__()
+        self.model = wide_vocab_gpt2()
+        self.batch_size = 1
+        self.eval_batch_size = eval_batch_size
+        self.validated: list[int] = []  # each validation batch's size
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.model(**batch)
+        self.validated.append(len(batch["input_ids"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Rows(vocab_rows(4, 1)), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Rows(vocab_rows(16, 2)), batch_size=self.eval_batch_size)
+
+
+def test_validation_runs_at_the_tuned_batch_within_the_budget() -> None:
+    module = LitWide()
+    sample = {k: torch.stack([r[k] for r in vocab_rows(2, 0)]) for k in ("input_ids", "labels")}
+    floor, _ = autotune.estimate(
+        module.model, sample, TrainConfig(micro_batch_size=2, optimizer="sgd")
+    )
+    budget = 1.1 * floor  # fits training at 2, not a validation batch of 8 beside it
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+
+    def fit(**named: str) -> tuple[Autotune, Watch]:
+        callback = Autotune(budget / 2**30, global_batch_size=2, space=space, **named)
+        watch = Watch(int(budget))
+        trainer = trainer_with(callback, watch)
+        trainer.val_check_interval = 1
+        trainer.fit(module)
+        return callback, watch
+
+    callback, watch = fit(eval_batch_arg_name="eval_batch_size")
+    tuned = callback.result.config.eval_batch_size
+    assert module.eval_batch_size == tuned < 8
+    assert max(module.validated) == tuned and len(module.validated) > 16 // tuned  # each step
+    assert watch.reading.peak_bytes <= callback.result.budget_bytes
+    # The module's own validation batch of 8 goes over the budget (the guard raises), and
+    # without eval_batch_arg_name the callback says so first.
+    module.eval_batch_size = 8
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        pytest.raises(torch.OutOfMemoryError, match="budget guard"),
+    ):
+        warnings.simplefilter("always")  # Lightning's own deprecations recorded, not raised
+        fit()
+    said = [str(w.message) for w in seen if issubclass(w.category, AutotuneWarning)]
+    assert any(f"the largest that does is {tuned}" in m for m in said)
 
 
 def test_a_module_without_the_batch_size_attribute_is_refused() -> None:

@@ -194,3 +194,60 @@ def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
     assert trainer.state.global_step == 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def wide_vocab_gpt2() -> torch.nn.Module:
+    """GPT-2 with a vocabulary wide for its size: an evaluation forward's logits (and its
+    loss's copy of them) outgrow a training step at a small micro-batch."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=4096, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    model.accepts_loss_kwargs = False
+    return model
+
+
+def vocab_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(4096, (n, 32), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def test_evaluation_stays_in_the_budget_where_the_default_batch_goes_over(tmp_path) -> None:
+    model = wide_vocab_gpt2()
+    sample = {k: torch.stack([r[k] for r in vocab_rows(2, 0)]) for k in ("input_ids", "labels")}
+    floor, _ = autotune.estimate(model, sample, TrainConfig(micro_batch_size=2), device="cpu")
+    space = autotune.SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+    result = autotune.autotune(
+        model, sample, 1.1 * floor / 2**30, global_batch_size=2, space=space, device="cpu"
+    )
+    tuned = result.config.eval_batch_size
+    assert tuned is not None and 2 <= tuned < 8  # HF's default of 8 does not fit here
+
+    def evaluating(result: TuneResult, **overrides: object) -> int:
+        """The peak of two training steps, each followed by an evaluation."""
+        net = wide_vocab_gpt2()
+        args = training_arguments(
+            result, str(tmp_path), max_steps=2, eval_strategy="steps", eval_steps=1,
+            report_to=[], save_strategy="no", disable_tqdm=True, **overrides,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=net,
+            args=args,
+            train_dataset=Rows(vocab_rows(4, 1)),
+            eval_dataset=Rows(vocab_rows(16, 2)),
+            callbacks=[AutotuneCallback(result)],
+        )
+        with autotune.peak_memory(net) as reading:
+            trainer.train()
+        assert len([e for e in trainer.state.log_history if "eval_loss" in e]) == 2
+        return reading.peak_bytes
+
+    assert evaluating(result) <= result.budget_bytes  # at the tuned evaluation batch
+    # What the Trainer evaluated with before (its default 8), with the same training config:
+    before = dataclasses.replace(result, config=result.config.replace(eval_batch_size=None))
+    assert evaluating(before) > result.budget_bytes
+    # Asked for more than fits, the callback lowers it (and says so).
+    with pytest.warns(AutotuneWarning, match=f"evaluating with {tuned}, the largest"):
+        assert evaluating(result, per_device_eval_batch_size=8) <= result.budget_bytes
