@@ -105,6 +105,7 @@ def _options(
         study_name=args.study,
         world_size=args.world_size,
         progress=False,  # the command shows its own (plain lines off a terminal), or none
+        eval_batch_size=args.eval_batch,
     )
 
 

@@ -26,6 +26,7 @@ _WORDS: tuple[tuple[str, str], ...] = (  # longest first: the generic names come
     ("global_batch_tokens", "--global-batch-tokens"),
     ("sequence_lengths", "--sequence-lengths"),
     ("global_batch_size", "--global-batch"),
+    ("eval_batch_size", "--eval-batch"),
     ("budget_gb", "--budget-gb"),
     ("n_trials", "--trials"),
     ("timeout_s", "--timeout"),

@@ -170,6 +170,12 @@ def _add_tune(sub: Any) -> None:
     )
     tune.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
     tune.add_argument(
+        "--eval-batch",
+        type=positive_int,
+        help="the evaluation batch you want, checked beside each config's training state "
+        "(default: the largest that fits, measured)",
+    )
+    tune.add_argument(
         "--global-batch-tokens",
         type=positive_int,
         help="tokens per optimizer step instead: tokens / length samples at each length",

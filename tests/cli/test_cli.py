@@ -206,16 +206,18 @@ def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
     assert json.loads(out) == result.to_dict()
 
 
-def test_tune_and_estimate_take_your_optimizer(capsys, tuned: Tuned, tmp_path, monkeypatch) -> None:
+def test_tune_and_estimate_take_your_optimizer_and_eval_batch(
+    capsys, tuned: Tuned, tmp_path, monkeypatch
+) -> None:
     out_path = tmp_path / "yours.yaml"
     yours = ["--optimizer", "user_optimizers:sign_momentum"]
     args = [*tuned.inputs(), "--budget-gb", "0.004", "--global-batch", "8", "--device", "cpu"]
-    code, _, err = run(
-        capsys, "tune", *args, *yours, "--precisions", "fp32", "-q", "-o", str(out_path)
-    )
+    flags = [*yours, "--precisions", "fp32", "--eval-batch", "3", "-q", "-o", str(out_path)]
+    code, _, err = run(capsys, "tune", *args, *flags)
     assert code == 0, err
     result = autotune.load(out_path)
     assert result.config.optimizer == "user_optimizers:sign_momentum"
+    assert result.config.eval_batch_size == 3  # asked for, and it fits
     again = ["estimate", *tuned.inputs(), "--config", str(out_path), "--json"]
     code, out, err = run(capsys, *again, *yours)
     assert code == 0, err
