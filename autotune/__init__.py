@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from autotune._blocks import find_blocks
     from autotune.measure._peak_memory import PeakReading, peak_memory
     from autotune.train._applied import Applied
+    from autotune.train._layout import BatchLayout, ImagePatches, PackedSequences, add_batch_layout
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
@@ -52,6 +53,7 @@ __all__ = [
     "AutotuneError",
     "AutotuneWarning",
     "BatchError",
+    "BatchLayout",
     "BlockError",
     "Breakdown",
     "BudgetError",
@@ -60,11 +62,13 @@ __all__ = [
     "Costs",
     "DistributedError",
     "Estimate",
+    "ImagePatches",
     "LengthBucketSampler",
     "LengthRow",
     "LossError",
     "Measurement",
     "NonFiniteError",
+    "PackedSequences",
     "PeakReading",
     "ProfileError",
     "Runner",
@@ -74,6 +78,7 @@ __all__ = [
     "TuneResult",
     "VerificationError",
     "__version__",
+    "add_batch_layout",
     "apply",
     "autotune",
     "estimate",
@@ -87,6 +92,10 @@ __all__ = [
 
 _LAZY = {
     "Applied": "autotune.train._applied",
+    "BatchLayout": "autotune.train._layout",
+    "ImagePatches": "autotune.train._layout",
+    "PackedSequences": "autotune.train._layout",
+    "add_batch_layout": "autotune.train._layout",
     "LengthBucketSampler": "autotune.train._sampler",
     "PeakReading": "autotune.measure._peak_memory",
     "peak_memory": "autotune.measure._peak_memory",

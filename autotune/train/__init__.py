@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     )
     from autotune.train._compiled import compiled_parts, measured_compiling
     from autotune.train._identity import differences, fingerprint
+    from autotune.train._layout import layouts_of_model
     from autotune.train._lengths import sequence_length, truncate
     from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
     from autotune.train._optimizers import (
@@ -92,6 +93,7 @@ INTERFACE = {
     "fused_runs": "autotune.train._optimizers",
     "gathered_tensors": "autotune.train._parallel",
     "group_size": "autotune.train._parallel",
+    "layouts_of_model": "autotune.train._layout",
     "map_tensors": "autotune.train._batch",
     "measured_compiling": "autotune.train._compiled",
     "not_at_hand": "autotune.train._optimizers",
@@ -138,6 +140,7 @@ __all__ = [
     "fused_runs",
     "gathered_tensors",
     "group_size",
+    "layouts_of_model",
     "map_tensors",
     "measured_compiling",
     "not_at_hand",

@@ -137,12 +137,12 @@ class Applied:
         """:meth:`micro_batches` where the batch is (the runner moves each one itself)."""
         self._check_open()
         self.select(batch)
-        n = batching.batch_size(batch)
         chunks = batching.split(batch, self.config.micro_batch_size)
-        for i, chunk in enumerate(chunks):
+        weights = batching.shares(batch, chunks)
+        for i, (chunk, weight) in enumerate(zip(chunks, weights, strict=True)):
             self.last_micro_batch(i == len(chunks) - 1)
             try:
-                yield chunk, batching.batch_size(chunk) / n
+                yield chunk, weight
             finally:
                 self.last_micro_batch(False)
 

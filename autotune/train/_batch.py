@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from autotune.errors import BatchError
+from autotune.train._layout import layout_of
 
 __all__ = [
     "Batch",
@@ -23,6 +24,7 @@ __all__ = [
     "bytes_per_sample",
     "map_tensors",
     "resize",
+    "shares",
     "split",
     "tensors_on",
     "to_device",
@@ -121,6 +123,9 @@ def batch_size(batch: Batch) -> int:
             the batch has no rows.
     """
     _check_type(batch)
+    layout = layout_of(batch)
+    if layout is not None:
+        return layout.size(batch)
     first: tuple[str, int] | None = None
     for path, tensor in _leaves(batch, "batch"):
         rows = tensor.shape[0]
@@ -129,7 +134,9 @@ def batch_size(batch: Batch) -> int:
         elif rows != first[1]:
             raise BatchError(
                 f"{first[0]} has {first[1]} rows but {path} has {rows}: every tensor in a batch "
-                "must share dimension 0 (pass per-batch values as 0-dim tensors or plain values)"
+                "must share dimension 0 (pass per-batch values as 0-dim tensors or plain values), "
+                "or describe how the batch holds its samples with a layout of your own "
+                "(autotune.add_batch_layout)"
             )
     if first is None:
         raise BatchError(
@@ -153,6 +160,13 @@ def resize(batch: Batch, n: int) -> Batch:
     if n < 1:
         raise BatchError(f"cannot resize a batch to {n} samples: ask for 1 or more")
     size = batch_size(batch)
+    layout = layout_of(batch)
+    if layout is not None:
+        if n <= size:
+            return layout.take(batch, 0, n)
+        whole, rest = divmod(n, size)
+        parts = [batch] * whole + ([layout.take(batch, 0, rest)] if rest else [])
+        return layout.join(parts)
     if n <= size:
         return _map(batch, lambda t: t[:n], 1)
     indices: dict[torch.device, Tensor] = {}  # one index per device the batch spans
@@ -174,9 +188,25 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     if micro_batch_size < 1:
         raise BatchError(f"micro_batch_size must be 1 or more, got {micro_batch_size}")
     size = batch_size(batch)
+    layout = layout_of(batch)
+    if layout is not None:
+        return [
+            layout.take(batch, i, min(i + micro_batch_size, size))
+            for i in range(0, size, micro_batch_size)
+        ]
     rows = [slice(i, i + micro_batch_size) for i in range(0, size, micro_batch_size)]
     # itemgetter rather than a lambda in the loop, which would see only the last slice
     return [_map(batch, itemgetter(s), 1) for s in rows]
+
+
+def shares(batch: Batch, parts: list[Batch]) -> list[float]:
+    """What each part of ``batch`` weighs in the mean loss over them all: its share of the
+    samples (or what the batch's layout weighs, e.g. a packed row's label tokens; a part of
+    one sequence is a row of its own, but still weighs its tokens)."""
+    layout = layout_of(batch)
+    sizes = [layout.share(p) if layout is not None else batch_size(p) for p in parts]
+    total = sum(sizes)
+    return [s / total for s in sizes]
 
 
 def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:

@@ -18,6 +18,7 @@ from autotune.train._applied import Applied
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
+from autotune.train._layout import layouts_of_model
 from autotune.train._loss import LossFn
 from autotune.train._optimizers import (
     OptimizerFactory,
@@ -223,6 +224,7 @@ def _setup(
         )
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{caller}() takes a torch.nn.Module, got {type(model).__name__}.")
+    layouts_of_model(model)  # its batches cut into samples as its config says
     if config.parallel != "none":  # before anything changes the model
         check_group(config)
     target = _default_device(device, result)

@@ -39,6 +39,7 @@ from autotune.train import (
     available,
     batch_size,
     factory_name,
+    layouts_of_model,
     measured_compiling,
     not_at_hand,
 )
@@ -108,6 +109,7 @@ def estimate(
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     model = uncompiled(model)
     refuse_meta(model)
+    layouts_of_model(model)
     batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)

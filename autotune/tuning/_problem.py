@@ -28,6 +28,7 @@ from autotune.train import (
     factory_name,
     fused_runs,
     group_size,
+    layouts_of_model,
 )
 from autotune.tuning._options import TuneOptions
 
@@ -162,6 +163,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     refuse_meta(model)
+    layouts_of_model(model)  # a vision-language model's batches: cut by image
     if loss_fn is not None and not callable(loss_fn):
         raise ProfileError("loss_fn must be callable as loss_fn(output, batch) -> scalar tensor.")
     if global_batch_size is not None and (

@@ -1,0 +1,274 @@
+"""``BatchLayout``: how a batch whose samples are not rows of dimension 0 is counted, cut
+and grown.
+
+Most batches hold one sample per row of every tensor, and :mod:`autotune.train._batch`
+cuts and grows them along dimension 0. Some do not: padding-free packing puts a batch's
+sequences end to end in one row, told apart by ``position_ids`` that start again at 0
+(:class:`PackedSequences`, TRL's ``bfd`` packing); a vision-language batch holds every
+image's patches in one tensor, with each image's grid (:class:`ImagePatches`, Qwen2-VL's
+``pixel_values`` and ``image_grid_thw``). A layout says how many samples such a batch holds,
+takes a range of them and joins batches, and what each part's loss weighs in the whole's
+mean; the profiler, the verifier, the runner's micro-batches and the trainers' callbacks
+all cut batches through :func:`layout_of`. Layouts of the user's (:func:`add_batch_layout`)
+are tried first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from autotune.errors import BatchError
+
+__all__ = [
+    "BatchLayout",
+    "ImagePatches",
+    "PackedSequences",
+    "add_batch_layout",
+    "layout_of",
+    "layouts_of_model",
+]
+
+
+class BatchLayout:
+    """How batches of one structure hold their samples. Subclass it and pass an instance
+    to :func:`autotune.add_batch_layout`."""
+
+    def recognises(self, batch: Any) -> bool:
+        """Whether ``batch`` is laid out this way."""
+        raise NotImplementedError
+
+    def size(self, batch: Any) -> int:
+        """The samples ``batch`` holds."""
+        raise NotImplementedError
+
+    def take(self, batch: Any, start: int, stop: int) -> Any:
+        """Samples ``start`` to ``stop`` (excluded) of ``batch``, as a batch."""
+        raise NotImplementedError
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        """The samples of ``parts``, in order, as one batch."""
+        raise NotImplementedError
+
+    def share(self, part: Any) -> float:
+        """What ``part``'s mean loss weighs in the mean loss over the batches it was cut
+        from (weights are these over their sum): its samples by default."""
+        return float(self.size(part))
+
+
+_ADDED: list[BatchLayout] = []
+
+
+def add_batch_layout(layout: BatchLayout) -> None:
+    """Make batches ``layout`` recognises count, cut and grow its way in this process
+    (before the layouts autotune knows)."""
+    if not isinstance(layout, BatchLayout):
+        raise BatchError(
+            f"add_batch_layout() takes an autotune.BatchLayout, got {type(layout).__name__}; "
+            "subclass it with recognises, size, take and join."
+        )
+    if layout not in _ADDED:
+        _ADDED.insert(0, layout)
+
+
+def layout_of(batch: Any) -> BatchLayout | None:
+    """The layout of ``batch``; ``None``: rows of dimension 0."""
+    for layout in (*_ADDED, *_KNOWN):
+        if layout.recognises(batch):
+            return layout
+    return None
+
+
+def layouts_of_model(model: torch.nn.Module) -> None:
+    """Add the layouts a model's batches take that only its config can say: a
+    vision-language model's image token and patch merging (Qwen2-VL's ``image_token_id``
+    and ``spatial_merge_size``)."""
+    config = getattr(model, "config", None)
+    token = getattr(config, "image_token_id", None)
+    vision = getattr(config, "vision_config", None)
+    merge = getattr(vision, "spatial_merge_size", None)
+    if isinstance(token, int) and isinstance(merge, int):
+        add_batch_layout(ImagePatches(token, merge))
+
+
+class PackedSequences(BatchLayout):
+    """Padding-free packing: one row of sequences end to end (``input_ids`` and
+    ``position_ids`` of shape ``(1, tokens)``, the positions starting again at 0 where a
+    sequence starts), with, where the collator made them, ``cu_seq_lens_q/k``,
+    ``max_length_q/k`` and ``seq_idx``. A sample is a sequence; a part's loss weighs its
+    label tokens (a causal LM's loss over a packed row is the mean over its tokens, the
+    first token of each sequence masked with -100)."""
+
+    def recognises(self, batch: Any) -> bool:
+        if not isinstance(batch, Mapping):
+            return False
+        ids, positions = batch.get("input_ids"), batch.get("position_ids")
+        return (
+            isinstance(ids, Tensor)
+            and isinstance(positions, Tensor)
+            and ids.ndim == 2
+            and ids.shape[0] == 1
+            and positions.shape == ids.shape
+            and int((positions[0] == 0).sum()) > 1
+        )
+
+    def size(self, batch: Any) -> int:
+        return len(_starts(batch))
+
+    def take(self, batch: Any, start: int, stop: int) -> Any:
+        starts = _starts(batch)
+        tokens = batch["input_ids"].shape[1]
+        ends = [*starts[1:], tokens]
+        low, high = starts[start], ends[stop - 1]
+        bounds = [s - low for s in starts[start:stop]] + [high - low]
+        out = {}
+        for key, value in batch.items():
+            if _per_token(value, tokens):
+                value = value[:, low:high]
+                out[key] = value - start if key == "seq_idx" else value
+            else:
+                out[key] = _along(key, value, bounds)
+        return type(batch)(out) if type(batch) is not dict else out
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        first = parts[0]
+        out: dict[str, Any] = {}
+        bounds, offset, sequences = [0], 0, [0]
+        for part in parts:
+            starts = _starts(part)
+            tokens = part["input_ids"].shape[1]
+            bounds += [offset + s for s in starts[1:]] + [offset + tokens]
+            offset += tokens
+            sequences.append(sequences[-1] + len(starts))
+        for key, value in first.items():
+            if _per_token(value, first["input_ids"].shape[1]):
+                # seq_idx numbers the sequences: each part's from where the last one ended
+                shift = sequences if key == "seq_idx" else [0] * len(sequences)
+                pieces = [p[key] + k for p, k in zip(parts, shift, strict=False)]
+                out[key] = torch.cat(pieces, dim=1)
+            else:
+                out[key] = _along(key, value, bounds)
+        return type(first)(out) if type(first) is not dict else out
+
+    def share(self, part: Any) -> float:
+        labels = part.get("labels")
+        if not isinstance(labels, Tensor):
+            return float(part["input_ids"].shape[1])
+        return float((labels[:, 1:] != -100).sum())
+
+
+def _starts(batch: Any) -> list[int]:
+    """Where each sequence of a packed row starts."""
+    return [int(i) for i in (batch["position_ids"][0] == 0).nonzero().flatten()]
+
+
+def _per_token(value: Any, tokens: int) -> bool:
+    return isinstance(value, Tensor) and value.ndim >= 2 and value.shape[:2] == (1, tokens)
+
+
+def _along(key: str, value: Any, bounds: list[int]) -> Any:
+    """A packed batch's value that is not per token, for sequences ending at ``bounds``."""
+    if key.startswith("cu_seq_lens") and isinstance(value, Tensor):
+        return torch.tensor(bounds, dtype=value.dtype, device=value.device)
+    if key.startswith("max_length"):
+        return max(b - a for a, b in itertools.pairwise(bounds))
+    if isinstance(value, Tensor) and value.ndim >= 1:
+        raise BatchError(
+            f"batch[{key!r}] of shape {tuple(value.shape)} in a packed batch is neither per "
+            "token nor a known per-sequence value: autotune cannot cut it into sequences; "
+            "describe the batch with a layout of your own (autotune.add_batch_layout)."
+        )
+    return value
+
+
+class ImagePatches(BatchLayout):
+    """A vision-language batch: rows of ``input_ids`` (each sample's text, its images as
+    ``image_token`` runs), every image's patches in ``pixel_values`` one after another, and
+    ``image_grid_thw``, each image's (frames, height, width) in patches; an image holds
+    ``t * h * w`` patches and ``t * h * w / merge**2`` image tokens (Qwen2-VL's layout).
+
+    Args:
+        image_token: The id of the image token in ``input_ids``.
+        merge: Patches merged per side into one token (Qwen2-VL's ``spatial_merge_size``).
+    """
+
+    def __init__(self, image_token: int, merge: int) -> None:
+        self.image_token = image_token
+        self.merge = merge
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ImagePatches) and (other.image_token, other.merge) == (
+            self.image_token,
+            self.merge,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.image_token, self.merge))
+
+    def recognises(self, batch: Any) -> bool:
+        keys = ("input_ids", "pixel_values", "image_grid_thw")
+        return isinstance(batch, Mapping) and all(isinstance(batch.get(k), Tensor) for k in keys)
+
+    def size(self, batch: Any) -> int:
+        return int(batch["input_ids"].shape[0])
+
+    def take(self, batch: Any, start: int, stop: int) -> Any:
+        first, last = self._images(batch, start, stop)
+        patches = batch["image_grid_thw"].prod(dim=1)
+        low, high = int(patches[:first].sum()), int(patches[:last].sum())
+        rows = batch["input_ids"].shape[0]
+        out = {}
+        for key, value in batch.items():
+            if key == "pixel_values":
+                out[key] = value[low:high]
+            elif key == "image_grid_thw":
+                out[key] = value[first:last]
+            elif isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == rows:
+                out[key] = value[start:stop]
+            elif isinstance(value, Tensor) and value.ndim >= 2 and value.shape[1] == rows:
+                out[key] = value[:, start:stop]  # Qwen2-VL's 3-D rope positions: (3, rows, len)
+            else:
+                out[key] = value
+        return type(batch)(out) if type(batch) is not dict else out
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        first = parts[0]
+        rows = first["input_ids"].shape[0]
+        out = {}
+        for key, value in first.items():
+            if key in ("pixel_values", "image_grid_thw") or (
+                isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == rows
+            ):
+                out[key] = torch.cat([p[key] for p in parts])
+            elif isinstance(value, Tensor) and value.ndim >= 2 and value.shape[1] == rows:
+                out[key] = torch.cat([p[key] for p in parts], dim=1)
+            else:
+                out[key] = value
+        return type(first)(out) if type(first) is not dict else out
+
+    def _images(self, batch: Any, start: int, stop: int) -> tuple[int, int]:
+        """The images of samples ``start`` to ``stop``: the first and the one past the last."""
+        per_image = (batch["image_grid_thw"].prod(dim=1) // self.merge**2).tolist()
+        tokens = (batch["input_ids"] == self.image_token).sum(dim=1).tolist()
+        bounds, image = [0], 0
+        for n in tokens:  # each row's images: its image tokens, image by image
+            while n > 0 and image < len(per_image):
+                n -= per_image[image]
+                image += 1
+            if n != 0:
+                raise BatchError(
+                    "the image tokens of a row of input_ids do not add up to whole images of "
+                    "image_grid_thw: autotune cannot cut this batch into samples; describe it "
+                    "with a layout of your own (autotune.add_batch_layout)."
+                )
+            bounds.append(image)
+        return bounds[start], bounds[stop]
+
+
+_KNOWN: tuple[BatchLayout, ...] = (PackedSequences(),)
+"""The layouts recognised in any batch (those that need the model's config are added by
+:func:`layouts_of_model`)."""

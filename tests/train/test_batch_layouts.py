@@ -1,0 +1,138 @@
+"""Batches that are not rows: padding-free packed sequences and a vision-language batch of
+image patches are counted in samples, cut into micro-batches and grown, tuned, verified and
+trained, each micro-batch's loss weighed so that the step's loss is the whole batch's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autotune
+from autotune import SearchSpace
+from autotune.errors import BatchError
+from autotune.train._batch import batch_size, resize, shares, split
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (7, 12, 5, 9, 11, 6)
+
+
+def packed(lengths: tuple[int, ...] = LENGTHS, **extra: bool) -> dict[str, object]:
+    """Sequences end to end in one row, as padding-free packing makes them: positions start
+    again at 0, each sequence's first label is -100 (no token predicts across a border)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 128, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    labels = ids.clone()
+    labels[positions == 0] = -100
+    batch: dict[str, object] = {"input_ids": ids, "position_ids": positions, "labels": labels}
+    if extra.get("flash"):  # what TRL's collator adds for FlashAttention's varlen kernels
+        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        batch |= {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds}
+        batch |= {"max_length_q": max(lengths), "max_length_k": max(lengths)}
+        batch["seq_idx"] = torch.cat(
+            [torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]
+        ).unsqueeze(0)
+    return batch
+
+
+def test_a_packed_row_is_cut_and_grown_by_sequence() -> None:
+    batch = packed(flash=True)
+    assert batch_size(batch) == 6
+    parts = split(batch, 4)
+    assert [p["input_ids"].shape[1] for p in parts] == [33, 17]
+    second = packed(LENGTHS[4:], flash=True)  # the second part's sequences, packed alone
+    assert second.keys() == parts[1].keys()
+    assert torch.equal(parts[1]["input_ids"], batch["input_ids"][:, 33:])
+    for key in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"):
+        assert torch.equal(torch.as_tensor(parts[1][key]), torch.as_tensor(second[key])), key
+    grown = resize(batch, 9)  # the sequences again, cyclically
+    assert batch_size(grown) == 9
+    assert torch.equal(
+        grown["cu_seq_lens_q"], packed(LENGTHS + LENGTHS[:3], flash=True)["cu_seq_lens_q"]
+    )
+    assert grown["seq_idx"][0, -1] == 8 and grown["max_length_q"] == 12
+    # Each part weighs its label tokens: the whole row's loss is a mean over tokens.
+    assert shares(batch, parts) == pytest.approx([(33 - 4) / 44, (17 - 2) / 44])
+    # A part of one sequence is a plain row, and still weighs its label tokens.
+    assert shares(batch, split(batch, 1)) == pytest.approx([(n - 1) / 44 for n in LENGTHS])
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_packed_batch_tunes_and_trains_with_the_whole_batchs_loss() -> None:
+    model, batch = llama(), packed()
+    # Without a key/value cache (prepare() turns it off) transformers attends within each
+    # sequence of a packed row, as if each were alone.
+    whole = model(**batch, use_cache=False).loss
+    alone = [model(**part, use_cache=False).loss for part in split(batch, 1)]
+    tokens = [n - 1 for n in LENGTHS]  # each sequence's first label is -100
+    torch.testing.assert_close(whole, sum(a * n for a, n in zip(alone, tokens, strict=True)) / 44)
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+    result = autotune.autotune(model, batch, 0.25, global_batch_size=6, space=space, device="cpu")
+    assert result.measured is not None and result.config.grad_accum_steps == 3
+    with autotune.prepare(copy.deepcopy(model), result, device="cpu") as runner:
+        torch.testing.assert_close(runner.step(batch), whole.detach())
+
+
+def qwen2_vl() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        text_config={
+            "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, "eos_token_id": 1, "bos_token_id": 0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        },
+        image_token_id=151, video_token_id=152, vision_start_token_id=150,
+        vision_end_token_id=153,
+    )  # fmt: skip
+    return transformers.Qwen2VLForConditionalGeneration(config)
+
+
+def images_batch() -> dict[str, torch.Tensor]:
+    """Two samples with an image each, of 16 and 32 patches (4 and 8 image tokens): the
+    processor's layout, every image's patches in one tensor."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in (4, 8):
+        ids = torch.randint(2, 140, (24,), generator=g)
+        ids[2], ids[3 : 3 + tokens], ids[3 + tokens] = 150, 151, 153
+        rows.append(ids)
+    ids = torch.stack(rows)
+    return {
+        "input_ids": ids,
+        "labels": ids,
+        "mm_token_type_ids": (ids == 151).long(),
+        "pixel_values": torch.randn(48, 3 * 14 * 14 * 2, generator=g),
+        "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 8]]),
+    }
+
+
+def test_a_vision_language_batch_tunes_and_trains_cut_by_image() -> None:
+    model, batch = qwen2_vl(), images_batch()
+    with pytest.raises(BatchError, match="has 2 rows but batch\\['pixel_values'\\] has 48"):
+        batch_size({k: v for k, v in batch.items() if k != "image_grid_thw"})
+    whole = model(**batch).loss
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(1,))
+    result = autotune.autotune(model, batch, 0.25, global_batch_size=2, space=space, device="cpu")
+    assert result.measured is not None and result.config.grad_accum_steps == 2
+    second = split(batch, 1)[1]
+    assert second["pixel_values"].shape[0] == 32 and second["image_grid_thw"].tolist() == [
+        [1, 4, 8]
+    ]
+    with autotune.prepare(copy.deepcopy(model), result, device="cpu") as runner:
+        torch.testing.assert_close(runner.step(batch), whole.detach())
