@@ -5,8 +5,8 @@ on the same packed batches."""
 
 from __future__ import annotations
 
-import copy
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +15,7 @@ from conftest import Recorder
 
 import autotune
 from autotune import SearchSpace, TrainConfig
+from autotune.measure._memory_profile import working_copy
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -53,7 +54,9 @@ def tokenizer() -> Any:
     )
 
 
-def lora_llama() -> torch.nn.Module:
+def lora_llama(quantized_in: Path | None = None) -> torch.nn.Module:
+    """A tiny Llama with LoRA on its attention; ``quantized_in``: its base saved there and
+    loaded 4-bit (NF4, bitsandbytes' CPU backend), prepared for k-bit training: QLoRA."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -61,10 +64,20 @@ def lora_llama() -> torch.nn.Module:
         pad_token_id=0,
     )  # fmt: skip
     base = transformers.LlamaForCausalLM(config)
-    base.accepts_loss_kwargs = False  # per-sample means, as the runner weights micro-batches
-    lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     with warnings.catch_warnings():  # peft calls transformers' deprecated names
         warnings.simplefilter("ignore", FutureWarning)
+        if quantized_in is not None:
+            base.save_pretrained(quantized_in)
+            four_bit = transformers.BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            )
+            base = transformers.LlamaForCausalLM.from_pretrained(
+                quantized_in, quantization_config=four_bit, device_map="cpu"
+            )
+            base = peft.prepare_model_for_kbit_training(base)
+        base.accepts_loss_kwargs = False  # per-sample means, as the runner weighs micro-batches
+        lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        torch.manual_seed(0)
         return peft.get_peft_model(base, lora)
 
 
@@ -88,26 +101,30 @@ def sft_trainer(model: torch.nn.Module, args: Any, *callbacks: Any) -> Any:
         )
 
 
-def test_sft_trainer_with_lora_trains_as_tuned(tmp_path) -> None:
-    model = lora_llama()
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_sft_trainer_with_lora_trains_as_tuned(tmp_path, quantized: bool) -> None:
+    if quantized:
+        pytest.importorskip("bitsandbytes")
+    model = lora_llama(tmp_path / "base" if quantized else None)
     # The sample is the trainer's own batch (packing decides its shape), through the fused
     # LM head the SFTTrainer puts on the model for its loss: what its step runs.
     probe = trl.SFTConfig(str(tmp_path), per_device_train_batch_size=G, use_cpu=True, **SFT)
     sample = sample_batch(sft_trainer(model, probe))
     assert sample["fused_lm_head"] is True and sample["input_ids"].shape == (G, 32)
     blocks = autotune.find_blocks(model)
-    kept, _ = autotune.estimate(model, sample, TrainConfig(micro_batch_size=MICRO), device="cpu")
-    ckpt, _ = autotune.estimate(
-        model, sample, TrainConfig(micro_batch_size=MICRO, checkpoint=blocks), device="cpu"
-    )
+    precision = "bf16" if quantized else "fp32"
+    at = TrainConfig(micro_batch_size=MICRO, precision=precision)
+    kept, _ = autotune.estimate(model, sample, at, device="cpu")
+    ckpt, _ = autotune.estimate(model, sample, at.replace(checkpoint=blocks), device="cpu")
     budget = kept - 0.3 * (kept - ckpt)  # some blocks must be checkpointed
-    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(MICRO,))
+    # A 4-bit base computes in bf16 (its compute dtype): so does the step around it.
+    space = SearchSpace(precisions=("bf16" if quantized else "fp32",), micro_batch_sizes=(MICRO,))
     result = autotune.autotune(
         model, sample, budget / 2**30, global_batch_size=G, space=space, device="cpu"
     )
     assert result.config.checkpoint and result.config.grad_accum_steps == G // MICRO
 
-    start = copy.deepcopy(model)
+    start = working_copy(model, torch.device("cpu"))  # a 4-bit base's quantization state too
     recorder = Recorder()
     recorder.attach(model)
     args = training_arguments(result, str(tmp_path), args_class=trl.SFTConfig, **SFT)
