@@ -12,7 +12,7 @@ from autotune._files import check_writable, write_atomic
 from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
 from autotune.cli._figures import figures
-from autotune.cli._inputs import inputs, resolve
+from autotune.cli._inputs import inputs, optimizer_of
 from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
@@ -115,7 +115,7 @@ def space_of(args: argparse.Namespace) -> SearchSpace:
 
     offload = {"auto": None, "on": True, "off": False}[args.offload]
     knobs: dict[str, Any] = {
-        "optimizers": tuple(_optimizer(o, "--optimizers") for o in _names(args.optimizers))
+        "optimizers": tuple(optimizer_of(o, "--optimizers") for o in _names(args.optimizers))
         or ("adamw",),
         "offload_optimizer": offload,
         "offload_activations": offload,
@@ -130,17 +130,7 @@ def space_of(args: argparse.Namespace) -> SearchSpace:
     if args.micro_batch_sizes:
         knobs["micro_batch_sizes"] = _integers(args.micro_batch_sizes, "--micro-batch-sizes")
     space = SearchSpace(**knobs)
-    return with_optimizer(space, args.optimizer and _optimizer(args.optimizer, "--optimizer"))
-
-
-def _optimizer(spec: str, flag: str) -> str:
-    """A named optimizer as it is; a factory's ``module:name`` (or ``file.py:name``)
-    imported and registered, its name returned."""
-    if ":" not in spec:
-        return spec
-    from autotune.train import factory_name
-
-    return factory_name(resolve(spec, flag, call=False))
+    return with_optimizer(space, args.optimizer and optimizer_of(args.optimizer, "--optimizer"))
 
 
 def _integers(text: str, flag: str) -> tuple[int, ...]:
@@ -177,7 +167,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         "micro_batch_size": args.micro_batch,
         "grad_accum_steps": args.accum,
         "precision": args.precision,
-        "optimizer": args.optimizer and _optimizer(args.optimizer, "--optimizer"),
+        "optimizer": args.optimizer and optimizer_of(args.optimizer, "--optimizer"),
     }
     if args.checkpoint is not None:
         knobs["checkpoint"] = _checkpoint(args.checkpoint, model, blocks)

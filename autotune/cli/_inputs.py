@@ -91,3 +91,13 @@ def _cwd_on_path() -> Iterator[None]:
     finally:
         if added:
             sys.path.remove(cwd)
+
+
+def optimizer_of(spec: str, flag: str) -> str:
+    """A named optimizer as it is; a factory's ``module:name`` (or ``file.py:name``)
+    imported and registered, its name returned."""
+    if ":" not in spec:
+        return spec
+    from autotune.train import factory_name
+
+    return factory_name(resolve(spec, flag, call=False))

@@ -303,6 +303,11 @@ def _add_checks(sub: Any) -> None:
     )
     ver.add_argument("path", help="a tuned YAML file")
     _add_inputs(ver, device_help="where to run (default: the device it was tuned on)")
+    ver.add_argument(
+        "--optimizer",
+        metavar="MODULE:FACTORY",
+        help="the optimizer factory a config was tuned with (its path is in the file)",
+    )
     ver.add_argument("--json", action="store_true", help="print as JSON")
     ver.set_defaults(run=verify)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from autotune._format import format_bytes
 from autotune._plain_data import to_plain
-from autotune.cli._inputs import inputs
+from autotune.cli._inputs import inputs, optimizer_of
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import Measurement, load
@@ -52,6 +52,10 @@ def verify(args: argparse.Namespace) -> int:
             "running its config would verify nothing about either. Pass the model it was "
             "tuned on, or tune this one."
         )
+    if args.optimizer is not None and optimizer_of(args.optimizer, "--optimizer") != (
+        tuned := result.config.optimizer
+    ):
+        raise ConfigError(f"{args.path} was tuned with optimizer {tuned}, not {args.optimizer}.")
     target = discover(args.device or result.target.device)
     for difference in differences(result, model, target.device):  # device, torch
         print(f"autotune: warning: {difference}", file=sys.stderr)
@@ -97,16 +101,17 @@ def _text(run: _Run, name: str, budget: int) -> str:
             f"does not fit  {run.config.describe()}{at} on {name}: {run.error}\n"
             f"              budget {format_bytes(budget)}, predicted {predicted}"
         )
+    if run.tuned:
+        then = f"; when tuned {format_bytes(run.tuned.peak_bytes)}"
+        speed = f"; when tuned {run.tuned.samples_per_s:.1f}"
+    elif run.predicted:  # a plan: predicted, never run where it was made
+        then, speed = "; not run when planned", ""
+    else:
+        predicted, then, speed = f"and when tuned: {edited}", "", ""
     return (
         f"fits         {run.config.describe()}{at} on {name}\n"
         f"peak         measured {format_bytes(m.peak_bytes)} within the "
         f"{format_bytes(budget)} budget\n"
-        + (
-            f"             predicted {predicted}; when tuned {format_bytes(run.tuned.peak_bytes)}\n"
-            f"throughput   measured {m.samples_per_s:.1f} samples/s; "
-            f"when tuned {run.tuned.samples_per_s:.1f}"
-            if run.tuned
-            else f"             predicted and when tuned: {edited}\n"
-            f"throughput   measured {m.samples_per_s:.1f} samples/s"
-        )
+        f"             predicted {predicted}{then}\n"
+        f"throughput   measured {m.samples_per_s:.1f} samples/s{speed}"
     )

@@ -228,6 +228,19 @@ def test_tune_and_estimate_take_your_optimizer_and_eval_batch(
     assert_one_error_line(err, "pass it: --optimizer MODULE:FACTORY")
 
 
+def test_a_plan_made_with_your_optimizer_verifies_with_it(capsys, tuned: Tuned, tmp_path) -> None:
+    path, yours = tmp_path / "plan.yaml", ["--optimizer", "user_optimizers:decoupled_adamw"]
+    code, _, err = run(
+        capsys, "plan", *tuned.inputs(), "--device", "H100-80GB", "--budget-gb", "1", *yours,
+        "-o", str(path),
+    )  # fmt: skip
+    assert code == 0, err
+    assert autotune.load(path).config.optimizer == "user_optimizers:decoupled_adamw"
+    code, out, err = run(capsys, "verify", str(path), *tuned.inputs(), "--device", "cpu", *yours)
+    assert code == 0, err
+    assert "; not run when planned" in out  # a plan's prediction, never a tuning's measurement
+
+
 # --- estimate --------------------------------------------------------------------------
 
 
