@@ -20,6 +20,7 @@ cannot be expressed either (use the DeepSpeed export).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -71,7 +72,9 @@ def training_arguments(
         )
     # The callback applies the tuned per-block mask: not every layer (TRL's SFTConfig
     # checkpoints every layer unless told not to).
-    settings["gradient_checkpointing"] = False
+    for f in dataclasses.fields(args_class):
+        if f.name in ("gradient_checkpointing", "activation_checkpointing") and f.default is True:
+            settings[f.name] = False
     return args_class(output_dir=output_dir, **{**settings, **overrides})
 
 

@@ -16,14 +16,20 @@ __all__ = ["with_eval_batches"]
 
 log = logging.getLogger("autotune")
 
+_BEYOND = 4
+"""The evaluation batch is looked for up to this many times the micro-batch (and at least
+up to 8, the Hugging Face Trainer's default): beyond, an evaluation gains little speed and
+the search would run forwards larger than any training step."""
+
 
 def with_eval_batches(
     verifier: Verifier, configs: Sequence[TrainConfig], wanted: int | None, most: int
 ) -> list[TrainConfig]:
-    """``configs`` with their evaluation batch sizes, measured once per precision,
+    """``configs`` with their evaluation batch sizes, the largest that fits up to
+    :data:`_BEYOND` times the micro-batch (and ``most``), measured once per precision,
     optimizer, placement and attention (what an evaluation holds: the parameters, the
-    optimizer's state and one forward; not the micro-batch or the checkpoint mask).
-    ``wanted``: the user's size, kept where it fits (a warning says where it does not)."""
+    optimizer's state and one forward; not the checkpoint mask). ``wanted``: the user's
+    size, kept where it fits (a warning says where it does not)."""
     sizes: dict[tuple[object, ...], int | None] = {}
     out = []
     for c in configs:
@@ -32,7 +38,8 @@ def with_eval_batches(
             continue
         key = (c.timeline, c.optimizer, c.offload_optimizer, c.attention)
         if key not in sizes:
-            sizes[key] = size = verifier.eval_batch(c, wanted, most)
+            bound = min(most, max(8, _BEYOND * c.micro_batch_size))
+            sizes[key] = size = verifier.eval_batch(c, wanted, bound)
             log.info("evaluation batch beside %s: %s", c.describe(), size)
             if wanted is not None and size != wanted:
                 warnings.warn(

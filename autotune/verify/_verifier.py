@@ -244,7 +244,8 @@ class Verifier:
         self._release(before=True)
         runner = self._prepare(config)
         try:
-            runner.step(resize(self.sample, config.effective_batch_size))  # the state made
+            # One micro-batch's step makes the optimizer's state, as a whole step would.
+            runner.step(resize(self.sample, config.micro_batch_size))
             measure = functools.partial(self._eval_peak, runner)
             small, budget = config.micro_batch_size, self.budget_bytes
             return _largest_fitting(measure, small, wanted, most, budget)
