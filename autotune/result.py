@@ -46,7 +46,7 @@ class Measurement:
     """Peak device memory and speed of one configuration, predicted or measured."""
 
     peak_bytes: int
-    """Peak device memory, as defined in the README (CUDA: reserved + context)."""
+    """Peak device memory, as defined in docs/memory.md (CUDA: reserved + context)."""
     step_s: float
     """Seconds per optimizer step (``effective_batch_size`` samples)."""
     samples_per_s: float

@@ -55,7 +55,7 @@ class Estimate:
     costs. Unpacks as ``peak_bytes, at_peak`` (and ``[0]`` is the peak)."""
 
     peak_bytes: int
-    """Predicted peak device bytes (as defined in the README for the device)."""
+    """Predicted peak device bytes (as defined in docs/memory.md for the device)."""
     at_peak: Breakdown
     """What holds the memory at the moment of the peak (a snapshot: the gradients are 0
     when the peak comes in the first forward, before any exist)."""
@@ -93,7 +93,7 @@ def estimate(
             :func:`autotune.autotune`): in the config's place, its state and step measured.
 
     Returns:
-        The predicted peak bytes (as defined in the README for the device), what holds
+        The predicted peak bytes (as defined in docs/memory.md for the device), what holds
         them at the peak, and what each part costs (``peak, at_peak = estimate(...)``).
 
     Raises:
