@@ -17,7 +17,7 @@ compiled forward. A row gives:
   (``None`` where the model has dropout, whose random numbers compiled code draws
   otherwise).
 
-    python benchmarks/compiled.py --out benchmarks/results-compiled-cpu.json
+    python benchmarks/compiled.py --out benchmarks/results/compiled-cpu.json
 """
 
 from __future__ import annotations

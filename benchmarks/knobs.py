@@ -9,7 +9,7 @@ winner does not use it). Each row also gives, at the winner's micro-batch and pr
 the extra time of a forward+backward with every block checkpointed and with every block
 checkpointed selectively, and the peak of each, from the profiler's own measurements.
 
-    python benchmarks/knobs.py --out benchmarks/results-knobs-cpu.json
+    python benchmarks/knobs.py --out benchmarks/results/knobs-cpu.json
 """
 
 from __future__ import annotations

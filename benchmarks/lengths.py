@@ -1,7 +1,7 @@
 """Variable-length data (issue 15): a table per sequence length with bucketed batches,
 against one config tuned at the longest length with every batch padded to it.
 
-    python benchmarks/lengths.py --out benchmarks/results-lengths-cpu.json   # ~6 min, 2 cores
+    python benchmarks/lengths.py --out benchmarks/results/lengths-cpu.json   # ~6 min, 2 cores
 
 A corpus of log-normal lengths between 32 and 1024 tokens (median about 200), a GPT of
 1024 positions, a budget where the longest batches need a small micro-batch, the same
@@ -80,7 +80,7 @@ def train(runner: autotune.Runner, batches: Iterator[Any]) -> tuple[float, int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results-lengths-cpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lengths-cpu.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
     model = tiny_gpt(**SHAPE)
@@ -128,7 +128,7 @@ def main() -> None:
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/lengths.py --out benchmarks/results-lengths-cpu.json",
+        "command": "python benchmarks/lengths.py --out benchmarks/results/lengths-cpu.json",
         "single": {"config": single.config.describe(), "tuning_s": single_s},
         "table": [
             {

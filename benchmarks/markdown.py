@@ -1,6 +1,6 @@
 """Markdown tables of a results JSON written by ``benchmarks/run.py``, for BENCHMARKS.md.
 
-python benchmarks/markdown.py benchmarks/results-cpu.json
+python benchmarks/markdown.py benchmarks/results/cpu.json
 """
 
 from __future__ import annotations

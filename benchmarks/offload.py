@@ -1,6 +1,6 @@
 """Offload figures: its overhead, how well its time is predicted, how much larger a model fits.
 
-    python benchmarks/offload.py --device cuda --out benchmarks/results-offload-cuda.json
+    python benchmarks/offload.py --device cuda --out benchmarks/results/offload-cuda.json
 
 Targets (BENCHMARKS.md): optimizer or activation offload costs at most 15% of the
 throughput of the same config without it, when the copies can hide behind compute (a
@@ -136,7 +136,7 @@ def largest_model(device: torch.device, budget_gb: float, space: autotune.Search
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="benchmarks/results-offload.json")
+    parser.add_argument("--out", default="benchmarks/results/offload.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     started = time.time()

@@ -2,7 +2,7 @@
 model a per-rank budget holds at 1, 2 and 4 ranks, tuning time at 2 ranks, and a deep
 model tuned from a profile of its whole depth against one of copies with 3 and 4 blocks.
 
-    python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json   # ~6 min
+    python benchmarks/parallel.py --out benchmarks/results/parallel-cpu.json   # ~6 min
 
 Ranks are real processes started by ``torch.distributed.run`` (torchrun), one thread each.
 Targets: per-rank peak error <= 3% (max); the largest model grows close to 1/N in the
@@ -107,7 +107,7 @@ def largest(budget_mib: int, worlds: list[int]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results-parallel-cpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/parallel-cpu.json"))
     parser.add_argument("--budget-mib", type=int, default=96)
     parser.add_argument(
         "--only",
@@ -120,7 +120,7 @@ def main() -> None:
     out.update(
         machine=f"{platform.processor() or platform.machine()}, {platform.system()}",
         date=time.strftime("%Y-%m-%d"),
-        command="python benchmarks/parallel.py --out benchmarks/results-parallel-cpu.json",
+        command="python benchmarks/parallel.py --out benchmarks/results/parallel-cpu.json",
     )
     if args.only in (None, "prediction"):
         out["prediction"] = prediction([2, 4])

@@ -9,8 +9,8 @@ mixed precision: weights only, times a factor) and DeepSpeed's model-states esti
 for ZeRO-2 and ZeRO-3 on those GPUs (no activations). The plans are NOT VERIFIED: the
 GPU kit's ``plan`` step checks one against a real GPU.
 
-    python benchmarks/plan.py --out benchmarks/results-plan-cpu.json
-    python benchmarks/plan.py --trace-rank --out benchmarks/results-plan-traced-rank-cpu.json
+    python benchmarks/plan.py --out benchmarks/results/plan-cpu.json
+    python benchmarks/plan.py --trace-rank --out benchmarks/results/plan-traced-rank-cpu.json
 
 ``--trace-rank`` traces rank 0 of each FSDP2 plan with FSDP2 itself (a fake process group
 of the plan's world size), the exact peak per rank beside the one-process plan's.

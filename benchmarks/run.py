@@ -5,8 +5,8 @@ under the same budget; measure the exhaustive grid with the tuner's own Verifier
 measure the tuned config, the baseline's config and the grid's best few again, round-robin,
 and report ratios of their median throughputs (one run, one machine, as DESIGN asks).
 
-    python benchmarks/run.py --device cpu --out benchmarks/results-cpu.json
-    python benchmarks/run.py --device cuda --out benchmarks/results-cuda.json
+    python benchmarks/run.py --device cpu --out benchmarks/results/cpu.json
+    python benchmarks/run.py --device cuda --out benchmarks/results/cuda.json
 
 See benchmarks/README.md for what each figure means.
 """

@@ -5,8 +5,8 @@ kept, checkpointed and checkpointed selectively, at micro-batches 2 and 4) measu
 real on the CPU, and the same profile traced on fake tensors from the same builder; every
 byte figure of the two compared. Time figures are left out (a traced step has none).
 
-    python benchmarks/traced.py --out benchmarks/results-traced-cpu.json            # the zoo
-    python benchmarks/traced.py --large --out benchmarks/results-traced-large-cpu.json
+    python benchmarks/traced.py --out benchmarks/results/traced-cpu.json            # the zoo
+    python benchmarks/traced.py --large --out benchmarks/results/traced-large-cpu.json
 
 ``--large`` adds Hugging Face LLaMA and GPT-2 models of 300M+ parameters (minutes each).
 """

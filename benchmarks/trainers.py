@@ -13,7 +13,7 @@ only in the config (where it is the tuned config itself, the ratio is 1 and it i
 trained twice). Then train with each, round-robin, ``--rounds`` fits each, and report
 the ratios of their median throughputs.
 
-    python benchmarks/trainers.py --out benchmarks/results-trainers-cpu.json
+    python benchmarks/trainers.py --out benchmarks/results/trainers-cpu.json
 
 Targets: against the finder (issue 12), >= 1.0 in every row, median >= 1.2, per trainer;
 against the hand config (issue 25), >= 0.98 in every row.
