@@ -40,7 +40,12 @@ if TYPE_CHECKING:
     from autotune._blocks import find_blocks
     from autotune.measure._peak_memory import PeakReading, peak_memory
     from autotune.train._applied import Applied
-    from autotune.train._layout import BatchLayout, ImagePatches, PackedSequences, add_batch_layout
+    from autotune.train._batch_layout import (
+        BatchLayout,
+        ImagePatches,
+        PackedSequences,
+        add_batch_layout,
+    )
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
@@ -92,10 +97,10 @@ __all__ = [
 
 _LAZY = {
     "Applied": "autotune.train._applied",
-    "BatchLayout": "autotune.train._layout",
-    "ImagePatches": "autotune.train._layout",
-    "PackedSequences": "autotune.train._layout",
-    "add_batch_layout": "autotune.train._layout",
+    "BatchLayout": "autotune.train._batch_layout",
+    "ImagePatches": "autotune.train._batch_layout",
+    "PackedSequences": "autotune.train._batch_layout",
+    "add_batch_layout": "autotune.train._batch_layout",
     "LengthBucketSampler": "autotune.train._sampler",
     "PeakReading": "autotune.measure._peak_memory",
     "peak_memory": "autotune.measure._peak_memory",

@@ -194,6 +194,15 @@ def test_no_private_module_at_the_top_but_the_base() -> None:
     assert top <= BASE, top - BASE
 
 
+def test_no_file_name_in_two_subpackages() -> None:
+    """One file per name: a module's name says which concept it defines, wherever it is."""
+    where: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            where.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
 def test_no_import_circle() -> None:
     """No module imports itself back, through any chain of modules that run."""
     circles = [m for m in MODULES if m != "autotune" and m in closure(m) - {"autotune"}]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from autotune.train._applied import Applied
     from autotune.train._attention import set_attention
     from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
+    from autotune.train._batch_layout import layouts_of_model
     from autotune.train._checkpoint import (
         apply_checkpointing,
         apply_offloading,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     )
     from autotune.train._compiled import compiled_parts, measured_compiling
     from autotune.train._identity import differences, fingerprint
-    from autotune.train._layout import layouts_of_model
     from autotune.train._lengths import sequence_length, truncate
     from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
     from autotune.train._optimizers import (
@@ -93,7 +93,7 @@ INTERFACE = {
     "fused_runs": "autotune.train._optimizers",
     "gathered_tensors": "autotune.train._parallel",
     "group_size": "autotune.train._parallel",
-    "layouts_of_model": "autotune.train._layout",
+    "layouts_of_model": "autotune.train._batch_layout",
     "map_tensors": "autotune.train._batch",
     "measured_compiling": "autotune.train._compiled",
     "not_at_hand": "autotune.train._optimizers",

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from autotune.errors import BatchError
-from autotune.train._layout import layout_of
+from autotune.train._batch_layout import layout_of
 
 __all__ = [
     "Batch",

@@ -15,10 +15,10 @@ from autotune.device import backend_for, resolve_device
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
+from autotune.train._batch_layout import layouts_of_model
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
-from autotune.train._layout import layouts_of_model
 from autotune.train._loss import LossFn
 from autotune.train._optimizers import (
     OptimizerFactory,

@@ -3,8 +3,8 @@
 A call is a table of runs: one per sequence length (``sequence_lengths``; else the
 sample's), each of them one per attention implementation (``SearchSpace.attention``; else
 the model's), each a tuning run of its own (:func:`~autotune.tuning._once.tune_once`).
-The loops are :func:`~autotune.tuning._lengths.tune_lengths` and
-:func:`~autotune.tuning._attention.tune_attentions`.
+The loops are :func:`~autotune.tuning._length_table.tune_lengths` and
+:func:`~autotune.tuning._attention_choice.tune_attentions`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from autotune.errors import ConfigError
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, OptimizerFactory, factory_name
-from autotune.tuning._attention import tune_attentions
-from autotune.tuning._lengths import tune_lengths
+from autotune.tuning._attention_choice import tune_attentions
+from autotune.tuning._length_table import tune_lengths
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import uncompiled
 from autotune.tuning._progress import progress, shown

@@ -26,7 +26,7 @@ from autotune.errors import ConfigError
 from autotune.result import LengthRow, Spent, TuneResult
 from autotune.space import SearchSpace
 from autotune.train import group_size, sequence_length, truncate
-from autotune.tuning._attention import tune_attentions
+from autotune.tuning._attention_choice import tune_attentions
 from autotune.tuning._options import TuneOptions
 
 __all__ = ["Lengths", "tune_lengths"]
