@@ -12,7 +12,7 @@ with it, ``accumulate_grad_batches``, the precision, and the exact per-block che
 mask; and it logs the choice. The tuned config is ``callback.result``.
 
 On one device, a step that runs out of device memory falls back down the result's
-fallbacks and runs again (see :mod:`autotune.integrations._lightning_ladder`).
+fallbacks and runs again (see :mod:`autotune.integrations._lightning_fallback`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.parsing import (
 )
 
 from autotune.errors import AutotuneWarning, ConfigError
-from autotune.integrations._lightning_ladder import Ladder, precision_plugin
+from autotune.integrations._lightning_fallback import Ladder, precision_plugin
 from autotune.integrations._lightning_tuning import as_a_model, first_batch, optimizer_name
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult

@@ -7,7 +7,7 @@
 * ``_time_model``: seconds per step, offload copies included; ``_comm``: collectives'.
 * ``_cost``: ``CostModel``, both together, and the exact per-block knapsack (``_knapsack``).
 * ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits;
-  ``_planners``: a run's planners, one per layout.
+  ``_bounds``: a run's planners, one per layout.
 * ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,
   exhaustive best, fallback candidates); ``_too_small``: the error when nothing fits.
 
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from autotune._interface import interface
 
 if TYPE_CHECKING:
+    from autotune.plan._bounds import planner_of, planners
     from autotune.plan._candidates import (
         fallback_candidates,
         largest_fitting,
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     )
     from autotune.plan._cost import CostModel
     from autotune.plan._planner import Candidate, Planner
-    from autotune.plan._planners import planner_of, planners
     from autotune.plan._search import quiet_optuna, search
     from autotune.plan._too_small import too_small
 
@@ -40,8 +40,8 @@ INTERFACE = {
     "fallback_candidates": "autotune.plan._candidates",
     "largest_fitting": "autotune.plan._candidates",
     "micro_batch_candidates": "autotune.plan._candidates",
-    "planner_of": "autotune.plan._planners",
-    "planners": "autotune.plan._planners",
+    "planner_of": "autotune.plan._bounds",
+    "planners": "autotune.plan._bounds",
     "quiet_optuna": "autotune.plan._search",
     "search": "autotune.plan._search",
     "too_small": "autotune.plan._too_small",

@@ -19,7 +19,7 @@ from autotune._interface import interface
 
 if TYPE_CHECKING:
     from autotune.verify._claims import job_id
-    from autotune.verify._ladder import fallback_ladder
+    from autotune.verify._fallbacks import fallback_ladder
     from autotune.verify._lead import BUSY, MOST_NOISE, QUIET, Noise
     from autotune.verify._studies import PROFILE_JOB, StudyStore, resolve_storage
     from autotune.verify._verifier import Verifier
@@ -35,7 +35,7 @@ INTERFACE = {
     "StudyStore": "autotune.verify._studies",
     "Verifier": "autotune.verify._verifier",
     "choose_winner": "autotune.verify._winner",
-    "fallback_ladder": "autotune.verify._ladder",
+    "fallback_ladder": "autotune.verify._fallbacks",
     "fastest": "autotune.verify._winner",
     "job_id": "autotune.verify._claims",
     "resolve_storage": "autotune.verify._studies",

@@ -7,7 +7,7 @@ from test_search import cost, study  # noqa: F401  (the fixture and the planner)
 from autotune import Measurement, TrainConfig, TrialRecord
 from autotune.plan._candidates import best_config, fallback_candidates
 from autotune.plan._cost import CostModel
-from autotune.verify._ladder import fallback_ladder
+from autotune.verify._fallbacks import fallback_ladder
 
 
 def as_predicted(asked: list[TrainConfig]):
