@@ -23,6 +23,7 @@ from typing import Any
 from autotune._files import check_writable
 from autotune._format import GIB, format_bytes
 from autotune.cli._inputs import resolve
+from autotune.config import is_factory
 from autotune.errors import BudgetTooSmallError, ConfigError
 from autotune.result import OTHER, PARTS, TuneResult
 
@@ -77,12 +78,14 @@ def plan(args: argparse.Namespace) -> int:
 def check_hint(result: TuneResult, path: str) -> str:
     """How to check the plan on its GPUs: the command, whole (torchrun for several ranks)."""
     n = result.config.world_size
+    name = result.config.optimizer
+    yours = f" --optimizer {name}" if is_factory(name) else ""  # a file names it, never runs it
     if n > 1:
         return (
             f"on {n} of those GPUs, `torchrun --nproc-per-node {n} -m autotune.cli tune MODEL "
-            f"--batch BATCH --from {path}` runs it and tunes from it on every rank"
+            f"--batch BATCH --from {path}{yours}` runs it and tunes from it on every rank"
         )
-    return f"on that GPU, `autotune verify {path} MODEL --batch BATCH` runs it"
+    return f"on that GPU, `autotune verify {path} MODEL --batch BATCH{yours}` runs it"
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:

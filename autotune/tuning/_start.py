@@ -15,9 +15,10 @@ from pathlib import Path
 
 from torch import nn
 
+from autotune.config import is_factory
 from autotune.errors import ConfigError
 from autotune.result import TrialRecord, TuneResult, load
-from autotune.train import fingerprint, group_size
+from autotune.train import available, fingerprint, group_size, not_at_hand
 from autotune.tuning._options import TuneOptions
 
 __all__ = ["plan_record", "resolved_plan", "started_from"]
@@ -77,6 +78,8 @@ def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
             f"the plan's global batch is {c.global_batch_size} samples and this run's "
             f"{batch}: leave the global batch out to take the plan's, or plan again."
         )
+    if is_factory(c.optimizer) and not available(c.optimizer):
+        raise not_at_hand(c.optimizer)  # a path read from a file is never imported
     space = options.space
     space = dataclasses.replace(  # profiled, so that the plan's config is predicted too
         space,

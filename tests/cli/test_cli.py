@@ -229,13 +229,15 @@ def test_tune_and_estimate_take_your_optimizer_and_eval_batch(
 
 
 def test_a_plan_made_with_your_optimizer_verifies_with_it(capsys, tuned: Tuned, tmp_path) -> None:
-    path, yours = tmp_path / "plan.yaml", ["--optimizer", "user_optimizers:decoupled_adamw"]
-    code, _, err = run(
-        capsys, "plan", *tuned.inputs(), "--device", "H100-80GB", "--budget-gb", "1", *yours,
-        "-o", str(path),
-    )  # fmt: skip
-    assert code == 0, err
-    assert autotune.load(path).config.optimizer == "user_optimizers:decoupled_adamw"
+    # A plan as `autotune plan --optimizer` writes it: predicted, never run where made.
+    result = tuned.result()
+    config = result.config.replace(optimizer="user_optimizers:decoupled_adamw")
+    plan = dataclasses.replace(result, config=config, measured=None, figures_for="")
+    path = plan.save(tmp_path / "plan.yaml")
+    yours = ["--optimizer", "user_optimizers:decoupled_adamw"]
+    from autotune.cli._plan import check_hint  # what `autotune plan` advises: with the flag
+
+    assert f"verify {path} MODEL --batch BATCH {' '.join(yours)}`" in check_hint(plan, str(path))
     code, out, err = run(capsys, "verify", str(path), *tuned.inputs(), "--device", "cpu", *yours)
     assert code == 0, err
     assert "; not run when planned" in out  # a plan's prediction, never a tuning's measurement
