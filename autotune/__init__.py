@@ -7,16 +7,16 @@
 ...     runner.step(batch)
 
 The names below are the public API; the modules behind them are private. The names that
-need torch (and the tuner, which needs optuna) load on first use (as each subpackage's
-interface does, :mod:`autotune._interface`), so that importing one layer, e.g.
-``autotune.train`` in a training job, loads nothing it does not need.
+need torch (and the tuner, which needs optuna) are those of the typing block below,
+each loaded with its module on first use (:mod:`autotune._interface`), so that
+``autotune.prepare`` in a training job loads no tuner.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autotune._interface import interface
+from autotune._interface import lazy_names
 from autotune._version import __version__
 from autotune.config import TrainConfig
 from autotune.errors import (
@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
-    from autotune.tuning._ahead import plan_ahead
     from autotune.tuning._autotune import autotune
     from autotune.tuning._estimate import Estimate, estimate
+    from autotune.tuning._plan_ahead import plan_ahead
 
 __all__ = [
     "Applied",
@@ -94,26 +94,4 @@ __all__ = [
     "prepare",
 ]
 
-
-_LAZY = {
-    "Applied": "autotune.train._applied",
-    "BatchLayout": "autotune.train._batch_layout",
-    "ImagePatches": "autotune.train._batch_layout",
-    "PackedSequences": "autotune.train._batch_layout",
-    "add_batch_layout": "autotune.train._batch_layout",
-    "LengthBucketSampler": "autotune.train._sampler",
-    "PeakReading": "autotune.measure._peak_memory",
-    "peak_memory": "autotune.measure._peak_memory",
-    "apply": "autotune.train._prepare",
-    "autotune": "autotune.tuning._autotune",
-    "Estimate": "autotune.tuning._estimate",
-    "estimate": "autotune.tuning._estimate",
-    "find_blocks": "autotune._blocks",
-    "plan_ahead": "autotune.tuning._ahead",
-    "prepare": "autotune.train._prepare",
-    "Runner": "autotune.train._runner",
-}
-"""Public names that import torch, by the module that defines them."""
-
-
-__getattr__, __dir__ = interface(__name__, _LAZY)
+__getattr__, __dir__ = lazy_names(__name__)

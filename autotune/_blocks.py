@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from autotune._spelling import option
 from autotune.errors import BlockError
 
 __all__ = ["eager_module", "find_blocks", "is_compile_wrapper", "resolve_blocks"]
@@ -250,9 +251,9 @@ def _largest_container_children(
         raise BlockError(
             f"found no repeated layers in {type(model).__name__}: no nn.ModuleList or "
             "nn.Sequential holds children with parameters. "
-            f"Name the blocks yourself with SearchSpace(blocks=[...]) (its top-level "
-            f"children are: {top}), or tune without checkpointing and offload, which need "
-            "no blocks: SearchSpace(checkpointing=False)."
+            f"Name the blocks yourself with {option('SearchSpace(blocks=[...])')} (its "
+            f"top-level children are: {top}), or tune without checkpointing and offload, "
+            f"which need no blocks: {option('SearchSpace(checkpointing=False)')}."
         )
     return names
 

@@ -1,29 +1,44 @@
-"""How a subpackage shows the others what they may use: its interface.
+"""How the package loads its public names that need torch: on first use.
 
-Each subpackage's ``__init__`` is its interface: a table of the names the rest of the
-package may import from it (``from autotune.measure import Profiler``), each with the
-private module that defines it. A name is loaded on first use, with its module only, so
-that importing one name of a layer loads no more of it than that name needs (``prepare``
-loads no tuner; the cost model no training code). Inside a subpackage, modules import
-their siblings' private modules directly; from outside, only through the interface
-(``tests/test_layout.py`` holds both).
+``import autotune`` loads no torch and no optuna: the records (``TrainConfig``,
+``TuneResult``, the errors) are imported at once, and every other public name is loaded
+with its module when it is first asked for (``autotune.prepare`` loads no tuner). Those
+names are the ones the package's ``if TYPE_CHECKING:`` block imports, which type
+checkers read as plain imports; the block is the one table, read here from the source.
+The subpackages import their names plainly (``tests/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["interface"]
+__all__ = ["lazy_names", "typing_imports"]
 
 
-def interface(
-    package: str, names: Mapping[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``'s ``__init__``: each of ``names``
-    loaded from its module (``names[name]``) when it is first asked for."""
+def typing_imports(source: str) -> dict[str, str]:
+    """The names a module's ``if TYPE_CHECKING:`` block imports, by the module each
+    comes from."""
+    return {
+        alias.asname or alias.name: node.module
+        for guard in ast.parse(source).body
+        if isinstance(guard, ast.If) and getattr(guard.test, "id", None) == "TYPE_CHECKING"
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
+def lazy_names(package: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``'s ``__init__``: each name its typing
+    block imports, loaded from its module when it is first asked for."""
+    path = sys.modules[package].__file__
+    assert path is not None
+    names = typing_imports(Path(path).read_text(encoding="utf-8"))
 
     def get(name: str) -> Any:
         if name not in names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autotune._spelling import option
 from autotune.config import ATTENTION, PRECISIONS, check_optimizer
 from autotune.errors import ConfigError
 
@@ -71,15 +72,18 @@ class SearchSpace:
         value = tuple(self.precisions)
         if not value or any(v not in PRECISIONS for v in value):
             raise ConfigError(
-                f"SearchSpace.precisions must be a non-empty list from {', '.join(PRECISIONS)}; "
+                f"{option('SearchSpace.precisions')} must be a non-empty list from "
+                f"{', '.join(PRECISIONS)}; "
                 f"got {list(value)}."
             )
         object.__setattr__(self, "precisions", value)
         optimizers = tuple(self.optimizers)
         if not optimizers:
-            raise ConfigError("SearchSpace.optimizers must not be empty; the first is yours.")
+            raise ConfigError(
+                f"{option('SearchSpace.optimizers')} must not be empty; the first is yours."
+            )
         for o in optimizers:
-            check_optimizer(o, "each of SearchSpace.optimizers")
+            check_optimizer(o, f"each of {option('SearchSpace.optimizers')}")
         object.__setattr__(self, "optimizers", optimizers)
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -97,7 +101,8 @@ class SearchSpace:
                 isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
             ):
                 raise ConfigError(
-                    f"SearchSpace.micro_batch_sizes must be positive integers, got {sizes}."
+                    f"{option('SearchSpace.micro_batch_sizes')} must be positive integers, got "
+                    f"{sizes}."
                 )
             object.__setattr__(self, "micro_batch_sizes", sizes)
         for name in ("checkpointing", "selective_checkpointing"):

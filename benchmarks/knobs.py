@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autotune
-from autotune.measure._profile_data import CHECKPOINT, KEEP, SELECTIVE
+from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE
 from autotune.measure._profiler import Profiler
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for

@@ -27,12 +27,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 import autotune
+from autotune.cost._cost_model import CHECKPOINT, CostModel
 from autotune.device._target import discover
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.plan._cost import CHECKPOINT, CostModel
 from autotune.train._optimizers import available
 from autotune.verify._verifier import Verifier
 
@@ -88,7 +88,7 @@ def overhead_and_prediction(device: torch.device, size: dict[str, int], b: int) 
 def _with_time(profile, model, sample, device, precision, b):
     import dataclasses
 
-    from autotune.measure._profile_data import TimeCurve
+    from autotune._profile_data import TimeCurve
 
     profiler = Profiler(
         copy.deepcopy(model).to(device), sample, profile.blocks, device=device, loss_fn=None

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from simulated_cuda import SimulatedAllocator, SimulatedCuda
 
 from autotune.config import TrainConfig
+from autotune.cost._memory_model import MemoryModel
 from autotune.device import _backend
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.plan._memory_model import MemoryModel
 from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")

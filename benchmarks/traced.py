@@ -31,9 +31,9 @@ if __package__ in (None, ""):  # run as a script: the repository root and the te
 from torchvision_ops import declare_torchvision_ops
 
 from autotune._blocks import find_blocks
+from autotune._profile_data import profile_to_json
 from autotune.measure._fake import traced
 from autotune.measure._memory_profile import memory_profile
-from autotune.measure._profile_data import profile_to_json
 from autotune.measure._profiler import Profiler
 
 declare_torchvision_ops()  # transformers imports torchvision: see tests/torchvision_ops.py

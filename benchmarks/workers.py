@@ -32,8 +32,8 @@ def work(storage: str, poll_s: float) -> None:
 
     torch.set_num_threads(1)
     import autotune
+    from autotune.jobs import _study_store as _studies
     from autotune.models import gpt_batch, tiny_gpt
-    from autotune.verify import _studies
 
     _studies.POLL_S = poll_s  # waiting workers read the storage this often
     model = tiny_gpt(n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
@@ -80,7 +80,7 @@ def one_run(workers: int, folder: Path, poll_s: float) -> dict[str, object]:
     )
     import optuna
 
-    from autotune.verify._claims import storage_of
+    from autotune.jobs._claims import storage_of
 
     left = sorted(optuna.get_all_study_names(storage_of(storage)))
     return {

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torchvision_ops import declare_torchvision_ops
 
+from autotune._profile_data import Profile
 from autotune.measure._memory_profile import memory_profile
-from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.models import GPT, gpt_batch, tiny_gpt
 

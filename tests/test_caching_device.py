@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import autotune
+from autotune._profile_data import PhaseKey
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._peak import measure_peak
-from autotune.measure._profile_data import PhaseKey
 from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker
 from autotune.models import gpt_batch, tiny_gpt
@@ -131,7 +131,7 @@ def test_foreign_is_what_the_allocator_already_holds(simulated_cuda) -> None:
     problem = make_problem(
         model, gpt_batch(model.config, 4), TuneOptions(budget_gb=1.0, device="cpu")
     )
-    assert problem.foreign == simulated_cuda.reserved > 4 * MIB  # segments, not tensor bytes
+    assert problem.foreign_bytes == simulated_cuda.reserved > 4 * MIB  # segments, not tensor bytes
     del held
 
 
@@ -145,8 +145,8 @@ def test_a_cache_left_by_earlier_work_is_not_foreign(simulated_cuda) -> None:
     del spare  # its segment stays cached, unused
     cached = simulated_cuda.reserved
     problem = make_problem(model, sample, TuneOptions(budget_gb=1.0, device="cpu"))
-    assert problem.foreign == simulated_cuda.reserved <= cached - 32 * MIB
-    assert problem.foreign > 3 * MIB  # the live tensor's segment stays foreign
+    assert problem.foreign_bytes == simulated_cuda.reserved <= cached - 32 * MIB
+    assert problem.foreign_bytes > 3 * MIB  # the live tensor's segment stays foreign
     del held
 
 
@@ -238,7 +238,7 @@ def test_a_device_too_small_for_micro_batch_2_is_a_profile_error(simulated_cuda)
 
 def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simulated_cuda) -> None:
     from autotune.config import TrainConfig
-    from autotune.plan._memory_model import MemoryModel
+    from autotune.cost._memory_model import MemoryModel
     from autotune.verify._verifier import Verifier
 
     model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)

@@ -14,10 +14,10 @@ from torch import nn
 
 import autotune
 from autotune import ConfigError, SearchSpace, TrainConfig
+from autotune.cost._cost_model import CostModel
+from autotune.cost._planner import Planner
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
-from autotune.plan._cost import CostModel
-from autotune.plan._planner import Planner
 from autotune.train._compiled import is_compiled, measured_compiling
 from autotune.verify._verifier import Verifier
 

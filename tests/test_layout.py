@@ -17,10 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from autotune._interface import typing_imports
+
 PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 
 BASE = {
     "autotune.errors",
+    "autotune._profile_data",
+    "autotune._spelling",
     "autotune.config",
     "autotune._plain_data",
     "autotune._yaml",
@@ -39,11 +43,12 @@ ALLOWED = {  # layer -> the layers its modules may import (besides BASE and itse
     "device": set(),
     "train": {"device"},
     "measure": {"device", "train"},
-    "plan": {"device", "measure"},
-    "verify": {"device", "train", "measure", "plan"},
-    "tuning": {"device", "train", "measure", "plan", "verify"},
-    "integrations": {"device", "train", "measure", "plan", "verify", "tuning"},
-    "cli": {"device", "train", "measure", "plan", "verify", "tuning", "integrations"},
+    "jobs": set(),
+    "cost": {"device", "measure", "jobs"},
+    "verify": {"device", "train", "measure", "jobs", "cost"},
+    "tuning": {"device", "train", "measure", "cost", "jobs", "verify"},
+    "integrations": {"device", "train", "measure", "cost", "jobs", "verify", "tuning"},
+    "cli": {"device", "train", "measure", "cost", "jobs", "verify", "tuning", "integrations"},
 }
 LAYERS = set(ALLOWED)
 
@@ -70,15 +75,9 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 @cache
 def interface(package: str) -> dict[str, str]:
-    """A subpackage's interface: each name it shows the others, by its defining module
-    (the ``INTERFACE`` table of its ``__init__``)."""
-    tree = ast.parse(MODULES[package].read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INTERFACE":
-            table = ast.literal_eval(node.value)
-            assert isinstance(table, dict)
-            return table
-    return {}
+    """The package's lazy names, by their defining module (its typing block); a
+    subpackage imports its names plainly, and has none."""
+    return typing_imports(MODULES[package].read_text()) if package == "autotune" else {}
 
 
 def parsed(module: str) -> ast.Module:
@@ -125,9 +124,11 @@ def closure(module: str) -> set[str]:
 
 
 def test_the_graph_sees_the_package() -> None:
-    assert {"autotune.tuning._autotune", "autotune.train._runner", "autotune.plan._cost"} <= set(
-        MODULES
-    )
+    assert {
+        "autotune.tuning._autotune",
+        "autotune.train._runner",
+        "autotune.cost._cost_model",
+    } <= set(MODULES)
     assert "autotune.train._runner" in closure("autotune.train._prepare")
 
 
@@ -142,7 +143,7 @@ def test_imports_point_down(module: str) -> None:
 
 
 def test_the_planner_reads_profiles_without_the_training_code() -> None:
-    for module in (m for m in MODULES if layer(m) == "plan"):
+    for module in (m for m in MODULES if layer(m) == "cost"):
         assert not any(layer(d) == "train" for d in closure(module)), module
 
 
@@ -168,25 +169,41 @@ def test_a_layer_uses_another_only_through_its_interface() -> None:
 
 
 @pytest.mark.parametrize("package", sorted(f"autotune.{p}" for p in LAYERS))
-def test_each_interface_is_what_its_package_loads(package: str) -> None:
-    """The table is the package's ``__all__`` and its typing imports, and every name in it
-    is defined where the table says."""
-    module = importlib.import_module(package)
-    table = interface(package)
-    assert sorted(table) == sorted(module.__all__)
-    typed = {
+def test_each_interface_is_its_plain_imports(package: str) -> None:
+    """A subpackage's interface is ``__all__``: each name imported plainly from one of its
+    own private modules, and listed twice only (no table, no typing block)."""
+    tree = ast.parse(MODULES[package].read_text())
+    imported = {
         a.asname or a.name: node.module
-        for guard in ast.parse(MODULES[package].read_text()).body
-        if isinstance(guard, ast.If) and getattr(guard.test, "id", None) == "TYPE_CHECKING"
-        for node in guard.body
-        if isinstance(node, ast.ImportFrom)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__"
         for a in node.names
     }
-    assert typed == table
-    for name, where in table.items():
+    assert not any(isinstance(n, ast.If) for n in tree.body), "a typing block"
+    assigned = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
+    assert assigned == ["__all__"], assigned
+    module = importlib.import_module(package)
+    assert sorted(imported) == sorted(module.__all__)
+    for name, where in imported.items():
+        assert where and where.startswith(f"{package}._"), (name, where)
         assert getattr(module, name) is getattr(importlib.import_module(where), name), name
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        module.nope  # noqa: B018
+
+
+def test_the_package_lists_each_public_name_twice() -> None:
+    """The root's names: imported (the lazy ones in its typing block) and in ``__all__``."""
+    import autotune
+
+    tree = ast.parse(MODULES["autotune"].read_text())
+    eager = {
+        a.asname or a.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing")
+        for a in node.names
+    } - {"lazy_names"}
+    lazy = set(interface("autotune"))
+    assert not eager & lazy
+    assert sorted(eager | lazy) == sorted(autotune.__all__)
+    assert all(getattr(autotune, name) is not None for name in lazy)
 
 
 def test_no_private_module_at_the_top_but_the_base() -> None:
@@ -242,12 +259,12 @@ def loaded_after(statement: str) -> set[str]:
 def test_training_loads_neither_optuna_nor_the_tuner() -> None:
     loaded = loaded_after("import autotune; autotune.prepare; autotune.Runner")
     assert "optuna" not in loaded
-    assert not {m for m in loaded if m.startswith(("autotune.measure", "autotune.plan"))}
+    assert not {m for m in loaded if m.startswith(("autotune.measure", "autotune.cost"))}
     assert not {m for m in loaded if m.startswith(("autotune.verify", "autotune.tuning"))}
 
 
 def test_the_cost_model_loads_no_training_code() -> None:
-    loaded = loaded_after("from autotune.plan import CostModel; CostModel")
+    loaded = loaded_after("from autotune.cost import CostModel; CostModel")
     assert not {m for m in loaded if m.startswith("autotune.train")}
 
 

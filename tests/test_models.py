@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig, find_blocks
+from autotune._profile_data import Profile
+from autotune.cost._cost_model import CostModel
 from autotune.measure._memory_profile import memory_profile
-from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
-from autotune.plan._cost import CostModel
 from autotune.verify._verifier import Verifier
 
 transformers = pytest.importorskip("transformers")

@@ -18,18 +18,18 @@ import pytest
 import torch
 
 import autotune
+from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig
+from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
+from autotune.cost._knapsack import min_cost_choice as _min_cost_choice
+from autotune.cost._planner import Planner
+from autotune.cost._shortfall import too_small
 from autotune.device._target import discover
 from autotune.measure._memory_profile import memory_profile
-from autotune.measure._profile_data import Profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
-from autotune.measure._transfer import Transfer, measure_transfer
+from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.plan._cost import CHECKPOINT, KEEP, OFFLOAD, CostModel
-from autotune.plan._knapsack import min_cost_choice as _min_cost_choice
-from autotune.plan._planner import Planner
-from autotune.plan._too_small import too_small
 from autotune.space import SearchSpace
 from autotune.verify._verifier import Verifier
 
@@ -358,7 +358,7 @@ def test_host_bytes_are_planned_as_the_pinned_allocator_takes_them(
 def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
     import dataclasses
 
-    from autotune.measure._profile_data import TimeCurve
+    from autotune._profile_data import TimeCurve
 
     curve = TimeCurve((1, 16), (0.01, 0.16), (1, 16), (0.3, 0.3))
     precisions = {

@@ -24,8 +24,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from autotune._spelling import spelled_as
 from autotune.cli import _commands as commands
-from autotune.cli._flag_messages import cli_words
+from autotune.cli._flag_spelling import FLAGS
 from autotune.cli._plan import plan as run_plan
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._verify import verify
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), spelled_as(FLAGS):  # the advice names the flags
         warnings.filterwarnings("default", category=AutotuneWarning)
         warnings.filterwarnings("default", module=r"autotune(\.|$)")
         warnings.showwarning = _show_warning
@@ -75,7 +76,7 @@ def _quiet_threads() -> None:
 def _error_line(exc: Exception) -> str:
     message = " ".join(str(exc).split())  # one line, whatever the message held
     if isinstance(exc, AutotuneError):
-        return cli_words(message)
+        return message
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror or message}."
     return f"{type(exc).__name__}: {message} (run with --traceback for details)"
@@ -91,7 +92,7 @@ def _show_warning(
 ) -> None:
     """A warning as one line on stderr (clearing a progress bar first on a terminal)."""
     clear = "\r\033[K" if sys.stderr.isatty() else ""
-    line = cli_words(" ".join(str(message).split()))
+    line = " ".join(str(message).split())
     print(f"{clear}autotune: warning: {line}", file=sys.stderr)
 
 

@@ -8,66 +8,33 @@
 * ``_host``: host memory that offload keeps on purpose, which device trackers leave out.
 * ``_load``: what other work took of the machine's CPUs while a run measured.
 
-The interface the other layers use is the table below (see :mod:`autotune._interface`);
-each name loads its module on first use.
+The interface the other layers use is ``__all__``: the names imported below. The
+modules behind them are private to the package (``tests/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from autotune._interface import interface
-
-if TYPE_CHECKING:
-    from autotune.device._backend import Backend, backend_for, pinned_bytes
-    from autotune.device._catalog import (
-        CONTEXT_BYTES,
-        DEVICES,
-        INTER_NODE_BYTES_PER_S,
-        MATMUL_EFFICIENCY,
-        MEMORY_EFFICIENCY,
-        RESERVE_SHARE,
-        DeviceSpec,
-        device_spec,
-    )
-    from autotune.device._host import (
-        host_empty,
-        host_memory,
-        in_host_memory,
-        is_host_storage,
-        mark_host,
-    )
-    from autotune.device._load import CpuClock, busy, busy_note
-    from autotune.device._resolve import resolve_device
-    from autotune.device._target import Target, budget_bytes, discover, host_peak_bytes
-
-INTERFACE = {
-    "Backend": "autotune.device._backend",
-    "CONTEXT_BYTES": "autotune.device._catalog",
-    "CpuClock": "autotune.device._load",
-    "DEVICES": "autotune.device._catalog",
-    "DeviceSpec": "autotune.device._catalog",
-    "INTER_NODE_BYTES_PER_S": "autotune.device._catalog",
-    "MATMUL_EFFICIENCY": "autotune.device._catalog",
-    "MEMORY_EFFICIENCY": "autotune.device._catalog",
-    "RESERVE_SHARE": "autotune.device._catalog",
-    "Target": "autotune.device._target",
-    "backend_for": "autotune.device._backend",
-    "budget_bytes": "autotune.device._target",
-    "busy": "autotune.device._load",
-    "busy_note": "autotune.device._load",
-    "device_spec": "autotune.device._catalog",
-    "discover": "autotune.device._target",
-    "host_empty": "autotune.device._host",
-    "host_peak_bytes": "autotune.device._target",
-    "host_memory": "autotune.device._host",
-    "in_host_memory": "autotune.device._host",
-    "is_host_storage": "autotune.device._host",
-    "mark_host": "autotune.device._host",
-    "pinned_bytes": "autotune.device._backend",
-    "resolve_device": "autotune.device._resolve",
-}
-"""What the other layers may import from here, by the private module that defines it."""
+from autotune.device._backend import Backend, backend_for, pinned_bytes
+from autotune.device._catalog import (
+    CONTEXT_BYTES,
+    DEVICES,
+    INTER_NODE_BYTES_PER_S,
+    MATMUL_EFFICIENCY,
+    MEMORY_EFFICIENCY,
+    RESERVE_SHARE,
+    DeviceSpec,
+    device_spec,
+)
+from autotune.device._host import (
+    host_empty,
+    host_memory,
+    in_host_memory,
+    is_host_storage,
+    mark_host,
+)
+from autotune.device._load import CpuClock, busy, busy_note
+from autotune.device._resolve import resolve_device
+from autotune.device._target import Target, budget_bytes, discover, host_peak_bytes
 
 __all__ = [
     "CONTEXT_BYTES",
@@ -95,5 +62,3 @@ __all__ = [
     "pinned_bytes",
     "resolve_device",
 ]
-
-__getattr__, __dir__ = interface(__name__, INTERFACE)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from autotune._format import GIB
+from autotune._spelling import option
 from autotune.device._backend import backend_for
 from autotune.device._resolve import resolve_device
 from autotune.errors import BudgetError
@@ -78,11 +79,11 @@ def budget_bytes(budget_gb: float, target: Target) -> int:
         BudgetError: the budget is not a positive finite number.
     """
     if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
-        raise BudgetError(f"budget_gb must be a number of GiB, got {budget_gb!r}.")
+        raise BudgetError(f"{option('budget_gb')} must be a number of GiB, got {budget_gb!r}.")
     if not math.isfinite(budget_gb) or budget_gb <= 0:
         raise BudgetError(
-            f"budget_gb must be a positive number of GiB, got {budget_gb!r}; pass the device "
-            "memory the training run may use, e.g. budget_gb=24."
+            f"{option('budget_gb')} must be a positive number of GiB, got {budget_gb!r}; pass "
+            f"the device memory the training run may use, e.g. {option('budget_gb=24')}."
         )
     budget = int(budget_gb * GIB)
     if budget > target.total_bytes:

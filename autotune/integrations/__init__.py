@@ -13,28 +13,15 @@
 Each trainer's module imports its trainer when it is imported, and nothing here is
 imported by ``import autotune``.
 
-The interface the other layers use is the table below (see :mod:`autotune._interface`);
-each name loads its module on first use.
+The interface the other layers use is ``__all__``: the names imported below. The
+modules behind them are private to the package (``tests/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from autotune._interface import interface
-
-if TYPE_CHECKING:
-    from autotune.integrations._export import TARGETS, export
-
-INTERFACE = {
-    "TARGETS": "autotune.integrations._export",
-    "export": "autotune.integrations._export",
-}
-"""What the other layers may import from here, by the private module that defines it."""
+from autotune.integrations._export import TARGETS, export
 
 __all__ = [
     "TARGETS",
     "export",
 ]
-
-__getattr__, __dir__ = interface(__name__, INTERFACE)

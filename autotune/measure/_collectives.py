@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from autotune._profile_data import Collectives, Line
 from autotune.device import backend_for
-from autotune.measure._profile_data import Collectives, Line
 from autotune.train import agree_max, collective
 
 __all__ = ["measure_collectives"]

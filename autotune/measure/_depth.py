@@ -26,8 +26,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
-from autotune.measure._profile_data import (
+from autotune._profile_data import (
     Line,
     OptimizerProfile,
     Phase,
@@ -36,6 +35,7 @@ from autotune.measure._profile_data import (
     Profile,
     TimeCurve,
 )
+from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.train import copy_model
 
 __all__ = ["MIN_BLOCKS", "Shallow", "deepen", "deepen_time", "shallow_copies", "whole_fits"]

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from autotune._profile_data import OptimizerProfile, PrecisionProfile, Profile, Transfer
 from autotune.config import timeline_key
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
-from autotune.measure._profile_data import OptimizerProfile, PrecisionProfile, Profile
 from autotune.measure._profiler import Profiler
-from autotune.measure._transfer import Transfer
 from autotune.train import bytes_per_sample, copy_model
 
 __all__ = ["memory_profile", "sharded_precisions", "working_copy"]

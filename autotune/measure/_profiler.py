@@ -21,11 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.config import TrainConfig, is_factory, timeline_knobs, timeline_parts
-from autotune.device import backend_for
-from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
-from autotune.measure._peak import measure_peak
-from autotune.measure._profile_data import (
+from autotune._profile_data import (
     CHECKPOINT,
     KEEP,
     OFFLOAD,
@@ -35,6 +31,11 @@ from autotune.measure._profile_data import (
     Phase,
     PrecisionProfile,
 )
+from autotune._spelling import option
+from autotune.config import TrainConfig, is_factory, timeline_knobs, timeline_parts
+from autotune.device import backend_for
+from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
+from autotune.measure._peak import measure_peak
 from autotune.measure._roofline import simulated_now
 from autotune.measure._timeline import fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
@@ -375,7 +376,7 @@ def _model_errors(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Itera
             ) from exc
         if loss_fn is not None and raised_in(exc, compute_loss):
             raise LossError(
-                f"loss_fn(output, batch) failed on the sample batch ({cut}) "
+                f"{option('loss_fn')}(output, batch) failed on the sample batch ({cut}) "
                 f"with {failed}. It gets the model's output and the whole batch, and must "
                 "return a scalar tensor."
             ) from exc

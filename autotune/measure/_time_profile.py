@@ -17,16 +17,9 @@ from typing import NamedTuple
 
 import torch
 
+from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, PrecisionProfile, Profile, TimeCurve
 from autotune.config import timeline_parts
 from autotune.errors import BatchError, ProfileError
-from autotune.measure._profile_data import (
-    CHECKPOINT,
-    KEEP,
-    SELECTIVE,
-    PrecisionProfile,
-    Profile,
-    TimeCurve,
-)
 from autotune.measure._profiler import Profiler
 
 __all__ = ["Fast", "fast_precisions", "time_profile"]

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autotune._profile_data import Line, Phase, PhaseKey
 from autotune.measure._peak import measure_peak
-from autotune.measure._profile_data import Line, Phase, PhaseKey
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors, tracker_for
 
 __all__ = ["fit_phases", "tracked_step"]

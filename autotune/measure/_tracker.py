@@ -31,8 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autotune._profile_data import PhaseKey
 from autotune.device import backend_for, in_host_memory, is_host_storage
-from autotune.measure._profile_data import PhaseKey
 from autotune.train import quantization_state
 
 __all__ = [

@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
+from autotune._profile_data import Transfer
 from autotune.device import Target, backend_for
 
 __all__ = ["Transfer", "measure_transfer"]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Host<->device copy speeds measured on the target, and the host memory offload may use.
-
-    Attributes:
-        d2h_bytes_per_s: Device to pinned host memory.
-        h2d_bytes_per_s: Pinned host memory to device.
-        host_limit_bytes: Host bytes offload may plan to hold (a share of what is free).
-        rounds_host: Each host buffer takes a power of two (torch's pinned allocator).
-    """
-
-    d2h_bytes_per_s: float
-    h2d_bytes_per_s: float
-    host_limit_bytes: int
-    rounds_host: bool = False
 
 
 _PROBE_BYTES = 256 * 2**20

@@ -16,101 +16,43 @@
 * ``_workload``: what one training step runs, as the profiler and verifier take it;
   ``_identity``: a model's fingerprint, and what differs from where a result was tuned.
 
-The interface the other layers use is the table below (see :mod:`autotune._interface`);
-each name loads its module on first use.
-
-This layer imports neither optuna nor ``autotune.measure``; tests check it.
+The interface the other layers use is ``__all__``: the names imported below. The
+modules behind them are private to the package (``tests/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from autotune._interface import interface
-
-if TYPE_CHECKING:
-    from autotune.train._applied import Applied
-    from autotune.train._attention import set_attention
-    from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
-    from autotune.train._batch_layout import layouts_of_model
-    from autotune.train._checkpoint import (
-        apply_checkpointing,
-        apply_offloading,
-        remove_checkpointing,
-    )
-    from autotune.train._compiled import compiled_parts, measured_compiling
-    from autotune.train._identity import differences, fingerprint
-    from autotune.train._lengths import sequence_length, truncate
-    from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
-    from autotune.train._optimizers import (
-        OptimizerFactory,
-        available,
-        build_optimizer,
-        factory_name,
-        fused_runs,
-        not_at_hand,
-    )
-    from autotune.train._parallel import (
-        agree_max,
-        broadcast,
-        collective,
-        gathered_tensors,
-        group_size,
-        rank,
-        rank_zero,
-    )
-    from autotune.train._prepare import apply, prepare
-    from autotune.train._quantized import copy_model, one_per_storage, quantization_state
-    from autotune.train._runner import Runner
-    from autotune.train._steps import check_finite
-    from autotune.train._workload import Workload
-
-INTERFACE = {
-    "Applied": "autotune.train._applied",
-    "LossFn": "autotune.train._loss",
-    "OptimizerFactory": "autotune.train._optimizers",
-    "Runner": "autotune.train._runner",
-    "Workload": "autotune.train._workload",
-    "agree_max": "autotune.train._parallel",
-    "apply": "autotune.train._prepare",
-    "apply_checkpointing": "autotune.train._checkpoint",
-    "apply_offloading": "autotune.train._checkpoint",
-    "available": "autotune.train._optimizers",
-    "batch_size": "autotune.train._batch",
-    "broadcast": "autotune.train._parallel",
-    "build_optimizer": "autotune.train._optimizers",
-    "bytes_per_sample": "autotune.train._batch",
-    "call_model": "autotune.train._loss",
-    "check_finite": "autotune.train._steps",
-    "collective": "autotune.train._parallel",
-    "compiled_parts": "autotune.train._compiled",
-    "compute_loss": "autotune.train._loss",
-    "copy_model": "autotune.train._quantized",
-    "describe_call": "autotune.train._loss",
-    "differences": "autotune.train._identity",
-    "factory_name": "autotune.train._optimizers",
-    "fingerprint": "autotune.train._identity",
-    "fused_runs": "autotune.train._optimizers",
-    "gathered_tensors": "autotune.train._parallel",
-    "group_size": "autotune.train._parallel",
-    "layouts_of_model": "autotune.train._batch_layout",
-    "map_tensors": "autotune.train._batch",
-    "measured_compiling": "autotune.train._compiled",
-    "not_at_hand": "autotune.train._optimizers",
-    "one_per_storage": "autotune.train._quantized",
-    "prepare": "autotune.train._prepare",
-    "quantization_state": "autotune.train._quantized",
-    "raised_in": "autotune.train._loss",
-    "rank": "autotune.train._parallel",
-    "rank_zero": "autotune.train._parallel",
-    "remove_checkpointing": "autotune.train._checkpoint",
-    "resize": "autotune.train._batch",
-    "sequence_length": "autotune.train._lengths",
-    "set_attention": "autotune.train._attention",
-    "tensors_on": "autotune.train._batch",
-    "truncate": "autotune.train._lengths",
-}
-"""What the other layers may import from here, by the private module that defines it."""
+from autotune.train._applied import Applied
+from autotune.train._attention import set_attention
+from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
+from autotune.train._batch_layout import layouts_of_model
+from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
+from autotune.train._compiled import compiled_parts, measured_compiling
+from autotune.train._identity import differences, fingerprint
+from autotune.train._lengths import sequence_length, truncate
+from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
+from autotune.train._optimizers import (
+    OptimizerFactory,
+    available,
+    build_optimizer,
+    factory_name,
+    fused_runs,
+    not_at_hand,
+)
+from autotune.train._parallel import (
+    agree_max,
+    broadcast,
+    collective,
+    gathered_tensors,
+    group_size,
+    rank,
+    rank_zero,
+)
+from autotune.train._prepare import apply, prepare
+from autotune.train._quantized import copy_model, one_per_storage, quantization_state
+from autotune.train._runner import Runner
+from autotune.train._steps import check_finite
+from autotune.train._workload import Workload
 
 __all__ = [
     "Applied",
@@ -157,5 +99,3 @@ __all__ = [
     "tensors_on",
     "truncate",
 ]
-
-__getattr__, __dir__ = interface(__name__, INTERFACE)

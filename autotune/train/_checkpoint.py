@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, noop_context_fn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from autotune._spelling import option
 from autotune.config import TrainConfig
 from autotune.errors import BlockError
 from autotune.train._offload_activations import ActivationOffloader
@@ -172,7 +173,7 @@ def _kept_changed_error() -> BlockError:
         "selective checkpointing kept it (an activation with inplace=True right after a "
         "convolution, say), so the kept output is no longer what backward needs. Checkpoint "
         "it whole instead (checkpoint, not selective_checkpoint), or tune with "
-        "SearchSpace(selective_checkpointing=False)."
+        f"{option('SearchSpace(selective_checkpointing=False)')}."
     )
 
 
@@ -185,8 +186,8 @@ def _recompute_error(exc: RuntimeError) -> BlockError:
         f"block {_last_recomputed[0]!r} cannot be checkpointed: recomputed in backward, it "
         f"saved other tensors than its forward did ({detail}). Its forward depends on state "
         "it changes (a cache, a counter, a random choice outside torch's generator). Tune "
-        "without checkpointing it: name the blocks that can be with SearchSpace(blocks=[...]), "
-        "or SearchSpace(checkpointing=False)."
+        "without checkpointing it: name the blocks that can be with "
+        f"{option('SearchSpace(blocks=[...])')}, or {option('SearchSpace(checkpointing=False)')}."
     )
 
 

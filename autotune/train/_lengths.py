@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from autotune._spelling import option
 from autotune.config import TrainConfig
 from autotune.errors import BatchError
 from autotune.result import LengthRow
@@ -43,7 +44,8 @@ def sequence_length(batch: Batch) -> int:
     if not found:
         raise BatchError(
             "the batch has no tensor with a sequence dimension (dimension 1), so its length "
-            "is unknown: pass token ids shaped (batch, length), or leave sequence_lengths out"
+            "is unknown: pass token ids shaped (batch, length), or leave "
+            f"{option('sequence_lengths')} out"
         )
     return found[0]
 
@@ -71,7 +73,7 @@ def row_index(lengths: Sequence[int], length: int) -> int:
         raise BatchError(
             f"a batch of length {length} is longer than the longest the config was tuned for "
             f"({lengths[-1]}): cut or split such sequences, or tune again with "
-            f"sequence_lengths up to {length}"
+            f"{option('sequence_lengths')} up to {length}"
         )
     return i
 

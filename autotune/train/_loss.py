@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._spelling import option
 from autotune.errors import LossError
 
 __all__ = ["LossFn", "call_model", "compute_loss", "describe_call", "raised_in"]
@@ -48,7 +49,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         loss = loss_fn(output, batch)
         if not _is_scalar(loss):
             raise LossError(
-                f"loss_fn returned {_describe(loss)}; it must return a scalar tensor "
+                f"{option('loss_fn')} returned {_describe(loss)}; it must return a scalar tensor "
                 "(e.g. a mean over the batch)."
             )
         return _zero_dim(loss)
@@ -64,7 +65,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         hint = " The output has a .loss of None: include labels in the batch (e.g. 'labels')."
     raise LossError(
         f"cannot derive a loss from the model's output, {_describe(output)}.{hint} "
-        "Pass loss_fn=lambda output, batch: ... returning a scalar tensor."
+        f"Pass {option('loss_fn=lambda output, batch: ...')} returning a scalar tensor."
     )
 
 
@@ -98,7 +99,8 @@ def describe_call(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> str:
         hint = ""
         if len(batch) > 1:
             hint = (
-                "; for an (inputs, target) batch pass loss_fn=lambda output, batch: ..., "
+                f"; for an (inputs, target) batch pass "
+                f"{option('loss_fn=lambda output, batch: ...')}, "
                 "and the model gets every item but the last"
             )
         return (

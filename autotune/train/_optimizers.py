@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._spelling import option
 from autotune.config import BITSANDBYTES_OPTIMIZERS, OPTIMIZERS, is_factory
 from autotune.errors import ConfigError
 
@@ -239,7 +240,7 @@ def not_at_hand(name: str) -> ConfigError:
     """The error of a config tuned with a factory not passed in this process."""
     return ConfigError(
         f"this config was tuned with your optimizer factory {name}; pass it: "
-        "optimizer=<that function> (or its import path as a string)."
+        f"{option('optimizer=<that function> (or its import path as a string)')}."
     )
 
 
@@ -337,7 +338,7 @@ def _moved_to(
         raise ConfigError(
             f"the optimizer of factory {name} makes its state as it is built, on the "
             "device: it cannot be offloaded to the host. Leave offload_optimizer off "
-            "(SearchSpace(offload_optimizer=False))."
+            f"({option('SearchSpace(offload_optimizer=False)')})."
         )
     master_of = {id(p): m for p, m in zip(params, masters, strict=True)}
     for group in optimizer.param_groups:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
+from autotune._spelling import option
 from autotune.errors import BatchError, ConfigError
 from autotune.result import TuneResult
 from autotune.train._lengths import row_index
@@ -52,7 +53,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         if not isinstance(result, TuneResult) or not result.by_length:
             raise ConfigError(
                 "LengthBucketSampler needs a result tuned per sequence length: call "
-                "autotune.autotune(..., sequence_lengths=[...])."
+                f"autotune.autotune(..., {option('sequence_lengths')}=[...])."
             )
         self.rows = result.by_length
         self.batch_sizes = tuple(r.config.effective_batch_size for r in self.rows)
@@ -63,7 +64,7 @@ class LengthBucketSampler(Sampler[list[int]]):
             raise BatchError(
                 f"{len(longer)} samples (the first: index {longer[0]}, length "
                 f"{lengths[longer[0]]}) are longer than the longest row ({limits[-1]}): cut "
-                "or drop them, or tune again with longer sequence_lengths"
+                f"or drop them, or tune again with longer {option('sequence_lengths')}"
             )
         for i, n in enumerate(lengths):
             self.buckets[row_index(limits, n)].append(i)

@@ -1,50 +1,36 @@
 """The orchestration of a tuning run: the pipeline's stages called in order.
 
+* ``_pipeline``: read first. One run, problem -> profile -> search -> verify -> result,
+  which every kind of run composes with stages of its own; ``_stopwatch``: the seconds
+  each stage took.
+* ``_device_run``: a run on the device (profiled, searched, verified), its jobs done once
+  among processes (:mod:`autotune.jobs`); ``_plan_ahead``: ``plan_ahead()``, a run traced
+  for a GPU and ranks that are not here; ``_estimate``: ``estimate()``, one config's
+  peak without tuning, and what each part costs.
 * ``_autotune``: ``autotune()``, and the runs one call makes: one per sequence length
-  (``_lengths``), each one per attention implementation (``_attention``), each one run
-  (``_once``: profile, planners, search, verification, result).
+  (``_length_table``), each one per attention implementation (``_attention_choice``).
 * ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
   ``_problem``: those inputs validated, and what follows from them on the target.
 * ``_profiling``: the run's profile, memory then time; ``_pieces``: the model whole, or
   shallow copies of it where it does not fit the device whole.
-* ``_study``: a run kept in a study, each expensive job done once among processes;
-  ``_data_parallel``: searching every layout, and results planned for ranks not here.
-* ``_estimate``: ``estimate()``, one config's peak without tuning, and what each part costs.
-* ``_progress``: a run's progress where a person watches (a terminal, a notebook).
-* ``_ahead``: ``plan_ahead()``, planning for a GPU and ranks that are not here, traced;
-  ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself; ``_start``: a run
-  that starts from a plan, its config verified first.
+* ``_data_parallel``: searching every layout, and results planned for ranks not here;
+  ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself.
+* ``_starting_point``: a run that starts from a plan, its config verified first;
+  ``_evaluation``: the evaluation batch beside each config; ``_progress``: a run's
+  progress where a person watches (a terminal, a notebook).
 
-The interface the other layers use is the table below (see :mod:`autotune._interface`);
-each name loads its module on first use.
+The interface the other layers use is ``__all__``: the names imported below. The
+modules behind them are private to the package (``tests/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from autotune._interface import interface
-
-if TYPE_CHECKING:
-    from autotune.tuning._ahead import plan_with
-    from autotune.tuning._autotune import tune, with_optimizer
-    from autotune.tuning._estimate import Estimate, estimate
-    from autotune.tuning._options import TuneOptions
-    from autotune.tuning._progress import Progress, progress
-    from autotune.tuning._start import plan_record
-
-INTERFACE = {
-    "Estimate": "autotune.tuning._estimate",
-    "Progress": "autotune.tuning._progress",
-    "TuneOptions": "autotune.tuning._options",
-    "plan_with": "autotune.tuning._ahead",
-    "plan_record": "autotune.tuning._start",
-    "progress": "autotune.tuning._progress",
-    "estimate": "autotune.tuning._estimate",
-    "tune": "autotune.tuning._autotune",
-    "with_optimizer": "autotune.tuning._autotune",
-}
-"""What the other layers may import from here, by the private module that defines it."""
+from autotune.tuning._autotune import tune, with_optimizer
+from autotune.tuning._estimate import Estimate, estimate
+from autotune.tuning._options import TuneOptions
+from autotune.tuning._plan_ahead import plan_with
+from autotune.tuning._progress import Progress, progress
+from autotune.tuning._starting_point import plan_record
 
 __all__ = [
     "Estimate",
@@ -57,5 +43,3 @@ __all__ = [
     "tune",
     "with_optimizer",
 ]
-
-__getattr__, __dir__ = interface(__name__, INTERFACE)

@@ -20,7 +20,7 @@ from autotune.config import TrainConfig
 from autotune.errors import BatchError, BudgetTooSmallError, ProfileError, VerificationError
 from autotune.result import Spent, TuneResult
 from autotune.train import set_attention
-from autotune.tuning._once import tune_once
+from autotune.tuning._device_run import tune_on_device
 from autotune.tuning._options import TuneOptions
 
 __all__ = ["tune_attentions"]
@@ -39,14 +39,14 @@ def tune_attentions(model: nn.Module, sample: Any, options: TuneOptions) -> Tune
             implementation fits or runs (the first's error).
     """
     if not options.space.attention:
-        return tune_once(model, sample, options)
+        return tune_on_device(model, sample, options)
     results: list[TuneResult] = []
     failed: list[Exception] = []
     for name in options.space.attention:
         put_back = set_attention(model, name)
         try:
             log.info("tuning with attention %s", name)
-            result = tune_once(model, sample, options)
+            result = tune_on_device(model, sample, options)
         except (BudgetTooSmallError, BatchError, ProfileError, VerificationError) as exc:
             log.info("attention %s: %s", name, str(exc).splitlines()[0])
             failed.append(exc)

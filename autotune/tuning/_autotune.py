@@ -2,7 +2,7 @@
 
 A call is a table of runs: one per sequence length (``sequence_lengths``; else the
 sample's), each of them one per attention implementation (``SearchSpace.attention``; else
-the model's), each a tuning run of its own (:func:`~autotune.tuning._once.tune_once`).
+the model's), each a tuning run of its own (:func:`~autotune.tuning._device_run.tune_on_device`).
 The loops are :func:`~autotune.tuning._length_table.tune_lengths` and
 :func:`~autotune.tuning._attention_choice.tune_attentions`.
 """
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.errors import ConfigError
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, OptimizerFactory, factory_name
@@ -26,7 +25,7 @@ from autotune.tuning._length_table import tune_lengths
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import uncompiled
 from autotune.tuning._progress import progress, shown
-from autotune.tuning._start import resolved_plan, started_from
+from autotune.tuning._starting_point import resolved_plan, started_from
 
 __all__ = ["autotune", "tune", "with_optimizer"]
 
@@ -148,10 +147,6 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
     """:func:`autotune` with its options in one record (what the Lightning callback and
     the command line call)."""
     model = uncompiled(model, stacklevel=4)
-    if options.storage is not None and options.space.attention:
-        raise ConfigError(
-            "SearchSpace.attention is not supported with storage= yet; leave one of them out."
-        )
     options = started_from(options, model)
     with progress(quiet=not shown(options.progress)):
         if options.table:

@@ -11,18 +11,17 @@ profile and nothing of the parallel run is verified: the result says so.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
+from autotune._plain_data import from_plain, to_plain
+from autotune._profile_data import Profile
 from autotune.config import TrainConfig
+from autotune.cost import Candidate, CostModel, Planner, search
 from autotune.errors import BudgetTooSmallError
-from autotune.measure import Profile
-from autotune.plan import Candidate, Planner, search
-from autotune.result import ModelInfo, Spent, TuneResult
+from autotune.jobs import Codec, JobStore, job_id
+from autotune.result import ModelInfo, TuneResult
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
-from autotune.tuning._study import shared_candidates
-from autotune.verify import StudyStore
 
 __all__ = [
     "merged",
@@ -60,10 +59,9 @@ def planned_result(
     problem: Problem,
     profile: Profile,
     candidates: list[Candidate],
-    started: float,
-    clock: list[float],
 ) -> TuneResult:
-    """The fastest predicted configuration for a world size not here, marked unverified.
+    """The fastest predicted configuration for a world size not here (or a GPU not here),
+    marked unverified.
 
     Raises:
         BudgetTooSmallError: nothing fits on a rank.
@@ -83,17 +81,15 @@ def planned_result(
         target=problem.target.info(),
         model=info,
         breakdown=best.prediction.breakdown,
-        tuning_s=time.perf_counter() - started,
-        spent=Spent.between(clock),
         unverified=planned_notes(best.config, profile.comm is not None),
     )
 
 
 def search_layouts(
-    planners: list[Planner], store: StudyStore | None, options: TuneOptions
+    planners: list[Planner], jobs: JobStore, options: TuneOptions
 ) -> list[Candidate]:
-    """Every layout's candidates, fastest predicted first (each layout's searched once
-    among the processes that share ``store``)."""
+    """Every layout's candidates, fastest predicted first (each layout searched once
+    among the processes that share ``jobs``)."""
     n_trials, timeout_s, seed = options.n_trials, options.timeout_s, options.seed
     found = []
     for planner in planners:
@@ -111,17 +107,24 @@ def search_layouts(
                 n_trials=n_trials,
                 timeout_s=timeout_s,
                 seed=seed,
-                storage=store.storage if store else None,
-                study_name=store.name if store else None,
+                storage=jobs.storage,
+                study_name=jobs.name,
             )
 
-        if store is None:
-            found.append(run_search())
-        else:
-            found.append(
-                shared_candidates(store, run_search, planner.cost, n_trials, timeout_s, seed)
-            )
+        layout = planner.cost.layout.describe()
+        job = job_id("search", layout, *map(str, (n_trials, timeout_s, seed)))
+        found.append(jobs.once(job, run_search, "searching", _candidates(planner.cost)))
     return merged(found)
+
+
+def _candidates(cost: CostModel) -> Codec:
+    """Candidates kept as their configs, predicted again when read."""
+    return Codec(
+        lambda found: [to_plain(c.config) for c in found],
+        lambda plain: [
+            Candidate(c, cost.predict(c)) for c in (from_plain(TrainConfig, p) for p in plain)
+        ],
+    )
 
 
 def _note(planner: Planner) -> str:

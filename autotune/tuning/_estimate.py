@@ -8,6 +8,7 @@ and 4, on a copy of the model) fed to the cost model. Nothing is timed or verifi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Iterator, Sequence
@@ -17,21 +18,21 @@ import torch
 from torch import nn
 
 from autotune._blocks import find_blocks, resolve_blocks
+from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig, is_factory
+from autotune.cost import CostModel
 from autotune.device import Target, backend_for, discover
 from autotune.errors import BlockError, ProfileError
 from autotune.measure import (
-    Profile,
     Profiler,
-    Transfer,
     measure_transfer,
     memory_profile,
     sharded_precisions,
     whole_fits,
     working_copy,
 )
-from autotune.plan import CostModel
 from autotune.result import Breakdown, Costs
+from autotune.space import SearchSpace
 from autotune.train import (
     LossFn,
     OptimizerFactory,
@@ -44,9 +45,11 @@ from autotune.train import (
     not_at_hand,
 )
 from autotune.tuning._pieces import Pieces
-from autotune.tuning._problem import refuse_meta, uncompiled
+from autotune.tuning._pipeline import run
+from autotune.tuning._problem import Problem, refuse_meta, uncompiled
+from autotune.tuning._stopwatch import Stopwatch
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "OneConfig", "estimate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,29 +117,65 @@ def estimate(
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
-    foreign = backend_for(target.device).foreign_bytes()
-    workload = Workload(model, sample_batch, loss_fn, names, target.device, foreign)
-    # A model sharded over ranks may not fit the device whole: copies of 3 and 4 blocks.
-    pieces = Pieces(
-        model,
-        names,
-        fits=whole_fits(model, target.free_bytes, config.world_size),
-        device=target.device,
-        whole=lambda: working_copy(model, target.device),
+    problem = Problem(
+        sample=sample_batch,
+        loss_fn=loss_fn,
+        target=target,
+        space=SearchSpace(),  # not searched: the config is the one setting
+        blocks=names,
+        sizes=(config.micro_batch_size,),
+        precisions=(config.timeline,),
+        global_batch_size=config.global_batch_size,
+        budget=target.total_bytes,
+        limit=target.total_bytes,
+        foreign_bytes=backend_for(target.device).foreign_bytes(),
+        world=config.world_size,
     )
-    offloads = bool(config.offload_activations or config.offload_optimizer)
-    transfer = measure_transfer(target) if offloads else None
-    profiles = []
-    with measured_compiling(bool(config.compile_blocks) and not pieces.shallow):
-        for piece, piece_blocks in pieces.each():
-            profiles.append(_memory(workload.over(piece, piece_blocks), config, target, transfer))
-            del piece  # off the device before the next piece comes on
-    profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
-    # After the profile's training steps the context holds what loads lazily too.
-    context = max(target.context_bytes, backend_for(target.device).context_bytes())
-    costs = CostModel(dataclasses.replace(profile, context_bytes=context))
-    peak, at_peak = costs.memory(config)
-    return Estimate(peak, at_peak, costs.costs(config) if config.parallel == "none" else None)
+    return run(contextlib.nullcontext(problem), OneConfig(model, config), Stopwatch())
+
+
+class OneConfig:
+    """The stages of an estimate (see :class:`~autotune.tuning._pipeline.Stages`): the
+    memory profile of one config's timeline and optimizer, its peak predicted, nothing
+    verified."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig) -> None:
+        self.model, self.config = model, config
+
+    def holding(self, problem: Problem) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # no budget: the estimate says what it takes
+
+    def profile(self, problem: Problem) -> Profile:
+        """Measured on a copy of the model, or on copies of 3 and 4 of its blocks where
+        a model sharded over ranks does not fit the device whole."""
+        config, target = self.config, problem.target
+        pieces = Pieces(
+            self.model,
+            problem.blocks,
+            fits=whole_fits(self.model, target.free_bytes, config.world_size),
+            device=target.device,
+            whole=lambda: working_copy(self.model, target.device),
+        )
+        offloads = bool(config.offload_activations or config.offload_optimizer)
+        transfer = measure_transfer(target) if offloads else None
+        work, profiles = problem.workload(self.model), []
+        with measured_compiling(bool(config.compile_blocks) and not pieces.shallow):
+            for piece, piece_blocks in pieces.each():
+                profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
+                del piece  # off the device before the next piece comes on
+        profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
+        # After the profile's training steps the context holds what loads lazily too.
+        context = max(target.context_bytes, backend_for(target.device).context_bytes())
+        return dataclasses.replace(profile, context_bytes=context)
+
+    def search(self, profile: Profile, problem: Problem) -> CostModel:
+        return CostModel(profile)
+
+    def verify(self, problem: Problem, profile: Profile, searched: CostModel) -> Estimate:
+        """The config's peak as predicted (nothing runs)."""
+        peak, at_peak = searched.memory(self.config)
+        costs = searched.costs(self.config) if self.config.parallel == "none" else None
+        return Estimate(peak, at_peak, costs)
 
 
 def _memory(

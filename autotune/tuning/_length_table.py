@@ -21,7 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from autotune.config import MAX_BATCH, TrainConfig
+from autotune._spelling import option
+from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import LengthRow, Spent, TuneResult
 from autotune.space import SearchSpace
@@ -32,10 +33,6 @@ from autotune.tuning._options import TuneOptions
 __all__ = ["Lengths", "tune_lengths"]
 
 log = logging.getLogger("autotune")
-
-
-def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_BATCH**2
 
 
 @dataclass(frozen=True)
@@ -60,38 +57,22 @@ class Lengths:
             ConfigError: what is wrong with them, and what to pass instead.
             BatchError: the sample batch has no sequence dimension.
         """
-        if global_batch_size is not None and global_batch_tokens is not None:
-            raise ConfigError(
-                "pass global_batch_size (samples per step) or global_batch_tokens, not both."
-            )
         full = sequence_length(sample)
         if lengths is None:
             lengths = (full,)
-        if (
-            isinstance(lengths, (str, bytes))
-            or not isinstance(lengths, Sequence)
-            or not lengths
-            or not all(_positive(n) for n in lengths)
-        ):
-            raise ConfigError(
-                f"sequence_lengths must be a list of positive integers, got {lengths!r:.60}."
-            )
         ordered = tuple(sorted(set(lengths)))
         if ordered[-1] > full:
             raise ConfigError(
-                f"the sample batch is {full} long but sequence_lengths goes to {ordered[-1]}: "
+                f"the sample batch is {full} long but {option('sequence_lengths')} goes to "
+                f"{ordered[-1]}: "
                 "pass a sample batch at the longest length you will train on."
             )
         if global_batch_tokens is not None:
-            if not _positive(global_batch_tokens):
-                raise ConfigError(
-                    "global_batch_tokens must be a positive integer, got "
-                    f"{global_batch_tokens!r:.40}."
-                )
             uneven = [n for n in ordered if global_batch_tokens % n]
             if uneven:
                 raise ConfigError(
-                    f"global_batch_tokens {global_batch_tokens} is not a whole number of "
+                    f"{option('global_batch_tokens')} {global_batch_tokens} is not a whole "
+                    "number of "
                     f"samples at length {uneven[0]}: use a multiple of every length."
                 )
             samples = tuple(global_batch_tokens // n for n in ordered)
@@ -100,7 +81,8 @@ class Lengths:
         else:
             raise ConfigError(
                 "a table per sequence length needs the optimizer step to mean the same at "
-                "every length: pass global_batch_size (samples) or global_batch_tokens."
+                f"every length: pass {option('global_batch_size')} (samples) or "
+                f"{option('global_batch_tokens')}."
             )
         return Lengths(ordered, samples)
 
@@ -110,8 +92,8 @@ def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneRes
     the rows into one result: the longest's, with ``by_length``.
 
     Raises:
-        ConfigError: the table's arguments are wrong, or data parallelism or a storage
-            were asked for (not supported yet).
+        ConfigError: the table's lengths do not fit the sample or the step, or data
+            parallelism was asked for (not supported yet).
         BatchError: the sample batch has no sequence dimension.
     """
     lengths = Lengths.of(
@@ -119,13 +101,9 @@ def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneRes
     )
     if options.parallel or group_size() > 1:
         raise ConfigError(
-            "sequence_lengths and global_batch_tokens are not supported with data "
-            "parallelism yet; tune at the longest length with global_batch_size."
-        )
-    if options.storage is not None:
-        raise ConfigError(
-            "sequence_lengths and global_batch_tokens are not supported with storage= yet; "
-            "leave storage out."
+            f"{option('sequence_lengths')} and {option('global_batch_tokens')} are not "
+            "supported with data parallelism yet; tune at the longest length with "
+            f"{option('global_batch_size')}."
         )
     started = time.perf_counter()
     rows: list[LengthRow] = []

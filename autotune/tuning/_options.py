@@ -2,7 +2,10 @@
 
 :func:`autotune.autotune` takes these as keyword arguments (documented there), the
 Lightning callback from its own arguments and the command line from its flags; each
-builds one record and passes it on, so that an option is added in one place.
+builds one record and passes it on, so that an option is added in one place. A record
+checks itself once, when it is built: what can be wrong with the options alone is an
+error before the model is looked at; what depends on the model, the sample or the
+process group is the problem's to check (:func:`~autotune.tuning._problem.make_problem`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autotune._spelling import option
+from autotune.config import MAX_BATCH, is_factory
+from autotune.errors import ConfigError, ProfileError
 from autotune.space import SearchSpace
+from autotune.train import available, build_optimizer, factory_name
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +56,78 @@ class TuneOptions:
     """Show progress on stderr; ``None``: where a person watches (a terminal, a notebook)
     and no logging is set up."""
 
+    def __post_init__(self) -> None:
+        """Check the options that need nothing else to check.
+
+        Raises:
+            ConfigError: what is wrong, and what to pass instead.
+            ProfileError: a loss that cannot be called.
+        """
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ProfileError(
+                f"{option('loss_fn')} must be callable as loss_fn(output, batch) -> scalar tensor."
+            )
+        if self.global_batch_size is not None and not _count(self.global_batch_size):
+            raise ConfigError(
+                f"{option('global_batch_size')} must be a positive integer up to {MAX_BATCH}, got "
+                f"{str(self.global_batch_size)[:40]}; pass the number of samples per "
+                "optimizer step, or None for no accumulation."
+            )
+        if self.eval_batch_size is not None and not _count(self.eval_batch_size):
+            raise ConfigError(
+                f"{option('eval_batch_size')} must be a positive integer, got "
+                f"{str(self.eval_batch_size)[:40]}; or None for the largest that fits."
+            )
+        if self.world_size is not None and not _count(self.world_size, most=2**20):
+            raise ConfigError(
+                f"world_size must be a positive integer, got {self.world_size!r:.40}."
+            )
+        self._check_table()
+        self._check_storage()
+        for name in self.space.optimizers:
+            if is_factory(name):
+                factory_name(name)  # named in the space: imported, or a clear ConfigError
+            elif not available(name):
+                build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
+
+    def _check_table(self) -> None:
+        """A table's lengths and its optimizer step (what the sample decides is
+        :class:`~autotune.tuning._length_table.Lengths`')."""
+        lengths, tokens = self.sequence_lengths, self.global_batch_tokens
+        if self.global_batch_size is not None and tokens is not None:
+            raise ConfigError(
+                f"pass {option('global_batch_size')} (samples per step) or "
+                f"{option('global_batch_tokens')}, not both."
+            )
+        if lengths is not None and (
+            isinstance(lengths, (str, bytes))
+            or not isinstance(lengths, Sequence)
+            or not lengths
+            or not all(_count(n, most=MAX_BATCH**2) for n in lengths)
+        ):
+            raise ConfigError(
+                f"{option('sequence_lengths')} must be a list of positive integers, got "
+                f"{lengths!r:.60}."
+            )
+        if tokens is not None and not _count(tokens, most=MAX_BATCH**2):
+            raise ConfigError(
+                f"{option('global_batch_tokens')} must be a positive integer, got {tokens!r:.40}."
+            )
+
+    def _check_storage(self) -> None:
+        """What a kept study does not hold yet."""
+        if self.storage is None:
+            return
+        if self.space.attention:
+            raise ConfigError(
+                "SearchSpace.attention is not supported with storage yet; leave one of them out."
+            )
+        if self.table:
+            raise ConfigError(
+                f"{option('sequence_lengths')} and {option('global_batch_tokens')} are not "
+                "supported with storage yet; leave storage out."
+            )
+
     @property
     def table(self) -> bool:
         """Whether a table per sequence length is asked for."""
@@ -62,3 +141,8 @@ class TuneOptions:
     def replace(self, **changes: Any) -> TuneOptions:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
+
+
+def _count(value: Any, most: int = MAX_BATCH) -> bool:
+    """Whether ``value`` is a whole number from 1 to ``most`` (``True`` is not one)."""
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= most

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from autotune._profile_data import Profile
 from autotune.device import backend_for
-from autotune.measure import Profile, deepen, shallow_copies
+from autotune.measure import deepen, shallow_copies
 
 __all__ = ["Pieces"]
 

@@ -13,19 +13,17 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from autotune._blocks import eager_module, resolve_blocks
-from autotune.config import FUSED_OPTIMIZERS, MAX_BATCH, PAGED_OPTIMIZERS, is_factory
+from autotune._spelling import option
+from autotune.config import FUSED_OPTIMIZERS, PAGED_OPTIMIZERS
+from autotune.cost import micro_batch_candidates
 from autotune.device import Target, backend_for, budget_bytes, discover
 from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
-from autotune.plan import micro_batch_candidates
 from autotune.space import SearchSpace
 from autotune.train import (
     LossFn,
     Workload,
-    available,
     batch_size,
-    build_optimizer,
     compiled_parts,
-    factory_name,
     fused_runs,
     group_size,
     layouts_of_model,
@@ -33,7 +31,7 @@ from autotune.train import (
 from autotune.tuning._options import TuneOptions
 
 if TYPE_CHECKING:
-    from autotune.measure import Profile
+    from autotune._profile_data import Profile
 
 __all__ = [
     "Problem",
@@ -71,14 +69,14 @@ class Problem:
     """The budget in bytes; verification holds every configuration to it."""
     limit: int
     """The budget less the search's head-room: what a prediction may reach."""
-    foreign: int
+    foreign_bytes: int
     """CUDA bytes held by other tensors of the process when tuning began."""
     world: int = 1
     """Ranks of data parallelism tuned for."""
     verifiable: bool = True
     """Whether those ranks are this process group's, to verify on (else the run is
     planned in one process, not run)."""
-    held: Callable[[Profile], Profile] | None = None
+    on_target: Callable[[Profile], Profile] | None = None
     """How the target holds a profile measured here, where it is not here (a plan's GPU:
     its context and allocator reserve); ``None``: as measured."""
 
@@ -100,7 +98,7 @@ class Problem:
         ``None`` (no cap) with several ranks: rank 0 profiles the model unsharded."""
         if self.world > 1:
             return None
-        return self.budget - self.target.context_bytes + self.foreign
+        return self.budget - self.target.context_bytes + self.foreign_bytes
 
     def with_context(self, context_bytes: int) -> Problem:
         """The same run with the context measured again (after training steps)."""
@@ -116,7 +114,7 @@ class Problem:
             self.loss_fn,
             blocks or self.blocks,
             self.target.device,
-            self.foreign,
+            self.foreign_bytes,
         )
 
     @property
@@ -142,8 +140,8 @@ def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
             f"{where} compiled with torch.compile: autotune measures and tunes it without "
             "compilation, so the peak it predicts is the eager model's. Compiled, a model "
             "can hold less or more (0.64-1.10x the eager peak on autotune's CPU benchmark): "
-            "pass the model uncompiled with SearchSpace(compile_blocks=True) to have its "
-            "blocks compiled and measured, or train it as tuned, uncompiled.",
+            f"pass the model uncompiled with {option('SearchSpace(compile_blocks=True)')} to "
+            "have its blocks compiled and measured, or train it as tuned, uncompiled.",
             AutotuneWarning,
             stacklevel=stacklevel,
         )
@@ -164,19 +162,6 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     refuse_meta(model)
     layouts_of_model(model)  # a vision-language model's batches: cut by image
-    if loss_fn is not None and not callable(loss_fn):
-        raise ProfileError("loss_fn must be callable as loss_fn(output, batch) -> scalar tensor.")
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, int)
-        or not 1 <= global_batch_size <= MAX_BATCH
-    ):
-        raise ConfigError(
-            f"global_batch_size must be a positive integer up to {MAX_BATCH}, got "
-            f"{str(global_batch_size)[:40]}; pass the number of samples per optimizer step, "
-            "or None for no accumulation."
-        )
-    _check_eval_and_optimizers(options.eval_batch_size, space)
     target = discover(options.device)
     budget = budget_bytes(options.budget_gb, target)
     space = _fused_where_it_runs(_unpaged_off_cuda(space, target), target)
@@ -201,7 +186,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         budget=budget,
         limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
         # What the allocator holds for other tensors (unused cached blocks returned first).
-        foreign=backend_for(target.device).foreign_bytes(),
+        foreign_bytes=backend_for(target.device).foreign_bytes(),
         world=world,
         verifiable=verifiable,
     )
@@ -249,21 +234,6 @@ def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
     return dataclasses.replace(space, optimizers=twinned(space.optimizers, PAGED_OPTIMIZERS))
 
 
-def _check_eval_and_optimizers(wanted: int | None, space: SearchSpace) -> None:
-    if wanted is not None and (
-        isinstance(wanted, bool) or not isinstance(wanted, int) or not 1 <= wanted <= MAX_BATCH
-    ):
-        raise ConfigError(
-            f"eval_batch_size must be a positive integer, got {str(wanted)[:40]}; or None for "
-            "the largest that fits."
-        )
-    for name in space.optimizers:
-        if is_factory(name):
-            factory_name(name)  # named in the space: imported, or a clear ConfigError
-        elif not available(name):
-            build_optimizer(name, [], 0.0)  # raises the ConfigError that says what to install
-
-
 def twinned(optimizers: Sequence[str], twins: dict[str, str]) -> tuple[str, ...]:
     """``optimizers`` with each that has a twin in ``twins`` replaced by it, once each,
     in order."""
@@ -285,14 +255,11 @@ def world_of(world_size: int | None) -> tuple[int, bool]:
     """(the ranks to tune for, whether they are all here to verify on).
 
     Raises:
-        ConfigError: ``world_size`` is not a positive integer, or differs from the size of
-            the process group this runs in.
+        ConfigError: ``world_size`` differs from the size of the process group this runs in.
     """
     group = group_size()
     if world_size is None:
         return group, True
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r:.40}.")
     if world_size == group:
         return group, True
     if group > 1:
@@ -311,11 +278,10 @@ def per_rank_batch(global_batch_size: int | None, world: int) -> int | None:
     """
     if global_batch_size is None or world == 1:
         return global_batch_size
-    if not isinstance(global_batch_size, int) or not 1 <= global_batch_size <= MAX_BATCH:
-        return global_batch_size  # make_problem says what is wrong with it
     if global_batch_size % world:
         raise ConfigError(
-            f"global_batch_size {global_batch_size} does not split over {world} ranks; "
+            f"{option('global_batch_size')} {global_batch_size} does not split over {world} "
+            "ranks; "
             f"use a multiple of {world} (micro-batch x accumulation x world size)."
         )
     return global_batch_size // world

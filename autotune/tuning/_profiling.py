@@ -13,9 +13,10 @@ import time
 
 from torch import nn
 
+from autotune._profile_data import Profile
+from autotune.cost import largest_fitting, planners, too_small
 from autotune.device import backend_for
 from autotune.measure import (
-    Profile,
     Profiler,
     deepen_time,
     fast_precisions,
@@ -24,16 +25,15 @@ from autotune.measure import (
     sharded_precisions,
     time_profile,
 )
-from autotune.plan import largest_fitting, planners, too_small
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import Problem
 
-__all__ = ["held", "profile_model"]
+__all__ = ["budget_cap", "profile_model"]
 
 log = logging.getLogger("autotune")
 
 
-def held(problem: Problem) -> contextlib.AbstractContextManager[None]:
+def budget_cap(problem: Problem) -> contextlib.AbstractContextManager[None]:
     """The allocator capped at the run's budget (:attr:`Problem.allocator_cap`), less the
     context as it is now: it grows as kernels load, so each stage caps anew."""
     backend = backend_for(problem.target.device)
@@ -65,7 +65,7 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     feasible = _caps(problem, draft)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
-    with held(problem):  # the context has grown as kernels loaded: the cap shrinks with it
+    with budget_cap(problem):  # the context has grown as kernels loaded: the cap shrinks with it
         profile = time_profile(
             profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
         )
@@ -123,7 +123,7 @@ def _memory(
     """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned,
     and the compiled blocks' timelines of the precisions ``compiled``."""
     log.info("profiling memory on %s (%d blocks)", problem.target.name, len(profiler.blocks))
-    with held(problem):
+    with budget_cap(problem):
         draft, notes = memory_profile(
             profiler,
             precisions,
@@ -158,12 +158,12 @@ def _worth_compiling(
 
 def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
     """Per precision, the largest micro-batch that fits some layout and optimizer, as
-    the target holds the draft (:attr:`Problem.held`).
+    the target holds the draft (:attr:`Problem.on_target`).
 
     Raises:
         BudgetTooSmallError: none fits.
     """
-    held = problem.held(draft) if problem.held is not None else draft
+    held = problem.on_target(draft) if problem.on_target is not None else draft
     found = planners(held, problem, problem.world)
     caps = {
         p: max(

@@ -18,8 +18,9 @@ from typing import Any
 from torch import nn
 
 from autotune._format import format_bytes
-from autotune.measure import Profile, traced_rank_peak
-from autotune.plan import Candidate, CostModel
+from autotune._profile_data import Profile
+from autotune.cost import Candidate, CostModel
+from autotune.measure import traced_rank_peak
 from autotune.result import TuneResult
 from autotune.train import LossFn
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from autotune.config import TrainConfig
-from autotune.plan import Planner, fallback_candidates
+from autotune.cost import Planner, fallback_candidates
 from autotune.result import TrialRecord
 from autotune.verify._winner import Measure
 

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from autotune._format import format_bytes
 from autotune.config import TrainConfig
+from autotune.cost import Candidate
 from autotune.errors import VerificationError
-from autotune.plan import Candidate
 from autotune.result import Measurement, TrialRecord
-from autotune.verify import _lead
-from autotune.verify._lead import QUIET, Noise, ahead, lead
+from autotune.verify import _noise
+from autotune.verify._noise import QUIET, Noise, ahead, lead
 from autotune.verify._verifier import Verifier
 
 __all__ = [
@@ -187,8 +187,8 @@ def _ties(passed: list[TrialRecord], model: Noise) -> tuple[TrialRecord, list[Tr
 
 def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
     """The relative noise of one timing, from the records timed more than once (see
-    :func:`autotune.verify._lead.noise`)."""
-    return _lead.noise([speeds(r) for r in records if r.measured is not None], model)
+    :func:`autotune.verify._noise.noise`)."""
+    return _noise.noise([speeds(r) for r in records if r.measured is not None], model)
 
 
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float, drift: float = 0.0) -> bool:
@@ -265,7 +265,7 @@ def settle(
             break
         for c in (leader, *racing):
             times[c].append(verifier.retime(c))
-        sigma = _lead.noise([rate(c) for c in times], model)
+        sigma = _noise.noise([rate(c) for c in times], model)
         timed = (leader, *racing)
         leader = max(timed, key=median)
         racing = [c for c in timed if c != leader and not ahead(rate(leader), rate(c), sigma)]

@@ -188,6 +188,34 @@ def test_errors_name_the_flags_not_the_python_keywords(capsys, tuned: Tuned, fla
     assert "SearchSpace" not in err and "budget_gb" not in err
 
 
+def test_every_flag_the_advice_names_is_an_option_a_message_marks() -> None:
+    """The command line spells options the library marks, by key: rewording a message
+    cannot silently leave a Python keyword in the command line's advice."""
+    import ast
+
+    from autotune.cli._flag_spelling import FLAGS
+
+    marked = set()
+    for path in Path(autotune.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "option":
+                arg = node.args[0]
+                marked.add(arg.value if isinstance(arg, ast.Constant) else arg.id)
+    names = {n for n in marked if not n.startswith("_")}  # a constant's name: its value below
+    names |= {
+        value.value
+        for path in Path(autotune.__file__).parent.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") in marked
+        and isinstance(value := node.value, ast.Constant)
+    }
+    assert set(FLAGS) <= names, set(FLAGS) - names
+    flags = {w for spelled in FLAGS.values() for w in spelled.split() if w.startswith("--")}
+    parser_text = Path(autotune.__file__).with_name("cli").joinpath("_main.py").read_text()
+    assert all(f'"{flag}"' in parser_text for flag in flags), flags
+
+
 def test_show(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:
     code, out, _ = run(capsys, "show", str(tuned.path))
     assert code == 0

@@ -14,13 +14,13 @@ from torch import nn
 
 from autotune import TrainConfig
 from autotune._blocks import find_blocks
+from autotune._profile_data import Profile, TimeCurve
+from autotune.cost._cost_model import CostModel
+from autotune.cost._layout import Layout
 from autotune.measure._depth import deepen, deepen_time, shallow_copies
 from autotune.measure._memory_profile import memory_profile, sharded_precisions
-from autotune.measure._profile_data import Profile, TimeCurve
 from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.plan._cost import CostModel
-from autotune.plan._layout import Layout
 
 CPU = torch.device("cpu")
 

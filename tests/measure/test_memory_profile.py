@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autotune.cost._cost_model import SELECTIVE, CostModel
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
-from autotune.plan._cost import SELECTIVE, CostModel
 
 CPU = torch.device("cpu")
 

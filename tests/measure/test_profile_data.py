@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from autotune.measure._profile_data import Line, profile_from_json, profile_to_json
+from autotune._profile_data import Line, profile_from_json, profile_to_json
 
 
 def test_a_rising_line_fits_the_points_least_squares() -> None:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from autotune._blocks import find_blocks
+from autotune._profile_data import profile_to_json
 from autotune.config import TrainConfig
 from autotune.measure._fake import is_traced, traced
 from autotune.measure._memory_profile import memory_profile
-from autotune.measure._profile_data import profile_to_json
 from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker
 from autotune.models import gpt_batch, tiny_gpt

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig, prepare
+from autotune._profile_data import PhaseKey
 from autotune.measure._peak import measure_peak
-from autotune.measure._profile_data import PhaseKey
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.models import GPT
 

@@ -11,6 +11,7 @@ from autotune.cli._commands import _describe
 from autotune.errors import BudgetTooSmallError, ConfigError, DistributedError
 from autotune.measure._depth import shallow_copies
 from autotune.models import GPT, gpt_batch, tiny_gpt
+from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import per_rank_batch, world_of
 
 
@@ -54,8 +55,8 @@ def test_world_size_and_global_batch_are_checked_before_anything_runs() -> None:
     assert world_of(None) == (1, True)
     assert world_of(1) == (1, True)
     assert world_of(8) == (8, False)  # planned: no group of 8 here
-    with pytest.raises(ConfigError, match="positive integer"):
-        world_of(0)
+    with pytest.raises(ConfigError, match="world_size must be a positive integer"):
+        TuneOptions(world_size=0)  # checked when the options are built
     assert per_rank_batch(64, 4) == 16
     assert per_rank_batch(None, 4) is None
     with pytest.raises(ConfigError, match="multiple of 3"):

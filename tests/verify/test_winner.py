@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
-from autotune.plan._cost import Prediction
-from autotune.plan._planner import Candidate
+from autotune.cost._cost_model import Prediction
+from autotune.cost._planner import Candidate
 from autotune.result import Breakdown
-from autotune.verify._lead import BUSY
+from autotune.verify._noise import BUSY
 from autotune.verify._winner import (
     choose_winner,
     fastest,
@@ -245,7 +245,7 @@ def test_on_a_busy_machine_every_close_contender_races_a_round_more() -> None:
     """Timed once each while other work ran, 8 leads 2 by 15% and 1 by 30%. On a quiet
     machine that 15% is known at once; on a busy one it races three paired rounds, in
     which 2 turns out as fast: a tie, listed, and the simpler (no accumulation) wins."""
-    from autotune.verify._lead import BUSY
+    from autotune.verify._noise import BUSY
     from autotune.verify._winner import tied_with
 
     records = [record(8, 100.0), record(2, 87.0), record(1, 77.0)]

@@ -1,0 +1,38 @@
+"""The cost model and its search: pure arithmetic over a profile, no device, no training code.
+
+* ``_knobs``: ``Knobs``, what the cost model reads of a configuration, as one record.
+* ``_memory_model``: peak device bytes, the phase timeline replayed for any config;
+  ``_sharded``: per rank under DDP and FSDP2, with ``_layout`` (what a layout makes of
+  each unit's bytes).
+* ``_time_model``: seconds per step, offload copies included; ``_comm``: collectives'.
+* ``_cost_model``: ``CostModel``, both together, and the exact per-block knapsack (``_knapsack``).
+* ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits;
+  ``_bounds``: a run's planners, one per layout.
+* ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,
+  exhaustive best, fallback candidates); ``_shortfall``: the error when nothing fits.
+
+The interface the other layers use is ``__all__``: the names imported below. The
+modules behind them are private to the package (``tests/test_layout.py`` holds both).
+"""
+
+from __future__ import annotations
+
+from autotune.cost._bounds import planner_of, planners
+from autotune.cost._candidates import fallback_candidates, largest_fitting, micro_batch_candidates
+from autotune.cost._cost_model import CostModel
+from autotune.cost._planner import Candidate, Planner
+from autotune.cost._search import search
+from autotune.cost._shortfall import too_small
+
+__all__ = [
+    "Candidate",
+    "CostModel",
+    "Planner",
+    "fallback_candidates",
+    "largest_fitting",
+    "micro_batch_candidates",
+    "planner_of",
+    "planners",
+    "search",
+    "too_small",
+]

@@ -1,0 +1,170 @@
+"""Enumerating configurations: micro-batch sizes, the largest that fits, the exhaustive best,
+and the candidates of the fallback ladder.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from autotune._spelling import option
+from autotune.config import TrainConfig, timeline_knobs, timeline_parts
+from autotune.cost._planner import Candidate, Planner
+from autotune.errors import ConfigError
+from autotune.space import SearchSpace
+
+__all__ = [
+    "best_config",
+    "enumerate_candidates",
+    "fallback_candidates",
+    "largest_fitting",
+    "micro_batch_candidates",
+    "space_points",
+]
+
+_MAX_ACCUM = 64
+"""The most frugal fallback accumulates at most this many micro-batches."""
+_LADDER_STEP = 0.75
+"""The middle fallback aims at this share of the winner's measured peak."""
+
+
+def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) -> tuple[int, ...]:
+    """Micro-batch sizes the search may pick, ascending.
+
+    With a global batch size only its divisors qualify, so that micro-batch times
+    accumulation equals it exactly.
+    """
+    cap = space.max_micro_batch_size
+    if global_batch_size is not None:
+        cap = min(cap, global_batch_size)
+    if space.micro_batch_sizes is not None:
+        sizes = [s for s in space.micro_batch_sizes if s <= cap]
+    else:
+        sizes = list(range(1, cap + 1))
+    if global_batch_size is not None:
+        sizes = [s for s in sizes if global_batch_size % s == 0]
+    if not sizes:
+        raise ConfigError(
+            f"no micro-batch size in the search space divides {option('global_batch_size')} "
+            f"{global_batch_size}; widen {option('SearchSpace.micro_batch_sizes')}."
+        )
+    return tuple(sizes)
+
+
+def largest_fitting(
+    planner: Planner, precision: str, optimizer: str, offload: bool | None = None
+) -> int | None:
+    """The largest allowed micro-batch size for which some configuration fits (binary search).
+
+    ``offload``: the optimizer placement; ``None``: any the planner allows.
+    """
+    if offload is None:
+        found = [
+            largest_fitting(planner, precision, optimizer, h) for h in planner.offload_optimizer
+        ]
+        return max((b for b in found if b is not None), default=None)
+    sizes = list(planner.sizes)
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if planner.config(precision, optimizer, sizes[mid], offload) is not None:
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def space_points(planner: Planner) -> list[tuple[int, str, str, bool]]:
+    """Every setting of the searched knobs that can fit: ``(micro-batch, precision,
+    optimizer, optimizer offload)``, the micro-batch no larger than the largest that fits
+    with those other knobs (found by binary search; a larger one cannot fit)."""
+    points = []
+    for p, o, h in itertools.product(
+        planner.precisions, planner.optimizers, planner.offload_optimizer
+    ):
+        top = largest_fitting(planner, p, o, h)
+        if top is not None:
+            points += [(b, p, o, h) for b in planner.sizes if b <= top]
+    return points
+
+
+def enumerate_candidates(
+    planner: Planner, points: list[tuple[int, str, str, bool]] | None = None
+) -> list[Candidate]:
+    """The cheapest fitting configuration of every point of the space (``points``:
+    :func:`space_points`), fastest predicted first (ties: smaller peak, then the order
+    of the space): the exact answer of the search."""
+    found = [
+        c
+        for b, p, o, h in (space_points(planner) if points is None else points)
+        if (c := planner.candidate(p, o, b, h)) is not None
+    ]
+    found.sort(key=Candidate.order)
+    return found
+
+
+def best_config(planner: Planner) -> Candidate | None:
+    """The fastest predicted candidate by exhaustive enumeration."""
+    found = enumerate_candidates(planner)
+    return found[0] if found else None
+
+
+def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) -> list[Candidate]:
+    """Configurations to verify for the fallback ladder below ``config`` (measured at
+    ``peak_bytes``): same effective batch and optimizer.
+
+    Two: the fastest predicted config at 3/4 of the winner's peak, and the most frugal
+    one (the smallest micro-batch with at most 64 accumulation steps, every block
+    checkpointed or offloaded, the precision and optimizer placement that need least,
+    eager where an eager precision is searched).
+    """
+    effective = config.effective_batch_size
+    sizes = [b for b in planner.sizes if effective % b == 0] or [effective]
+    ladder = Planner(
+        cost=planner.cost,
+        sizes=sizes,
+        precisions=planner.precisions,
+        optimizers=(config.optimizer,),
+        global_batch_size=effective,
+        limit=int(peak_bytes * _LADDER_STEP),
+        checkpointing=planner.checkpointing,
+        selective=planner.selective,
+        offload_optimizer=planner.offload_optimizer,
+        offload_activations=planner.offload_activations,
+    )
+    out = [c for c in (best_config(ladder),) if c is not None]
+    cost = planner.cost
+    names = cost.profile.blocks if planner.checkpointing else ()
+    # The smallest micro-batch that keeps accumulation sane (at most 64 micro-batches).
+    smallest = next((b for b in sizes if effective // b <= _MAX_ACCUM), sizes[-1])
+    placements: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(names, ())]
+    if planner.offload_activations:
+        placements.append(((), cost.profile.blocks))
+    # The last resort runs eagerly where it can: no graph of its own to compile at the
+    # smallest micro-batch, mid-training, when the fallback is taken.
+    eager = [p for p in planner.precisions if not timeline_parts(p)[1]] or planner.precisions
+    frugal = [
+        c
+        for p, h, (ckpt, off) in itertools.product(eager, planner.offload_optimizer, placements)
+        if not (off and timeline_parts(p)[1])  # a compiled block is never offloaded
+        and planner.host_fits(
+            c := cost.layout.apply(
+                TrainConfig(
+                    micro_batch_size=smallest,
+                    grad_accum_steps=effective // smallest,
+                    **timeline_knobs(p, cost.profile.blocks),
+                    checkpoint=ckpt,
+                    offload_activations=off,
+                    optimizer=config.optimizer,
+                    offload_optimizer=h,
+                )
+            )
+        )
+    ]
+    if frugal:
+        out.append(
+            min(
+                (Candidate(c, cost.predict(c)) for c in frugal),
+                key=lambda c: c.prediction.measurement.peak_bytes,
+            )
+        )
+    return out

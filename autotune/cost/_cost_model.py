@@ -1,0 +1,219 @@
+"""The cost model: predicted peak device memory and step time of any configuration, and
+the cheapest block choices that fit a limit.
+
+A prediction costs tens of microseconds, so a study can try thousands. Memory comes from
+:mod:`~autotune.cost._memory_model`, time from :mod:`~autotune.cost._time_model`; the
+per-block choice (kept, checkpointed, checkpointed selectively or offloaded) is an exact
+knapsack over both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from autotune._profile_data import Profile
+from autotune.config import TrainConfig, timeline_parts
+from autotune.cost._comm import comm_seconds, parallel_step_s
+from autotune.cost._knapsack import min_cost_choice
+from autotune.cost._knobs import Knobs, Mask
+from autotune.cost._layout import Layout
+from autotune.cost._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, MemoryModel
+from autotune.cost._sharded import per_rank_peak, sharded_memory
+from autotune.cost._time_model import TimeModel
+from autotune.result import Breakdown, Measurement
+
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "CostModel", "Mask", "Prediction"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted configuration: its numbers and its memory breakdown."""
+
+    measurement: Measurement
+    breakdown: Breakdown
+
+
+class CostModel(MemoryModel, TimeModel):
+    """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`.
+
+    With a data-parallel ``layout``, :meth:`peak_of` and :meth:`plan_of` are per rank under
+    it.
+    """
+
+    def __init__(self, profile: Profile, layout: Layout | None = None) -> None:
+        super().__init__(profile)
+        self.layout = layout or Layout()
+
+    def peak_of(self, knobs: Knobs) -> int:
+        """Predicted peak device bytes of ``knobs`` (of one rank under the layout)."""
+        if self.layout.parallel == "none":
+            return super().peak_of(knobs)
+        return per_rank_peak(self, self.layout, knobs)[0]
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether offload was profiled (transfer speeds and an offloaded variant)."""
+        return self.profile.transfer is not None and all(
+            len(p.moved) == self.n_blocks
+            for key, p in self.profile.precisions.items()
+            if not timeline_parts(key)[1]  # a compiled block is never offloaded
+        )
+
+    def can_select(self, precision: str) -> bool:
+        """Whether blocks may be checkpointed selectively at ``precision``: its variant
+        profiled, in memory and in time (under FSDP2's bf16, in its own timeline too)."""
+        prof = self.profile.precisions[precision]
+        timed = prof.time is not None and bool(prof.time.selective_ratio)
+        sharded = self.profile.sharded.get(precision) if self.layout.parallel == "fsdp" else None
+        return prof.selective and timed and (sharded is None or sharded.selective)
+
+    def plan(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        limit: int,
+        *,
+        offload_optimizer: bool = False,
+        offload_activations: bool = False,
+        selective: bool = True,
+    ) -> Mask | None:
+        """:meth:`plan_of` the knobs given one by one (no block choices: what it solves)."""
+        knobs = Knobs.given(precision, optimizer, b, accum, (), offload_optimizer)
+        return self.plan_of(
+            knobs, limit, offload_activations=offload_activations, selective=selective
+        )
+
+    def plan_of(
+        self,
+        knobs: Knobs,
+        limit: int,
+        *,
+        offload_activations: bool = False,
+        selective: bool = True,
+    ) -> Mask | None:
+        """The mask of least added time whose peak fits ``limit`` with ``knobs`` (their own
+        mask aside), or None.
+
+        Each block is kept, checkpointed, (``selective``, where profiled) checkpointed
+        selectively or (``offload_activations``) offloaded: an exact multiple-choice
+        knapsack over the Pareto frontier of (bytes saved, seconds added), checked against
+        the simulated peak and tightened until it fits.
+        """
+        precision = knobs.precision
+        return self._plan(
+            knobs.masked(()),  # one cache entry whatever mask they came with
+            limit,
+            offload_activations and self.can_offload and not timeline_parts(precision)[1],
+            selective and self.can_select(precision),
+        )
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
+    def _plan(
+        self, knobs: Knobs, limit: int, offload_activations: bool, selective: bool
+    ) -> Mask | None:
+        def peak(mask: Mask) -> int:
+            return self.peak_of(knobs.masked(mask))
+
+        none: Mask = (KEEP,) * self.n_blocks
+        need = peak(none) - limit
+        if need <= 0:
+            return none
+        if not self.n_blocks:
+            return None
+        options = self._options(knobs.precision, knobs.micro_batch, offload_activations, selective)
+        frugal: Mask = tuple(_most_saving(o) for o in options)
+        if peak(frugal) > limit:
+            full: Mask = (CHECKPOINT,) * self.n_blocks
+            return full if frugal != full and peak(full) <= limit else None
+        found = frugal
+        for _ in range(16):
+            mask = min_cost_choice(options, need)
+            if mask is None:
+                break
+            over = peak(mask) - limit
+            if over <= 0:
+                found = mask
+                break
+            need += over
+        return _relaxed(found, options, lambda m: peak(m) <= limit)
+
+    def _options(
+        self, precision: str, micro_batch: int, offload: bool, selective: bool
+    ) -> list[list[tuple[float, float]]]:
+        """Per block: (bytes saved through the forward, seconds added) of each choice, at
+        the index of its mask value; a choice not allowed saves nothing."""
+        prof = self.profile.precisions[precision]
+        curve = prof.time
+        recompute = curve.recompute(micro_batch) if curve is not None else 0.0
+        partial = curve.selective(micro_batch) if curve is not None else 0.0
+        saved = [[0.0] * (SELECTIVE + 1) for _ in range(self.n_blocks)]
+        for ph in prof.phases:
+            if ph.key.micro == 1 and ph.block is not None and ph.key.label == "fwd":
+                for v in range(1, len(ph.delta)):
+                    saved[ph.block][v] += ph.delta[KEEP](micro_batch) - ph.delta[v](micro_batch)
+        out = []
+        for i in range(self.n_blocks):
+            weight = self.profile.block_weights[i]
+            choices = [(0.0, 0.0), (saved[i][CHECKPOINT], weight * recompute)]
+            if offload or selective:
+                off = self.offload_cost(precision, micro_batch, i) if offload else 0.0
+                choices.append((saved[i][OFFLOAD] if offload else 0.0, off))
+            if selective:
+                choices.append((saved[i][SELECTIVE], weight * partial))
+            out.append(choices)
+        return out
+
+    def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
+        """Predicted peak device bytes of ``config`` (of one rank, with data parallelism)
+        and what holds them at the peak."""
+        if config.parallel != "none":
+            return sharded_memory(self, config)
+        return super().memory(config)
+
+    def predict(self, config: TrainConfig) -> Prediction:
+        """Predicted peak, step time, throughput and memory breakdown of ``config`` (per
+        rank with data parallelism; throughput over all ranks)."""
+        peak, breakdown = self.memory(config)
+        step = self.step_s_of(self.knobs(config))
+        if config.parallel == "fsdp":  # the optimizer steps a shard
+            step -= self.profile.optimizers[config.optimizer].step_s * (1 - 1 / config.world_size)
+        comm = comm_seconds(self.profile, config)
+        step = parallel_step_s(step, comm or 0.0, self.profile.device_type)
+        return Prediction(Measurement(peak, step, config.global_batch_size / step), breakdown)
+
+
+def _relaxed(
+    mask: Mask, options: Sequence[Sequence[tuple[float, float]]], fits: Callable[[Mask], bool]
+) -> Mask:
+    """``mask`` with blocks moved to cheaper choices while it still fits.
+
+    The knapsack counts what a block's choice saves through the forward, but the peak
+    need not fall by as much: the last block's backward comes first, so checkpointing it
+    recomputes its activations almost at once. Where the knapsack paid for savings that
+    did not lower the peak, a block can go back to a cheaper choice; each block in turn,
+    dearest first, takes the cheapest allowed choice that still fits, until none moves.
+    """
+    out = list(mask)
+    moved = True
+    while moved:
+        moved = False
+        for i in sorted(range(len(out)), key=lambda i: -options[i][out[i]][1]):
+            cheaper = sorted(
+                (cost, v)
+                for v, (gain, cost) in enumerate(options[i])
+                if (v == KEEP or gain > 0) and cost < options[i][out[i]][1]
+            )
+            for _, v in cheaper:
+                trial = (*out[:i], v, *out[i + 1 :])
+                if fits(trial):
+                    out[i], moved = v, True
+                    break
+    return tuple(out)
+
+
+def _most_saving(choices: Sequence[tuple[float, float]]) -> int:
+    return max(range(len(choices)), key=lambda v: choices[v][0])

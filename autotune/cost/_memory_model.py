@@ -1,0 +1,315 @@
+"""Peak device memory of any configuration: the profiled phase timeline, replayed.
+
+Micro-batch 1, micro-batch 2 repeated ``grad_accum_steps - 1`` times, then the optimizer
+step, with the step's input batch held throughout where it lives on the device, and
+after the step the next batch, which a loader makes while the last one is held. Each
+block's phases are taken from its kept, checkpointed or offloaded variant and each
+quantity is evaluated at the micro-batch size. Pure arithmetic over the profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from autotune._profile_data import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
+from autotune.config import TrainConfig
+from autotune.cost._knobs import Knobs, Mask
+from autotune.device import pinned_bytes
+from autotune.result import Breakdown, Costs
+
+__all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
+
+WRAPPED = (CHECKPOINT, OFFLOAD, SELECTIVE)
+"""The choices other than keeping, in the order of :meth:`MemoryModel.variant_shares`."""
+
+
+class ProfileView:
+    """What the memory and time models share: the profile and its blocks by index."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.n_blocks = len(profile.blocks)
+        self._index = {name: i for i, name in enumerate(profile.blocks)}
+        self._shares = profile.block_shares()
+
+    def mask_of(
+        self, checkpoint: Sequence[str], offload: Sequence[str] = (), selective: Sequence[str] = ()
+    ) -> Mask:
+        """The mask of checkpointed, offloaded and selectively checkpointed block names."""
+        out = [KEEP] * self.n_blocks
+        for names, choice in ((checkpoint, CHECKPOINT), (offload, OFFLOAD), (selective, SELECTIVE)):
+            for name in names:
+                out[self._index[name]] = choice
+        return tuple(out)
+
+    def config_mask(self, config: TrainConfig) -> Mask:
+        """The mask of ``config``'s block choices."""
+        return self.mask_of(
+            config.checkpoint, config.offload_activations, config.selective_checkpoint
+        )
+
+    def knobs(self, config: TrainConfig) -> Knobs:
+        """What the cost model reads of ``config``: its knobs, with its block choices."""
+        return Knobs.of(config, self.config_mask(config))
+
+
+class MemoryModel(ProfileView):
+    """Predicts peak device bytes from a :class:`~autotune.measure._profile_data.Profile`."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__(profile)
+        self._micro = {
+            name: (
+                tuple(ph for ph in prec.phases if ph.key.micro == 1),
+                tuple(ph for ph in prec.phases if ph.key.micro == 2),
+            )
+            for name, prec in profile.precisions.items()
+        }
+
+    def peak(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        mask: Mask,
+        *,
+        offload_optimizer: bool = False,
+    ) -> int:
+        """Predicted peak device bytes: :meth:`peak_of` the knobs given one by one."""
+        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
+        return self.peak_of(knobs)
+
+    def peak_of(self, knobs: Knobs) -> int:
+        """Predicted peak device bytes of ``knobs``."""
+        return self.peaks_of(knobs)[0]
+
+    def simulate(
+        self,
+        precision: str,
+        optimizer: str,
+        b: int,
+        accum: int,
+        mask: Mask,
+        offload_optimizer: bool = False,
+    ) -> tuple[int, int, int]:
+        """:meth:`peaks_of` the knobs given one by one."""
+        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
+        return self.peaks_of(knobs)
+
+    def peaks_of(self, knobs: Knobs) -> tuple[int, int, int]:
+        """(device peak bytes, live peak bytes, gradient bytes at the peak) of ``knobs``."""
+        if knobs.offload_optimizer and self.profile.host_is_device:
+            # The CPU: state, gradients and the step's transient are the same bytes on the
+            # "host", plus the master weights of the trained parameters (a frozen one, a
+            # LoRA base, has none; an offloaded block's host copies are in its measured
+            # variant already).
+            on_device = dataclasses.replace(knobs, offload_optimizer=False)
+            device, live_peak, held = self.peaks_of(on_device)
+            masters = self.profile.grad_bytes
+            return device + masters, live_peak + masters, held
+        precision, accum, mask = knobs.precision, knobs.accum, knobs.mask
+        micro_batch, offload_optimizer = knobs.micro_batch, knobs.offload_optimizer
+        first, later = self._micro[precision]
+        opt = self.profile.optimizers[knobs.optimizer]
+        state = 0 if offload_optimizer else opt.state_bytes
+        shares = self.variant_shares(mask)
+        moved = self.profile.precisions[precision].moved
+        start = float(self.profile.precisions[precision].base_bytes + state)
+        batch = self.profile.input_bytes_per_sample * micro_batch * accum
+        start += batch  # the step's batch, held through the step
+        # An offloaded optimizer takes each gradient off the device in the last micro-batch.
+        release = _released(first) if offload_optimizer else None
+        peak, live, grads = self._replay(
+            first, start, micro_batch, mask, shares, moved, release if accum == 1 else None
+        )
+        if accum >= 2:
+            top, end, grads2 = self._replay(later, live, micro_batch, mask, shares, moved, None)
+            # Micro-batches 2..accum repeat micro-batch 2; a net growth would compound.
+            net = end - live
+            top += (accum - 2) * max(net, 0.0)
+            if top > peak:
+                peak, grads = top, grads2
+            live += (accum - 2) * net
+            if release is not None:  # the last micro-batch sends the gradients down
+                top, end, grads2 = self._replay(
+                    later, live, micro_batch, mask, shares, moved, release
+                )
+                if top > peak:
+                    peak, grads = top, grads2
+                live = end
+            else:
+                live += net
+        if offload_optimizer:
+            live -= self.profile.grad_bytes
+        elif live + opt.step_peak_bytes > peak:
+            peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
+        # Between steps a loader makes the next batch while this one is still held.
+        if start + batch > peak:
+            peak, grads = start + batch, 0
+        live_peak = math.ceil(max(peak, start))
+        return self.device_bytes(live_peak, precision, micro_batch, shares), live_peak, grads
+
+    def variant_shares(self, mask: Mask) -> tuple[float, ...]:
+        """Parameter shares of the blocks of each choice of :data:`WRAPPED` (checkpointed,
+        offloaded, selectively checkpointed)."""
+        return tuple(
+            sum(w for w, m in zip(self._shares, mask, strict=True) if m == v) for v in WRAPPED
+        )
+
+    @staticmethod
+    def _replay(
+        phases: Sequence[Phase],
+        live: float,
+        b: int,
+        mask: Mask,
+        shares: tuple[float, ...],
+        moved: Sequence[Line],
+        release: Sequence[int] | None,
+    ) -> tuple[float, float, int]:
+        """Replay one micro-batch from ``live`` bytes: (peak, live after, grads at peak).
+
+        ``release``: gradient bytes already sent to the host as each phase begins (the
+        last micro-batch of an offloaded optimizer), or ``None``.
+        """
+        peak, grads = live, 0
+        offloaded = [i for i, m in enumerate(mask) if m == OFFLOAD]
+        freed = 0
+        for j, ph in enumerate(phases):
+            if release is not None:  # gradients leave as they are made
+                live -= release[j] - freed
+                freed = release[j]
+            if ph.block is not None:
+                v = int(mask[ph.block])
+                if v == OFFLOAD and ph.key.label == "bwd":
+                    live += _restores(ph.block, offloaded, moved, b)
+                rise, delta = ph.rise(v, b), ph.delta[v](b)
+            else:  # between blocks: in proportion to each choice's share of the blocks
+                rise, delta = between(ph, b, shares)
+            if live + rise > peak:
+                peak, grads = live + rise, ph.grads - freed
+            live += delta
+        return peak, live, grads
+
+    def device_bytes(
+        self, live_bytes: int, precision: str, b: int, shares: tuple[float, ...]
+    ) -> int:
+        """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
+        beyond them at micro-batch ``b`` (each variant's fit, weighted by the ``shares`` of
+        :meth:`variant_shares` as between blocks), and the context."""
+        reserve = self.profile.precisions[precision].reserve
+        beyond = 0.0
+        if reserve:
+            beyond = reserve[0](b)
+            for share, v in zip(shares, WRAPPED, strict=True):
+                if share and v < len(reserve):
+                    beyond += share * (reserve[v](b) - reserve[0](b))
+        return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
+
+    def host_bytes(self, config: TrainConfig) -> int:
+        """Host bytes offload holds at most: optimizer side and one micro-batch's
+        activations, each host buffer as the host allocator takes it."""
+        offloaded = Knobs.of(config, self.mask_of((), config.offload_activations))
+        return math.ceil(self._host_side(offloaded))
+
+    def _host_side(self, knobs: Knobs) -> float:
+        """Host bytes of the offloaded optimizer and of one micro-batch's offloaded blocks
+        (those ``knobs`` offload)."""
+        prof = self.profile
+        micro_batch = knobs.micro_batch
+        total = 0.0
+        if knobs.offload_optimizer:
+            total += prof.host_param_bytes or 2 * prof.grad_bytes
+            total += prof.optimizers[knobs.optimizer].state_bytes
+        rounds = prof.transfer is not None and prof.transfer.rounds_host
+        variant = prof.precisions[knobs.precision]
+        for i in (i for i, m in enumerate(knobs.mask) if m == OFFLOAD):
+            if rounds and variant.copies:
+                total += sum(pinned_bytes(math.ceil(c(micro_batch))) for c in variant.copies[i])
+            else:
+                total += variant.moved[i](micro_batch)
+        return total
+
+    def costs(self, config: TrainConfig) -> Costs:
+        """What each part of ``config`` costs at its own most (one process)."""
+        knobs = self.knobs(config)
+        prof = self.profile
+        opt = prof.optimizers[knobs.optimizer]
+        device_peak, live_peak, _ = self.peaks_of(knobs)
+        acts = self._activations(knobs, knobs.micro_batch)
+        base = prof.precisions[knobs.precision].base_bytes
+        return Costs(
+            micro_batch=knobs.micro_batch,
+            parameters=prof.param_bytes,
+            gradients=prof.grad_bytes,
+            optimizer=0 if knobs.offload_optimizer else opt.state_bytes,
+            optimizer_step=0 if knobs.offload_optimizer else opt.step_peak_bytes,
+            activations=acts,
+            activations_per_sample=self._activations(knobs, knobs.micro_batch + 1) - acts,
+            batch=math.ceil(prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum),
+            other=base - prof.param_bytes + device_peak - live_peak,
+        )
+
+    def _activations(self, knobs: Knobs, b: int) -> int:
+        """The most the first micro-batch's forward and backward hold at micro-batch ``b``
+        above what it began with, less the gradients it has made by then."""
+        first, _ = self._micro[knobs.precision]
+        shares = self.variant_shares(knobs.mask)
+        moved = self.profile.precisions[knobs.precision].moved
+        peak, _, grads = self._replay(first, 0.0, b, knobs.mask, shares, moved, None)
+        return max(math.ceil(peak - grads), 0)
+
+    def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
+        """Predicted peak device bytes of ``config`` and what holds them at the peak."""
+        knobs = self.knobs(config)
+        device_peak, live_peak, grads = self.peaks_of(knobs)
+        prof = self.profile
+        state = 0 if knobs.offload_optimizer else prof.optimizers[knobs.optimizer].state_bytes
+        batch = prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum
+        base = prof.precisions[knobs.precision].base_bytes
+        other = base - prof.param_bytes + math.ceil(batch)
+        if live_peak <= math.ceil(base + state + 2 * batch):
+            other += math.ceil(batch)  # the peak is the next batch made beside this one
+        acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
+        return device_peak, Breakdown(
+            parameters=prof.param_bytes,
+            gradients=grads,
+            optimizer=state,
+            activations=acts,
+            other=device_peak - prof.param_bytes - grads - state - acts,
+        )
+
+
+def between(ph: Phase, b: int, shares: tuple[float, ...]) -> tuple[float, float]:
+    """(rise, delta) of a phase between blocks at micro-batch ``b``: the kept run's, moved
+    toward each choice's run in proportion to its ``shares`` of the blocks (what happens
+    between blocks depends on every block's choice, e.g. autocast dropping its weight
+    casts when the forward ends)."""
+    rise, delta = ph.rise(KEEP, b), ph.delta[KEEP](b)
+    for share, v in zip(shares, WRAPPED, strict=True):
+        if share:
+            rise += share * (ph.rise(v, b) - ph.rise(KEEP, b))
+            delta += share * (ph.delta[v](b) - ph.delta[KEEP](b))
+    return rise, delta
+
+
+def _released(phases: Sequence[Phase]) -> list[int]:
+    """Gradient bytes made before each phase of a micro-batch (sent down when offloaded)."""
+    return [ph.grads for ph in phases]
+
+
+def _restores(block: int, offloaded: Sequence[int], moved: Sequence[Line], b: int) -> float:
+    """Bytes brought back to the device as offloaded ``block``'s backward begins.
+
+    The top offloaded block restores itself; every offloaded block prefetches the next
+    offloaded block below it.
+    """
+    total = 0.0
+    if block == offloaded[-1]:
+        total += moved[block](b)
+    below = [j for j in offloaded if j < block]
+    if below:
+        total += moved[below[-1]](b)
+    return max(total, 0.0)

@@ -1,0 +1,240 @@
+"""The search over the knobs: exact enumeration, or an Optuna study for a large space.
+
+A point of the space is a micro-batch size, a precision, an optimizer and whether the
+optimizer lives on the host; the :class:`~autotune.cost._planner.Planner` derives
+accumulation and solves each block's choice exactly for it (a knapsack: microseconds).
+A space of a few thousand points is therefore enumerated exactly. A larger one (many
+micro-batch sizes and no global batch) is searched by Optuna's TPE: the objective is
+predicted throughput, the device budget a constraint (not a penalty), and so is the host
+memory offload may pin. With a storage, the study keeps the points either way (Optuna's
+dashboard shows them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import optuna
+
+from autotune.config import TrainConfig
+from autotune.cost._candidates import enumerate_candidates, largest_fitting, space_points
+from autotune.cost._planner import Candidate, Planner
+from autotune.jobs import quiet_optuna
+
+__all__ = ["default_trials", "search"]
+
+log = logging.getLogger("autotune")
+
+_Key = tuple[int, str, str, bool]
+"""A trial's sampled knobs: micro-batch, precision, optimizer, optimizer offload."""
+
+
+_EXACT_POINTS = 4096
+"""A space of at most this many points that can fit is enumerated exactly."""
+
+
+def search(
+    planner: Planner,
+    *,
+    n_trials: int | None,
+    timeout_s: float | None,
+    seed: int,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    study_name: str | None = None,
+    exact_limit: int | None = None,
+) -> list[Candidate]:
+    """The distinct feasible candidates of the space, fastest predicted first.
+
+    A space of at most ``exact_limit`` (default 4096) points is enumerated exactly (``n_trials``,
+    ``timeout_s`` and ``seed`` do not apply); a larger one runs the Optuna study. A study
+    kept in ``storage`` resumes: trials already done count towards ``n_trials``.
+    """
+    points = space_points(planner)
+    if len(points) <= (_EXACT_POINTS if exact_limit is None else exact_limit):
+        log.info("enumerating all %d settings that can fit", len(points))
+        found = enumerate_candidates(planner, points)
+        if storage is not None:
+            _keep(planner, found, storage, study_name)
+        return found
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, **_constraint_option())
+    with quiet_optuna():
+        study = optuna.create_study(
+            direction="maximize",
+            sampler=sampler,
+            storage=storage,
+            study_name=study_name,
+            load_if_exists=storage is not None,
+        )
+        for params in _seeds(planner):
+            study.enqueue_trial(params, skip_if_exists=True)
+        done = sum(t.state.is_finished() for t in study.trials)
+        remaining = max((n_trials or default_trials(planner)) - done, 0)
+        if remaining:
+            total = done + remaining
+
+            def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                n = trial.number + 1
+                log.debug("trial %d of %d", n, total, extra={"trial": n, "n_trials": total})
+
+            study.optimize(
+                _objective(planner), n_trials=remaining, timeout=timeout_s, callbacks=[report]
+            )
+    return _candidates(planner, study.trials)
+
+
+def _keep(
+    planner: Planner,
+    found: list[Candidate],
+    storage: str | optuna.storages.BaseStorage,
+    study_name: str | None,
+) -> None:
+    """Add the enumerated candidates to the study as finished trials (once)."""
+    with quiet_optuna():
+        study = optuna.create_study(
+            direction="maximize", storage=storage, study_name=study_name, load_if_exists=True
+        )
+        if study.trials:
+            return
+        distributions = _distributions(planner)
+        study.add_trials(
+            [
+                optuna.trial.create_trial(
+                    params={
+                        k: v
+                        for k, v in zip(_NAMES, _key(c.config), strict=True)
+                        if k in distributions
+                    },
+                    distributions=distributions,
+                    value=c.prediction.measurement.samples_per_s,
+                    user_attrs={"constraint": [0.0], "exact": True},
+                )
+                for c in found
+            ]
+        )
+
+
+def default_trials(planner: Planner) -> int:
+    """Trials for a space of this size: twice its settings, within 30..200."""
+    size = min(len(planner.sizes), 64) * len(planner.precisions) * len(planner.optimizers)
+    return max(30, min(200, 2 * size * len(planner.offload_optimizer)))
+
+
+def _objective(planner: Planner) -> Any:
+    sizes = list(planner.sizes)
+
+    def objective(trial: optuna.Trial) -> float:
+        if planner.global_batch_size is None:
+            b = trial.suggest_int("micro_batch_size", sizes[0], sizes[-1], log=True)
+            b = sizes[min(range(len(sizes)), key=lambda i: abs(sizes[i] - b))]
+            trial.set_user_attr("micro_batch_size", b)  # the size planned, not the one drawn
+        else:
+            b = int(trial.suggest_categorical("micro_batch_size", sizes))
+        p = str(_choose(trial, "precision", planner.precisions))
+        o = str(_choose(trial, "optimizer", planner.optimizers))
+        h = bool(_choose(trial, "offload_optimizer", planner.offload_optimizer))
+        found = planner.candidate(p, o, b, h)
+        if found is None:
+            over = planner.frugal_peak(p, o, b, h) - planner.limit
+            _constrain(trial, float(max(over, 1)))
+            return 0.0
+        m = found.prediction.measurement
+        _constrain(trial, float(m.peak_bytes - planner.limit))
+        return m.samples_per_s
+
+    return objective
+
+
+def _choose(trial: optuna.Trial, name: str, choices: Sequence[Any]) -> Any:
+    """Sample ``name`` among ``choices``; a single choice is not a parameter of the study."""
+    if len(choices) == 1:
+        return choices[0]
+    return trial.suggest_categorical(name, list(choices))
+
+
+def _candidates(planner: Planner, trials: Sequence[optuna.trial.FrozenTrial]) -> list[Candidate]:
+    """The distinct feasible settings among ``trials``, each planned again, fastest first."""
+    seen: dict[_Key, Candidate] = {}
+    for t in trials:
+        if (
+            t.state != optuna.trial.TrialState.COMPLETE
+            or t.user_attrs.get("constraint", [1])[0] > 0
+        ):
+            continue
+        key: _Key = (
+            int(t.user_attrs.get("micro_batch_size", t.params.get("micro_batch_size", 0))),
+            t.params.get("precision", planner.precisions[0]),
+            t.params.get("optimizer", planner.optimizers[0]),
+            bool(t.params.get("offload_optimizer", planner.offload_optimizer[0])),
+        )
+        b, p, o, h = key
+        if (
+            b in planner.sizes
+            # Another process sharing the study may have searched other choices
+            # (e.g. it timed a precision as slow and dropped it): skip what is not ours.
+            and p in planner.precisions
+            and o in planner.optimizers
+            and h in planner.offload_optimizer
+            and key not in seen
+            and (c := planner.candidate(p, o, b, h)) is not None
+        ):
+            seen[key] = c
+    return sorted(seen.values(), key=lambda c: -c.prediction.measurement.samples_per_s)
+
+
+_NAMES = ("micro_batch_size", "precision", "optimizer", "offload_optimizer")
+
+
+def _key(config: TrainConfig) -> _Key:
+    return (config.micro_batch_size, config.timeline, config.optimizer, config.offload_optimizer)
+
+
+def _distributions(planner: Planner) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The study's parameters: the knobs with more than one choice."""
+    out: dict[str, optuna.distributions.BaseDistribution] = {
+        "micro_batch_size": optuna.distributions.CategoricalDistribution(list(planner.sizes))
+    }
+    choices: dict[str, Sequence[str | bool]] = {
+        "precision": planner.precisions,
+        "optimizer": planner.optimizers,
+        "offload_optimizer": planner.offload_optimizer,
+    }
+    for name, values in choices.items():
+        if len(values) > 1:
+            out[name] = optuna.distributions.CategoricalDistribution(list(values))
+    return out
+
+
+def _seeds(planner: Planner) -> Iterator[dict[str, object]]:
+    """Good starting points: per precision, the largest micro-batch that fits."""
+    for p in planner.precisions:
+        for h in planner.offload_optimizer:
+            b = largest_fitting(planner, p, planner.optimizers[0], h)
+            if b is not None:
+                params: dict[str, object] = {"micro_batch_size": b}
+                if len(planner.precisions) > 1:
+                    params["precision"] = p
+                if len(planner.optimizers) > 1:
+                    params["optimizer"] = planner.optimizers[0]
+                if len(planner.offload_optimizer) > 1:
+                    params["offload_optimizer"] = h
+                yield params
+
+
+def _constrain(trial: optuna.Trial, over_budget: float) -> None:
+    """Record predicted bytes over the limit (feasible when <= 0) as the trial's constraint."""
+    trial.set_user_attr("constraint", [over_budget])
+    if _NATIVE_CONSTRAINTS:
+        trial.set_constraint("peak_over_limit", over_budget)
+
+
+# Optuna 5 takes constraints from Trial.set_constraint and deprecates constraints_func;
+# older releases only have constraints_func. Both feed the same constrained TPE.
+_NATIVE_CONSTRAINTS = hasattr(optuna.trial.Trial, "set_constraint")
+
+
+def _constraint_option() -> dict[str, Any]:
+    if _NATIVE_CONSTRAINTS:
+        return {}
+    return {"constraints_func": lambda t: t.user_attrs["constraint"]}

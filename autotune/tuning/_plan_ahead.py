@@ -1,0 +1,352 @@
+"""Planning before the hardware: a model of any size, for a GPU and a number of ranks that
+are not here (issue 27).
+
+The model is built and its sample made on fake tensors (:func:`autotune.measure.traced`),
+so an 8B or 70B model costs this machine no memory. Its memory profile is traced on the
+CPU's kernels, byte for byte the timeline a real CPU step has, and translated to the
+target GPU explicitly: the CUDA context and the caching allocator's reserve are the
+table's stated defaults (:mod:`autotune.device._catalog`). Its time profile runs on a
+roofline clock (FLOPs and bytes of each op against the GPU's datasheet), and the
+collectives of several ranks on the table's links. The cost model, planners and search
+are the tuner's; the result is the tuner's too, marked planned: every assumption is in
+its ``unverified``, and ``autotune tune`` on the real device verifies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune._blocks import resolve_blocks
+from autotune._profile_data import Collectives, Line, Profile
+from autotune.config import FUSED_OPTIMIZERS
+from autotune.cost import micro_batch_candidates
+from autotune.device import (
+    CONTEXT_BYTES,
+    INTER_NODE_BYTES_PER_S,
+    RESERVE_SHARE,
+    DeviceSpec,
+    Target,
+    budget_bytes,
+    device_spec,
+    host_peak_bytes,
+)
+from autotune.errors import AutotuneError, AutotuneWarning, ConfigError, ProfileError
+from autotune.jobs import LocalJobs
+from autotune.measure import TRACED_ASSUMPTIONS, Roofline, is_traced, traced
+from autotune.result import PLANNED, TrialRecord, TuneResult
+from autotune.space import SearchSpace
+from autotune.train import LossFn, map_tensors
+from autotune.tuning._data_parallel import planned_result
+from autotune.tuning._device_run import model_info
+from autotune.tuning._options import TuneOptions
+from autotune.tuning._pipeline import Ranked, rank, run
+from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, twinned, world_of
+from autotune.tuning._profiling import profile_model
+from autotune.tuning._rank_check import rank_checked
+from autotune.tuning._stopwatch import Stopwatch
+
+__all__ = ["TracedRun", "plan_ahead", "plan_with"]
+
+PLANS_KEPT = 10
+"""Candidates a plan keeps, fastest predicted first (its ``trials``, none of them run)."""
+
+_LATENCY_S = 30e-6
+"""A collective's fixed cost (stated): a ring's launch and first hop."""
+
+
+def plan_ahead(
+    build: Callable[[], nn.Module],
+    sample_batch: Any,
+    budget_gb: float,
+    *,
+    device: str = "H100-80GB",
+    global_batch_size: int | None = None,
+    world_size: int | None = None,
+    space: SearchSpace | None = None,
+    loss_fn: LossFn | None = None,
+    seed: int = 0,
+    trace_rank: bool = False,
+) -> TuneResult:
+    """Plan training ``build()``'s model on a GPU that is not here, for any number of ranks.
+
+    The model is built and trained for a few steps on fake tensors, which hold no
+    memory, so an 8B or 70B model is planned on a laptop. Memory is the tuner's own
+    timeline, traced; time is a roofline of each op on the GPU's datasheet, NOT
+    VERIFIED. The result is a tuned result marked planned: ``unverified`` names every
+    assumption, ``trials`` the ranked plans (none run). Train or ``autotune verify`` it on
+    the real GPU to check it.
+
+    Args:
+        build: A zero-argument callable that builds the model (called under tracing; e.g.
+            ``lambda: AutoModelForCausalLM.from_config(config)``).
+        sample_batch: One batch as :func:`autotune.autotune` takes it, or a zero-argument
+            callable that makes one (called under tracing).
+        budget_gb: Device memory per rank the run may use, GiB.
+        device: The GPU by its name in ``autotune.device.DEVICES`` (e.g. ``RTX4090-24GB``).
+        global_batch_size: Samples per optimizer step over all ranks (``None``: no
+            accumulation).
+        world_size: Ranks of data parallelism (DDP or FSDP2 per rank); default 1.
+        space: What may be searched, as for :func:`autotune.autotune` (offload and
+            compiled blocks are not planned).
+        loss_fn: ``loss_fn(output, batch) -> scalar`` (``None``: the model's own loss).
+        seed: Seed of the search.
+        trace_rank: With an FSDP2 plan, trace rank 0 of it with FSDP2 itself (a process
+            group of ``world_size`` ranks that sends nothing): the per-rank peak exact
+            where the planners' is modelled; a plan it puts over the budget gives way to
+            the next FSDP2 plan. Costs a traced step of the whole model (12-59 s for
+            Llama 3 8B and 70B on a 2-core CPU).
+
+    Raises:
+        ConfigError: no such device; a batch that does not split over the ranks.
+        BudgetTooSmallError: nothing fits a rank; the message says what to change.
+    """
+    options = TuneOptions(
+        budget_gb=budget_gb,
+        loss_fn=loss_fn,
+        global_batch_size=global_batch_size,
+        space=space or SearchSpace(),
+        seed=seed,
+        world_size=world_size,
+    )
+    return plan_with(build, sample_batch, options, device, trace_rank=trace_rank)
+
+
+def plan_with(
+    build: Callable[[], nn.Module],
+    sample_batch: Any,
+    options: TuneOptions,
+    device: str,
+    *,
+    trace_rank: bool = False,
+) -> TuneResult:
+    """:func:`plan_ahead` with the tuner's options record (``options.device`` unread)."""
+    watch, spec = Stopwatch(), device_spec(device)
+    stages = TracedRun(build, sample_batch, options, spec, trace_rank=trace_rank)
+    result = run(stages.problem(), stages, watch)
+    notes = (*planning_notes(spec), *result.unverified)
+    return dataclasses.replace(
+        result, tuning_s=watch.elapsed(), spent=watch.spent(), unverified=notes
+    )
+
+
+class TracedRun:
+    """The stages of a plan (see :class:`~autotune.tuning._pipeline.Stages`): the model
+    traced on fake tensors, searched for ``spec``, and its winner predicted (with
+    ``trace_rank``, an FSDP2 winner's rank traced in the place of verification)."""
+
+    def __init__(
+        self,
+        build: Callable[[], nn.Module],
+        sample_batch: Any,
+        options: TuneOptions,
+        spec: DeviceSpec,
+        *,
+        trace_rank: bool,
+    ) -> None:
+        self.build, self.sample_batch, self.options = build, sample_batch, options
+        self.spec, self.trace_rank = spec, trace_rank
+        self.traced: Profile | None = None  # as traced, before the GPU's translation
+
+    @contextlib.contextmanager
+    def problem(self) -> Iterator[Problem]:
+        """The model built and its sample made on fake tensors, held while it is profiled."""
+        with traced() as mode:
+            self.model = _built(self.build)
+            made = self.sample_batch() if callable(self.sample_batch) else self.sample_batch
+            sample = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
+            yield _problem(self.model, sample, self.spec, self.options)
+
+    def holding(self, problem: Problem) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # nothing is on a device
+
+    def profile(self, problem: Problem) -> Profile:
+        """Traced on the CPU's kernels with a roofline clock, as the GPU holds it.
+
+        Deeper than 4 blocks: copies of 3 and 4 blocks, extrapolated (exact where the
+        blocks are alike; a traced model costs no memory, but time per op)."""
+        with Roofline(self.spec):
+            self.traced = profile_model(self.model, problem, whole=len(problem.blocks) <= 4)
+        return on_the_gpu(self.traced, self.spec, problem.world)
+
+    def search(self, profile: Profile, problem: Problem) -> Ranked:
+        return rank(profile, problem, self.options, LocalJobs())
+
+    def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
+        """The fastest plan, and the next ones ranked (none run)."""
+        candidates = searched.candidates
+        info = model_info(self.model, profile.blocks)
+        result = planned_result(info, problem, profile, candidates)
+        if self.trace_rank:  # the rank's trace in the place of verification
+            assert self.traced is not None
+            options = self.options
+            result = rank_checked(
+                result,
+                candidates,
+                self.traced,
+                self.build,
+                self.sample_batch,
+                options.loss_fn,
+                problem.limit,
+            )
+        ranked = tuple(
+            TrialRecord(
+                c.config,
+                result.predicted if c.config == result.config else c.prediction.measurement,
+                None,
+                PLANNED,
+            )
+            for c in candidates[:PLANS_KEPT]
+        )
+        return dataclasses.replace(result, trials=ranked)
+
+
+_REAL_BYTES = 512 * 2**20
+"""Host memory a builder may take for real while it runs (its peak above what the process
+held when it began) before the plan says so: a traced model holds none."""
+
+
+def _built(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` on fake tensors; what goes wrong in it said in planning's terms, and a
+    builder that took real memory (weights loaded, arrays made) named.
+
+    Raises:
+        ConfigError: the builder failed (it read a value, moved to a device, ...).
+        ProfileError: it returned no module.
+    """
+    before = host_peak_bytes(reset=True)
+    try:
+        model = build()
+    except AutotuneError:
+        raise
+    except Exception as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise ConfigError(
+            f"building the model on fake tensors failed: {type(exc).__name__}: {first}. A "
+            "builder for planning makes the model on the default device and reads no value "
+            "(no .item(), .tolist() or printing a tensor; no .cuda() or .to('cuda')); give "
+            "plan_ahead such a builder."
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"build() must return a torch.nn.Module, got {type(model)}.")
+    if (grown := host_peak_bytes() - before) > _REAL_BYTES:
+        warnings.warn(
+            f"building the model took {grown / 2**30:.1f} GiB of this machine's memory for "
+            "real (weights loaded, or arrays made outside torch): the plan is right, but a "
+            "builder that makes the model with torch's constructors plans without memory.",
+            AutotuneWarning,
+            stacklevel=4,
+        )
+    return model
+
+
+def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptions) -> Problem:
+    """The tuner's problem on a GPU that is not here, traced on the CPU's kernels: no
+    offload (a traced step copies nothing to the host) and no compiled blocks."""
+    world, _ = world_of(options.world_size)
+    global_batch_size = per_rank_batch(options.global_batch_size, world)
+    space = dataclasses.replace(
+        options.space,
+        # fp16 runs at bf16's peak on every GPU of the table, and needs a loss scaler
+        precisions=_without_fp16(options.space.precisions),
+        # every GPU of the table has torch's fused AdamW kernel, which an expert sets
+        optimizers=twinned(options.space.optimizers, FUSED_OPTIMIZERS),
+        offload_optimizer=False,
+        offload_activations=False,
+        compile_blocks=False,
+    )
+    target = Target(
+        torch.device("cpu"), spec.name, spec.memory_bytes, spec.memory_bytes, CONTEXT_BYTES, 0
+    )
+    budget = budget_bytes(options.budget_gb, target)
+    return Problem(
+        sample=sample,
+        loss_fn=options.loss_fn,
+        target=target,
+        space=space,
+        blocks=resolve_blocks(model, space.blocks) if space.checkpointing else (),
+        sizes=micro_batch_candidates(space, global_batch_size),
+        precisions=tuple(space.precisions),
+        global_batch_size=global_batch_size,
+        budget=budget,
+        limit=int(budget * (1 - _MARGIN["cuda"])),  # the head-room the tuner keeps on CUDA
+        foreign_bytes=0,
+        world=world,
+        verifiable=False,
+        on_target=functools.partial(on_the_gpu, spec=spec, world=world),
+    )
+
+
+def _without_fp16(precisions: tuple[str, ...]) -> tuple[str, ...]:
+    """The precisions to plan: fp16 only where bf16 is not asked for."""
+    return tuple(p for p in precisions if p != "fp16" or "bf16" not in precisions)
+
+
+def on_the_gpu(profile: Profile, spec: DeviceSpec, world: int) -> Profile:
+    """A profile traced on the CPU's kernels, as the GPU ``spec`` holds it: its context
+    and the caching allocator's reserve (the table's defaults), its host separate from
+    its memory, and with several ranks, the collectives on the table's links."""
+    precisions = {p: _reserved(pp) for p, pp in profile.precisions.items()}
+    sharded = {p: _reserved(pp) for p, pp in profile.sharded.items()}
+    return dataclasses.replace(
+        profile,
+        device_type="cuda",
+        host_is_device=False,
+        context_bytes=CONTEXT_BYTES,
+        precisions=precisions,
+        sharded=sharded,
+        comm=_collectives(spec, world) if world > 1 else None,
+    )
+
+
+def _reserved(pp: Any) -> Any:
+    """``pp`` with the allocator's reserve: :data:`RESERVE_SHARE` of the activations the
+    first micro-batch's forward leaves alive, per block variant."""
+    forward = []
+    for phase in pp.phases:
+        if phase.key.micro != 1 or phase.key.label == "head_bwd":
+            break
+        forward.append(phase)
+    variants = len(forward[0].delta) if forward else 0
+    reserve = tuple(
+        Line(
+            RESERVE_SHARE * max(sum(ph.delta[v].const for ph in forward), 0.0),
+            RESERVE_SHARE * max(sum(ph.delta[v].slope for ph in forward), 0.0),
+        )
+        for v in range(variants)
+    )
+    return dataclasses.replace(pp, reserve=reserve)
+
+
+def _collectives(spec: DeviceSpec, world: int) -> Collectives:
+    """Ring collectives over ``world`` ranks on the table's links (NVLink or PCIe within
+    a server, the network beyond it): each rank sends (N-1)/N of the bytes, twice for an
+    all-reduce."""
+    link = spec.peer_link if world <= spec.per_server else INTER_NODE_BYTES_PER_S
+    share = (world - 1) / world / link
+    return Collectives(
+        world_size=world,
+        all_gather=Line(_LATENCY_S, share),
+        reduce_scatter=Line(_LATENCY_S, share),
+        all_reduce=Line(2 * _LATENCY_S, 2 * share),
+    )
+
+
+def planning_notes(spec: DeviceSpec) -> tuple[str, ...]:
+    """What a plan for ``spec`` assumes, each checked by a real GPU's profile."""
+    return (
+        f"planned for {spec.name} without it: memory traced on fake tensors with the CPU's "
+        "kernels (autocast's CPU op lists, CPU attention kernels' saved tensors)",
+        f"CUDA context taken as {CONTEXT_BYTES / 1e9:.2f} GB and the caching allocator's "
+        f"reserve as {RESERVE_SHARE:.0%} of the activations (stated defaults)",
+        "time NOT VERIFIED: each op's FLOPs and bytes against the datasheet's dense peaks "
+        f"({spec.source}), at stated efficiencies; for ranking only",
+        *TRACED_ASSUMPTIONS,
+    )

@@ -1,0 +1,20 @@
+"""A run's jobs in memory: each done once, its result read after."""
+
+from __future__ import annotations
+
+from autotune.config import TrainConfig
+from autotune.jobs import LocalJobs, job_key
+
+
+def test_a_job_is_done_once_and_read_after() -> None:
+    jobs, done = LocalJobs(), []
+
+    def do() -> list[int]:
+        done.append(1)
+        return [len(done)]
+
+    key = job_key("verify", TrainConfig(micro_batch_size=2))
+    assert jobs.once(key, do, "verifying") == [1]
+    assert jobs.once(key, do, "verifying") == [1]  # read, not done again
+    assert jobs.once(job_key("verify", TrainConfig(micro_batch_size=4)), do, "verifying") == [2]
+    assert len(done) == 2
