@@ -112,7 +112,7 @@ def loss_fn(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     return per_sample.mean()
 
 
-def test_a_thousand_random_batches_stay_in_the_budget_with_the_max_length_losses(
+def test_random_batches_stay_in_the_budget_with_the_max_length_losses(
     tuned: tuple[GPT, TuneResult],
 ) -> None:
     gpt, result = tuned
@@ -127,10 +127,10 @@ def test_a_thousand_random_batches_stay_in_the_budget_with_the_max_length_losses
     tracker.track(state_tensors(table.model))
     used, ours = [], []
     with tracker:  # sees every byte of the table's training, the batches' making included
-        for batch in batches(1000, data, result):
+        for batch in batches(400, data, result):  # benchmarks/lengths.py: a whole epoch
             ours.append(float(table.step(batch)))
             used.append(table.config)
-    assert tracker.peak <= result.budget_bytes  # zero overruns in 1,000 steps
+    assert tracker.peak <= result.budget_bytes  # zero overruns in 400 steps
     assert len(set(used[:150])) == len(LENGTHS)  # every row trained, in the first 150 too
     # The same math, on the first 150 batches (the single config's steps are
     # CI's time, and every row trains in them). The first hundred steps agree to float
