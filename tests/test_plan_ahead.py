@@ -329,5 +329,9 @@ def test_a_builder_that_reads_a_value_or_takes_real_memory_is_said_in_planning_t
         model.register_buffer("table", torch.from_numpy(weights[:1, :8]).clone())
         return model
 
-    with pytest.warns(autotune.AutotuneWarning, match=r"took 0\.\d GiB of this machine's memory"):
+    with pytest.warns(
+        autotune.AutotuneWarning, match=r"took 0\.\d GiB of this machine's memory"
+    ) as warned:
         autotune.plan_ahead(loads, example_batch(), 1.0)
+    mine = [w for w in warned if "this machine's memory" in str(w.message)]
+    assert mine[0].filename == __file__  # the caller's line, not autotune's

@@ -12,7 +12,15 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.jobs._job_store import PLAIN, Codec, JobStore, LocalJobs, job_id, job_key
+from autotune.jobs._job_store import (
+    PLAIN,
+    Codec,
+    JobStore,
+    LocalJobs,
+    Relayed,
+    job_id,
+    job_key,
+)
 from autotune.jobs._optuna_log import quiet_optuna
 from autotune.jobs._study_store import StudyStore, resolve_storage
 
@@ -21,6 +29,7 @@ __all__ = [
     "Codec",
     "JobStore",
     "LocalJobs",
+    "Relayed",
     "StudyStore",
     "job_id",
     "job_key",

@@ -5,8 +5,9 @@ is named by a short key and done through :meth:`JobStore.once`: the first time, 
 runs; after that, its result is read. :class:`LocalJobs` keeps the results in memory for
 one run in one process (no storage given); :class:`~autotune.jobs._study_store.StudyStore`
 keeps them in an Optuna storage, where several processes, or a run resumed later, share
-them. The stages of a run call ``once`` the same way with either, so a shared run decides
-exactly as a lone one.
+them; :class:`Relayed` has one process of a group do each job for all of them (rank 0).
+The stages of a run call ``once`` the same way with any of them, so a shared run
+decides exactly as a lone one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from autotune._plain_data import to_plain
 from autotune.config import TrainConfig
 
-__all__ = ["PLAIN", "Codec", "JobStore", "LocalJobs", "job_id", "job_key"]
+__all__ = ["PLAIN", "Codec", "JobStore", "LocalJobs", "Relayed", "job_id", "job_key"]
 
 T = TypeVar("T")
 
@@ -73,6 +74,32 @@ class LocalJobs:
         if job not in self._done:
             self._done[job] = do()
         result: T = self._done[job]
+        return result
+
+
+class Relayed:
+    """``jobs`` whose jobs one process of a group does and relays to the others.
+
+    Args:
+        jobs: Where the jobs are done once.
+        relay: Runs a function in one process and returns its result in every process
+            (:func:`autotune.train.rank_zero`: rank 0 of the process group, and every
+            process raises the error it raised).
+    """
+
+    def __init__(self, jobs: JobStore, relay: Callable[[Callable[[], Any]], Any]) -> None:
+        self.jobs, self.relay = jobs, relay
+
+    @property
+    def storage(self) -> Any:
+        return self.jobs.storage
+
+    @property
+    def name(self) -> str | None:
+        return self.jobs.name
+
+    def once(self, job: str, do: Callable[[], T], what: str, codec: Codec = PLAIN) -> T:
+        result: T = self.relay(lambda: self.jobs.once(job, do, what, codec))
         return result
 
 

@@ -27,7 +27,16 @@ from autotune._version import __version__
 from autotune.config import TrainConfig
 from autotune.cost import Planner, planner_of
 from autotune.device import CpuClock, backend_for, busy, busy_note
-from autotune.jobs import Codec, JobStore, LocalJobs, StudyStore, job_id, job_key, resolve_storage
+from autotune.jobs import (
+    Codec,
+    JobStore,
+    LocalJobs,
+    Relayed,
+    StudyStore,
+    job_id,
+    job_key,
+    resolve_storage,
+)
 from autotune.measure import measure_collectives, whole_fits, working_copy
 from autotune.result import Measurement, ModelInfo, TrialRecord, TuneResult
 from autotune.train import (
@@ -160,6 +169,7 @@ class DeviceRun:
     ) -> None:
         self.model, self.work, self.jobs, self.options = model, work, jobs, options
         self.cpu, self.whole = cpu, whole
+        self.leader = Relayed(jobs, rank_zero)  # profiling and search: rank 0's, sent to all
 
     @contextlib.contextmanager
     def holding(self, problem: Problem) -> Iterator[None]:
@@ -172,9 +182,9 @@ class DeviceRun:
         collectives timed on every rank."""
 
         def measure() -> Profile:
-            return rank_zero(lambda: profile_model(self.work, problem, whole=self.whole))
+            return profile_model(self.work, problem, whole=self.whole)
 
-        profile: Profile = self.jobs.once("profile", measure, "profiling the model", PROFILE)
+        profile: Profile = self.leader.once("profile", measure, "profiling the model", PROFILE)
         if group_size() > 1:
             self.work.to(torch.device("cpu"))
             backend_for(problem.target.device).empty_cache()
@@ -183,7 +193,7 @@ class DeviceRun:
         return profile
 
     def search(self, profile: Profile, problem: Problem) -> Ranked:
-        return ranked(profile, problem, self.options, self.jobs)
+        return ranked(profile, problem, self.options, self.leader)
 
     def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
         """The best candidates run for real; planned where the ranks are not here."""

@@ -17,7 +17,8 @@ They differ only in their :class:`Stages`:
 
 What cuts across stages wraps them instead of being passed through them: the budget
 held on the device (:meth:`Stages.holding`, around profiling and verification), the jobs
-done once among processes (:mod:`autotune.jobs`, which a run's stages call), and the
+done once among processes (:mod:`autotune.jobs`, which a run's stages call: a kept
+study's, and rank 0's for a process group, :class:`~autotune.jobs.Relayed`), and the
 time spent per stage (:class:`~autotune.tuning._stopwatch.Stopwatch`).
 """
 
@@ -30,7 +31,6 @@ from typing import Protocol, TypeVar
 from autotune._profile_data import Profile
 from autotune.cost import Candidate, Planner, planners
 from autotune.jobs import JobStore
-from autotune.train import rank_zero
 from autotune.tuning._data_parallel import search_layouts
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
@@ -73,10 +73,9 @@ class Ranked:
 
 def rank(profile: Profile, problem: Problem, options: TuneOptions, jobs: JobStore) -> Ranked:
     """The search stage of a tuning run and a plan: a planner per layout of the problem's
-    ranks, and the candidates of each searched (on rank 0, once among ``jobs``'
-    processes)."""
+    ranks, and the candidates of each searched once among ``jobs``' processes."""
     found = planners(profile, problem, problem.world)
-    return Ranked(found, rank_zero(lambda: search_layouts(found, jobs, options)))
+    return Ranked(found, search_layouts(found, jobs, options))
 
 
 def run(

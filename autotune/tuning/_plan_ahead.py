@@ -242,7 +242,7 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
             "real (weights loaded, or arrays made outside torch): the plan is right, but a "
             "builder that makes the model with torch's constructors plans without memory.",
             AutotuneWarning,
-            stacklevel=4,
+            stacklevel=7,  # _built, problem, its __enter__, run, plan_with, plan_ahead
         )
     return model
 
