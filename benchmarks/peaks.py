@@ -3,7 +3,9 @@ not change them (a refactor): deterministic, no timing.
 
 ``autotune.estimate`` (the tuner's memory profile and cost model) for every micro-batch
 of 1, 4 and 16 (accumulated to 32), fp32 and bf16, no, half or every block checkpointed,
-AdamW and SGD, on each CPU case: 144 peaks and their breakdowns.
+AdamW and SGD, on each CPU case: 144 peaks and their breakdowns. And ``plan_ahead`` (the
+traced profile, the GPU's translation, the planners' search) of a 6-block GPT for an
+RTX 4090 at 1.5 and 6 GiB, on 1 and 4 ranks: each winner and its ranked plans.
 
     python benchmarks/peaks.py --out before.json      # on the old code
     python benchmarks/peaks.py --out after.json       # on the new code
@@ -52,6 +54,30 @@ def peaks() -> dict[str, list[object]]:
                 peak,
                 str(breakdown),
             ]
+    return {**out, **plans()}
+
+
+def plans() -> dict[str, list[object]]:
+    """``{plan: [winner, its peak, [each ranked plan and its peak]]}``."""
+    import autotune
+    from autotune.models import example_batch, tiny_gpt
+
+    out: dict[str, list[object]] = {}
+    for world, budget_gb in itertools.product((1, 4), (1.5, 6.0)):
+        result = autotune.plan_ahead(
+            lambda: tiny_gpt(n_layer=6, n_embd=128, n_head=4, block_size=64, vocab_size=512),
+            example_batch(),
+            budget_gb,
+            device="RTX4090-24GB",
+            world_size=world,
+            global_batch_size=32,
+        )
+        ranked = [[t.config.describe(), t.predicted.peak_bytes] for t in result.trials]
+        out[f"plan w{world} {budget_gb} GiB"] = [
+            result.config.describe(),
+            result.predicted.peak_bytes,
+            ranked,
+        ]
     return out
 
 
@@ -65,7 +91,7 @@ def main() -> int:
         differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         for k in differ:
             print(f"{k}: {a.get(k)} -> {b.get(k)}")
-        print(f"{len(a)} and {len(b)} peaks, {len(differ)} differ")
+        print(f"{len(a)} and {len(b)} peaks and plans, {len(differ)} differ")
         return 1 if differ else 0
     Path(args.out or "peaks.json").write_text(json.dumps(peaks(), indent=1))
     return 0
