@@ -36,7 +36,7 @@ class Prediction:
 
 
 class CostModel(MemoryModel, TimeModel):
-    """Predicts peak bytes and step time from a :class:`~autotune.measure._profile_data.Profile`.
+    """Predicts peak bytes and step time from a :class:`~autotune._profile_data.Profile`.
 
     With a data-parallel ``layout``, :meth:`peak_of` and :meth:`plan_of` are per rank under
     it.

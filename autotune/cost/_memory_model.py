@@ -56,7 +56,7 @@ class ProfileView:
 
 
 class MemoryModel(ProfileView):
-    """Predicts peak device bytes from a :class:`~autotune.measure._profile_data.Profile`."""
+    """Predicts peak device bytes from a :class:`~autotune._profile_data.Profile`."""
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)

@@ -5,7 +5,7 @@ at two micro-batch sizes, kept, checkpointed, offloaded and checkpointed selecti
 forward+backward times.
 Per optimizer: state bytes, the step's transient peak and its time, on the device and on
 the host. Everything runs on a copy of the user's model that the caller owns; the
-routines that assemble a :class:`~autotune.measure._profile_data.Profile` from these are
+routines that assemble a :class:`~autotune._profile_data.Profile` from these are
 in ``_memory_profile`` and ``_time_profile``.
 """
 
