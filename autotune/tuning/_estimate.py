@@ -22,7 +22,7 @@ from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig, is_factory
 from autotune.cost import CostModel
 from autotune.device import Target, backend_for, discover
-from autotune.errors import BlockError, ProfileError
+from autotune.errors import BlockError
 from autotune.measure import (
     Profiler,
     measure_transfer,
@@ -40,13 +40,12 @@ from autotune.train import (
     available,
     batch_size,
     factory_name,
-    layouts_of_model,
     measured_compiling,
     not_at_hand,
 )
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._pipeline import run
-from autotune.tuning._problem import Problem, refuse_meta, uncompiled
+from autotune.tuning._problem import Problem, checked_model, uncompiled
 from autotune.tuning._stopwatch import Stopwatch
 
 __all__ = ["Estimate", "OneConfig", "estimate"]
@@ -108,11 +107,8 @@ def estimate(
         config = config.replace(optimizer=factory_name(optimizer))
     elif is_factory(config.optimizer) and not available(config.optimizer):
         raise not_at_hand(config.optimizer)  # a path read from a file is never imported
-    if not isinstance(model, nn.Module):
-        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    model = uncompiled(model)
-    refuse_meta(model)
-    layouts_of_model(model)
+    model = uncompiled(model)  # a non-module passes through, for the check below
+    checked_model(model)
     batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Problem",
+    "checked_model",
     "make_problem",
     "per_rank_batch",
     "refuse_meta",
@@ -158,10 +159,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
     global_batch_size = per_rank_batch(options.global_batch_size, world)
     loss_fn, space = options.loss_fn, options.space
-    if not isinstance(model, nn.Module):
-        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    refuse_meta(model)
-    layouts_of_model(model)  # a vision-language model's batches: cut by image
+    checked_model(model)
     target = discover(options.device)
     budget = budget_bytes(options.budget_gb, target)
     space = _fused_where_it_runs(_unpaged_off_cuda(space, target), target)
@@ -190,6 +188,19 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
         world=world,
         verifiable=verifiable,
     )
+
+
+def checked_model(model: Any) -> None:
+    """What a model must be to be measured, checked before anything runs: a module, with
+    values, whose batches autotune can cut (a vision-language model's: by image).
+
+    Raises:
+        ProfileError: not a module, or on the meta device.
+    """
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    refuse_meta(model)
+    layouts_of_model(model)
 
 
 def refuse_meta(model: nn.Module) -> None:
