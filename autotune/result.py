@@ -8,9 +8,7 @@ an unknown key, a missing required key or a value of the wrong type is a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import stat
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,12 +156,6 @@ class Spent:
     """Searching the space on the cost model."""
     verification_s: float = 0.0
     """Running candidates and fallbacks for real, and re-timing the contenders."""
-
-    @staticmethod
-    def between(ends: Sequence[float]) -> Spent:
-        """The seconds between clock readings: the start, then the ends of profiling,
-        search and verification."""
-        return Spent(*(b - a for a, b in itertools.pairwise(ends)))
 
     def __add__(self, other: Spent) -> Spent:
         """The seconds of two tuning runs together."""
