@@ -11,6 +11,7 @@ The subpackages import their names plainly (``tests/test_layout.py`` holds both)
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -35,19 +36,23 @@ def typing_imports(source: str) -> dict[str, str]:
 
 def lazy_names(package: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``'s ``__init__``: each name its typing
-    block imports, loaded from its module when it is first asked for."""
-    path = sys.modules[package].__file__
-    assert path is not None
-    names = typing_imports(Path(path).read_text(encoding="utf-8"))
+    block imports, loaded from its module when it is first asked for (the block is read
+    then, not when the package is imported)."""
+
+    @functools.cache
+    def names() -> dict[str, str]:
+        path = sys.modules[package].__file__
+        assert path is not None
+        return typing_imports(Path(path).read_text(encoding="utf-8"))
 
     def get(name: str) -> Any:
-        if name not in names:
+        if name not in names():
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(names[name]), name)
+        value = getattr(importlib.import_module(names()[name]), name)
         setattr(sys.modules[package], name, value)  # later lookups find it directly
         return value
 
     def listing() -> list[str]:
-        return sorted(set(vars(sys.modules[package])) | set(names))
+        return sorted(set(vars(sys.modules[package])) | set(names()))
 
     return get, listing

@@ -140,8 +140,8 @@ PROFILE = Codec(profile_to_json, profile_from_json)
 RECORD = Codec(to_plain, functools.partial(from_plain, TrialRecord))
 """A verification's record, kept as plain data."""
 RECORDS = Codec(
-    lambda records: [to_plain(r) for r in records],
-    lambda plain: [from_plain(TrialRecord, p) for p in plain],
+    lambda records: [RECORD.encode(r) for r in records],
+    lambda plain: [RECORD.decode(p) for p in plain],
 )
 """The contenders' records, re-timed."""
 
