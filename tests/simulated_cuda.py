@@ -127,10 +127,21 @@ class SimulatedAllocator(TorchDispatchMode):
 
 
 class SimulatedEvent:
-    """A point in a simulated stream's work (all of it is done: CPU work is synchronous)."""
+    """A point in a simulated stream's work. CPU work is synchronous, so it is done at
+    once, unless its stream ``lags`` (a GPU behind the host): then it is done once waited
+    for."""
 
     def __init__(self, stream: SimulatedStream) -> None:
         self.stream = stream
+        self.done = not stream.lags
+
+    def query(self) -> bool:
+        self.stream._count("query")
+        return self.done
+
+    def synchronize(self) -> None:
+        self.stream._count("event_synchronize")
+        self.done = True
 
 
 class SimulatedStream:
@@ -138,6 +149,8 @@ class SimulatedStream:
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
+        self.lags = False
+        """Whether its events are done only once waited for (a device behind the host)."""
 
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1

@@ -130,6 +130,7 @@ class Profiler:
             batch = resize(self.sample, b)
             with _model_errors(self.model, batch, self.loss_fn):
                 runner.step(batch)
+            runner.check_steps()  # a loss not finite on the sample: said now
         except BaseException:
             runner.close()
             raise

@@ -38,6 +38,7 @@ from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
 from autotune.train._parallel import Parallel
+from autotune.train._refusals import Refusals
 from autotune.train._steps import Scheduler, apply_step, make_scaler
 
 __all__ = ["Applied"]
@@ -86,6 +87,8 @@ class Applied:
         """The host side of an offloaded optimizer (``None`` without optimizer offload)."""
         self._optimizer: torch.optim.Optimizer | None = None
         self.scaler = make_scaler(config, device)
+        self.refusals = Refusals(self.backend)
+        """The steps refused for non-finite values, as the device's verdicts arrive."""
         self.offloader = ActivationOffloader(model, device)
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
@@ -183,19 +186,29 @@ class Applied:
 
         Returns:
             The gradients' total norm before clipping, if ``max_grad_norm`` was given.
+
+        Raises:
+            NonFiniteError: a step was refused for non-finite gradients: the weights keep
+                their last finite values. With a fused optimizer the device decides, and
+                the host learns it without waiting: on the CPU in this call, on a GPU
+                in one of the next two (the steps between are applied); see
+                :meth:`check_steps`. Other optimizers are checked here, before they step.
         """
         self.ladder.stepping = True  # an OOM from here on is not retried
         optimizer = self.optimizer
         norm: list[torch.Tensor] = []
 
         def run(opt: torch.optim.Optimizer) -> None:
-            norm.append(apply_step(opt, self.scaler, max_grad_norm))
+            norm.append(apply_step(opt, self.scaler, max_grad_norm, self.refusals))
 
         try:
             if self.host is not None:
                 self.host.step(run)
             else:
                 run(optimizer)
+        except BaseException:
+            self.refusals.drop()
+            raise
         finally:
             self.zero_grad()  # a step refused for non-finite gradients leaves none behind
         if scheduler is not None:
@@ -204,7 +217,17 @@ class Applied:
                 # its learning rates came along in the state dict.
                 scheduler.optimizer = optimizer
             scheduler.step()
+        self.refusals.end_step()
         return norm[0] if max_grad_norm is not None else None
+
+    def check_steps(self) -> None:
+        """Wait for the device's verdicts on the steps taken so far.
+
+        Raises:
+            NonFiniteError: one of them was refused for non-finite values (its weights
+                were left as they were); said once.
+        """
+        self.refusals.check(wait=True)
 
     def zero_grad(self) -> None:
         """Free every gradient (on the host too, with an offloaded optimizer)."""

@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.config import TrainConfig
-from autotune.errors import NonFiniteError
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._applied import Applied
 from autotune.train._loss import LossFn, call_model, compute_loss
+from autotune.train._refusals import LOSS
 from autotune.train._steps import Scheduler, apply_step
 
 __all__ = ["Runner"]
@@ -83,6 +82,13 @@ class Runner(Applied):
 
         Returns:
             The mean loss over the batch (a detached scalar tensor, not synchronised).
+
+        Raises:
+            NonFiniteError: a step was refused, its loss or gradients not finite: the
+                weights keep their last finite values. The device decides, without the
+                host waiting for it, where it can (a fused optimizer, fp16's scaler): then
+                the refusal is said on the CPU by this step, on a GPU by one of the next
+                two (the steps between are applied), or by :meth:`check_steps`.
         """
         self.select(batch)
         return self.run(self._step, batch, max_grad_norm, scheduler)
@@ -93,15 +99,9 @@ class Runner(Applied):
         total = torch.zeros((), device=self.device)
         for chunk, weight in self._chunks(batch):
             total += self.forward_backward(chunk, weight)
+        if self.scaler is not None:  # the scaler skips a step whose loss is not finite
+            self.refusals.flag(~torch.isfinite(total), LOSS)
         self.optimizer_step(max_grad_norm=max_grad_norm, scheduler=scheduler)
-        # The scaler skipped a non-finite step (a traced step's loss has no value to read).
-        finite = torch.isfinite(total) if self.scaler is not None else None
-        if finite is not None and not isinstance(finite, FakeTensor) and not finite:
-            raise NonFiniteError(
-                f"this step's loss is {total.item()}: fp16's GradScaler skipped the update, "
-                "so the weights keep their last finite values. Check this batch's inputs, "
-                "or lower the learning rate; catch autotune.NonFiniteError to go on."
-            )
         return total
 
     def forward_backward(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:

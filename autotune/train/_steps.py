@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.config import TrainConfig
 from autotune.errors import NonFiniteError
+from autotune.train._refusals import GRADIENTS, Refusals
 
 __all__ = ["Scheduler", "apply_step", "check_finite", "make_scaler"]
 
@@ -27,11 +28,16 @@ def apply_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     max_grad_norm: float | None = None,
+    refusals: Refusals | None = None,
 ) -> torch.Tensor:
     """Step ``optimizer`` (through ``scaler`` for fp16), gradients kept.
 
-    Without a scaler, non-finite gradients raise :class:`NonFiniteError` before anything
-    changes (fp16's scaler skips such a step itself, and adapts its scale).
+    Without a scaler, a step with non-finite gradients changes nothing (fp16's scaler
+    skips such a step itself, and adapts its scale). Given ``refusals``, an optimizer with
+    a fused kernel that reads a ``found_inf`` flag (fused AdamW, fused SGD) is handed one
+    computed on the device, and skips the update there: the flag goes to ``refusals``,
+    and the host never waits for it. Otherwise the flag is read at once (one sync) and
+    non-finite gradients raise :class:`NonFiniteError` before anything changes.
 
     With ``max_grad_norm``, the gradients of the optimizer's parameters are first
     unscaled and clipped to that total 2-norm, as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -39,7 +45,8 @@ def apply_step(
     Returns:
         The total norm before clipping (an empty tensor without ``max_grad_norm``).
     """
-    if scaler is None:
+    on_device = scaler is None and refusals is not None and _skips_on_device(optimizer)
+    if scaler is None and not on_device:
         check_finite(optimizer)
     norm = torch.empty(0)
     if max_grad_norm is not None:
@@ -57,9 +64,47 @@ def apply_step(
     elif scaler is not None:
         scaler.step(optimizer)
         scaler.update()
+    elif on_device:
+        assert refusals is not None
+        found = _not_finite(optimizer)
+        refusals.flag(found, GRADIENTS)
+        _step_unless(optimizer, found)
     else:
         optimizer.step()
     return norm
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips its update on the device given a ``found_inf`` flag
+    (torch's fused kernels), over plain gradients (not FSDP's shards, whose verdict the
+    ranks must share)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or _traced(optimizer):
+        return False
+    grads = (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+    return not any(hasattr(g, "to_local") for g in grads)
+
+
+def _not_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """1.0 on the device where a gradient of ``optimizer``'s is NaN or inf, else 0.0: each
+    gradient's largest magnitude (one multi-tensor kernel), summed, is finite or not."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    tops = torch._foreach_norm(grads, float("inf"))
+    home = grads[0].device
+    total = torch.stack([t.to(home, torch.float32) for t in tops]).sum()
+    return (~torch.isfinite(total)).float()
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, which its fused kernel skips where ``found_inf`` is nonzero
+    (the contract fp16's GradScaler steps such an optimizer by)."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def _traced(optimizer: torch.optim.Optimizer) -> bool:

@@ -128,6 +128,7 @@ class Verifier:
             with self._together(config):
                 runner = self._prepare(config)
                 peak, step_s = self._measure(runner, batch, timed)
+                runner.check_steps()  # a step the device refused (fp16 overflowing, say)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
         except NonFiniteError as exc:  # e.g. fp16 overflowing in this model's forward

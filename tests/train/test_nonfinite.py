@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotune
 from autotune import NonFiniteError, TrainConfig
@@ -61,3 +62,56 @@ def test_an_own_loop_with_the_handle_is_refused_the_same_way() -> None:
         with pytest.raises(NonFiniteError):
             handle.optimizer_step()
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+class _Syncs(TorchDispatchMode):
+    """Counts the ops that read a value off the device (``item()``, ``bool()``): on a GPU
+    each one waits for every kernel queued before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_fused_optimizers_step_reads_nothing_off_the_device(precision: str) -> None:
+    config = TrainConfig(micro_batch_size=2, grad_accum_steps=2, precision=precision)
+    config = config.replace(optimizer="adamw_fused")
+    model = net()
+    with autotune.prepare(model, config, lr=1e-2, loss_fn=loss_fn, device="cpu") as runner:
+        runner.step(batch())
+        with _Syncs() as syncs:
+            runner.step(batch())
+        assert syncs.count == 0  # the plain AdamW's check reads one flag a step
+        before = copy.deepcopy(model.state_dict())
+        # On the CPU the device's verdict has arrived by the end of the step.
+        with pytest.raises(NonFiniteError, match="step 3 was not applied"):
+            runner.step(batch(poisoned=True))
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert all(p.grad is None for p in model.parameters())
+        runner.step(batch())
+        assert not all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_refusal_reaches_a_host_ahead_of_the_device_within_two_steps(simulated_cuda) -> None:
+    simulated_cuda.compute.lags = True  # the device's verdicts arrive only when waited for
+    config = TrainConfig(micro_batch_size=4, optimizer="adamw_fused")
+    model = net()
+    with autotune.prepare(model, config, lr=1e-2, loss_fn=loss_fn, device="cpu") as runner:
+        runner.step(batch())
+        before = copy.deepcopy(model.state_dict())
+        runner.step(batch(poisoned=True))  # step 2: refused on the device, not yet known
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        runner.step(batch())  # step 3: applied; step 2's verdict is one step old
+        with pytest.raises(NonFiniteError, match=r"step 2 was not applied.*2 steps after it"):
+            runner.step(batch())  # two steps old: waited for
+        runner.step(batch(poisoned=True))
+        with pytest.raises(NonFiniteError, match="step 5 was not applied"):
+            runner.check_steps()
+        runner.check_steps()  # said once
+    assert all(torch.isfinite(p).all() for p in model.parameters())
