@@ -15,8 +15,8 @@ Under :class:`LiveBytesTracker` code compiled by ``torch.compile`` runs eagerly,
 dynamo steps aside for a dispatch mode, and then skips that code for the rest of the
 process (until ``torch._dynamo.reset()``), so autotune's copies run eagerly anyway (see
 :func:`autotune.train._compiled.decompile`). Under :class:`CompiledBytesTracker` it runs
-as compiled, and its buffers count where they were compiled inside
-:func:`autotune.train._compiled.counted_allocations`.
+as compiled, and its buffers count: the tracker routes them through the dispatcher while
+it is active (:func:`autotune.train._compiled.counted_allocations`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from autotune._profile_data import PhaseKey
 from autotune.device import backend_for, in_host_memory, is_host_storage
-from autotune.train import quantization_state
+from autotune.train import counted_allocations, quantization_state
 
 __all__ = [
     "CompiledBytesTracker",
@@ -195,10 +195,27 @@ class LiveBytesTracker(TorchDispatchMode):
 
 class CompiledBytesTracker(LiveBytesTracker):
     """A :class:`LiveBytesTracker` under which compiled code runs as compiled: what it
-    measures is what a compiled block holds, where the blocks were compiled inside
-    :func:`~autotune.train._compiled.counted_allocations` (else their buffers go unseen)."""
+    measures is what compiled code holds, its buffers allocated through the dispatcher
+    while the tracker is active (:func:`~autotune.train.counted_allocations`), by
+    inductor's fast path again after."""
 
     runs_compiled = True
+
+    def __enter__(self) -> CompiledBytesTracker:
+        self._counted = counted_allocations()
+        self._counted.__enter__()
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._counted.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._counted.__exit__(None, None, None)
 
 
 def tracker_for(

@@ -27,7 +27,7 @@ from autotune.train._attention import set_attention
 from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
-from autotune.train._compiled import compiled_parts, measured_compiling
+from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
 from autotune.train._identity import differences, fingerprint
 from autotune.train._lengths import sequence_length, truncate
 from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
@@ -75,6 +75,7 @@ __all__ = [
     "compiled_parts",
     "compute_loss",
     "copy_model",
+    "counted_allocations",
     "describe_call",
     "differences",
     "factory_name",

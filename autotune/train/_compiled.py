@@ -14,9 +14,12 @@ Inductor's generated code allocates its buffers through a fast path that bypasse
 torch's dispatcher (``empty_strided_cpu``, ``empty_strided_cuda``), so a
 ``TorchDispatchMode`` never sees them: a compiled block's saved activations would count
 as nothing. :func:`counted_allocations` routes those allocations through the dispatcher
-while code is compiled and loaded; the code keeps that route for as long as it lives
-(about a microsecond more per buffer), and the tracker, which lets compiled code run under
-it (``ignore_compile_internals``), counts every buffer as it counts an eager op's output.
+while a step is tracked, and only then: each generated module binds its allocators as
+globals, read at every call, so they are bound to the counted route on the way in and
+back to the fast path on the way out (code loaded inside included). The tracker, which
+lets compiled code run under it (``ignore_compile_internals``), counts every buffer as it
+counts an eager op's output; outside it the code runs as inductor made it (the counted
+route costs about 2 microseconds a buffer).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -118,25 +123,63 @@ def decompile(model: nn.Module) -> None:
                 setattr(m, name, eager_module(child))
 
 
-_FAST_PATHS = ("_empty_strided_cpu", "_empty_strided_cuda")
+_GUARDS = torch._C._dynamo.guards
+_ROUTES = {
+    "empty_strided_cpu": "cpu",
+    "empty_strided_cuda": "cuda",
+    "empty_strided_cpu_pinned": "cpu",
+}
+"""The allocators inductor's generated code binds that bypass the dispatcher (each the
+name of a global in the code and, prefixed ``_``, of torch's fast path), by device."""
+_FAST: dict[str, Callable[..., torch.Tensor]] = {
+    name: getattr(_GUARDS, "_" + name) for name in _ROUTES if hasattr(_GUARDS, "_" + name)
+}
+"""The fast paths, taken when this module loads (before any rerouting)."""
+_calls: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The ``call`` functions of the generated modules seen so far: their globals are rebound
+(inductor's cache may forget a module whose code still runs)."""
+_depth = 0
 
 
 @contextlib.contextmanager
 def counted_allocations() -> Iterator[None]:
-    """While inside, code that inductor compiles (or loads from its caches) allocates its
+    """While inside, the code that inductor compiled, compiles or loads allocates its
     buffers with ``torch.empty_strided``, through the dispatcher, where the live-bytes
-    tracker sees them. ``torch.compile`` compiles at a function's first call (and again at
-    a shape it has not seen): make the first calls of blocks to be measured inside. Code
-    loaded before keeps its own route."""
-    guards = torch._C._dynamo.guards
-    saved = {name: getattr(guards, name) for name in _FAST_PATHS if hasattr(guards, name)}
-    for name in saved:
-        setattr(guards, name, _dispatched(name.removeprefix("_empty_strided_")))
+    tracker sees them; outside, by inductor's fast path. Nests; process-wide (a thread
+    running compiled code meanwhile takes the counted route, uncounted)."""
+    global _depth
+    if _depth == 0:
+        _route(counted=True)
+    _depth += 1
     try:
         yield
     finally:
-        for name, fast in saved.items():
-            setattr(guards, name, fast)
+        _depth -= 1
+        if _depth == 0:
+            _route(counted=False)
+
+
+def _route(*, counted: bool) -> None:
+    """Bind every allocator of :data:`_ROUTES`, in torch's fast paths (what code loaded
+    from now on binds) and in each generated module loaded so far, to the counted route
+    or back to the fast path."""
+    table = {
+        name: _dispatched(_ROUTES[name], pinned=name.endswith("_pinned")) if counted else fast
+        for name, fast in _FAST.items()
+    }
+    for name, allocate in table.items():
+        setattr(_GUARDS, "_" + name, allocate)
+    codecache = sys.modules.get("torch._inductor.codecache")  # nothing compiled: no modules
+    if codecache is not None:
+        for module in list(codecache.PyCodeCache.modules):
+            call = module.__dict__.get("call")
+            if call is not None and "empty_strided_cpu" in module.__dict__:
+                _calls.add(getattr(call, "__func__", call))
+    for call in list(_calls):
+        code_globals = call.__globals__
+        for name, allocate in table.items():
+            if name in code_globals:
+                code_globals[name] = allocate
 
 
 _RECOMPILES = 64
@@ -149,22 +192,22 @@ be of eager code."""
 
 @contextlib.contextmanager
 def measured_compiling(enabled: bool = True) -> Iterator[None]:
-    """A tuning run that measures compiled blocks: their allocations counted (see
-    :func:`counted_allocations`) and dynamo's per-function limit of graphs raised to
-    :data:`_RECOMPILES`; nothing where not ``enabled``."""
+    """A tuning run that measures compiled blocks: dynamo's per-function limit of graphs
+    raised to :data:`_RECOMPILES` (their allocations are counted where a step is tracked:
+    :func:`counted_allocations`); nothing where not ``enabled``."""
     if not enabled:
         yield
         return
     config = torch._dynamo.config
     limit = max(config.recompile_limit, _RECOMPILES)
-    with counted_allocations(), config.patch(recompile_limit=limit):
+    with config.patch(recompile_limit=limit):
         yield
 
 
-def _dispatched(device: str) -> Callable[..., torch.Tensor]:
+def _dispatched(device: str, *, pinned: bool = False) -> Callable[..., torch.Tensor]:
     """An allocation on ``device`` as inductor's fast path makes it, through the dispatcher."""
 
     def empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+        return torch.empty_strided(size, stride, dtype=dtype, device=device, pin_memory=pinned)
 
     return empty_strided

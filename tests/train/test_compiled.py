@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.errors import BlockError
 from autotune.measure._tracker import CompiledBytesTracker
@@ -56,15 +57,13 @@ def storage_bytes(tensors: list[torch.Tensor], leave_out: list[torch.Tensor]) ->
     return sum(seen.values())
 
 
-def grown_and_held(width: int, counted: bool) -> tuple[int, int]:
+def grown_and_held(width: int) -> tuple[int, int]:
     """(live bytes the tracker saw a compiled block's forward add, the bytes of its output
-    and saved tensors), the block compiled inside :func:`counted_allocations` or not. Each
-    width is a graph of its own: inductor's code for it is loaded here, not reused."""
+    and saved tensors). Each width is a graph of its own, compiled here, untracked."""
     block = Block(width)
     compile_blocks(block, [""])
     x = torch.randn(4, 16, width, requires_grad=True)
-    with counted_allocations() if counted else contextlib.nullcontext():
-        block(x).sum().backward()  # compiled here, its code loaded
+    block(x).sum().backward()  # compiled here, its code loaded
     tracker = CompiledBytesTracker("cpu")
     tracker.track([*block.parameters(), x])
     with tracker:
@@ -77,14 +76,44 @@ def grown_and_held(width: int, counted: bool) -> tuple[int, int]:
     return grown, storage_bytes([*saved, y], [*block.parameters(), x])
 
 
+class Allocations(TorchDispatchMode):
+    """Counts the buffers compiled code allocates through the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code runs as compiled under it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func is torch.ops.aten.empty_strided.default
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_tracker_counts_a_compiled_blocks_saved_activations_to_the_byte() -> None:
     """The forward of a compiled block leaves its output and what its compiled backward
     saved (read from the compiled autograd node): the tracker's live bytes grow by exactly
-    their bytes. Through inductor's own allocation path it would see none of them."""
-    grown, held = grown_and_held(48, counted=True)
+    their bytes, though the code was compiled before the tracker began."""
+    grown, held = grown_and_held(48)
     assert grown == held > 0
-    unseen, held = grown_and_held(40, counted=False)
-    assert unseen < held / 2
+
+
+def test_compiled_code_takes_the_counted_route_only_while_a_step_is_tracked() -> None:
+    """Outside a tracked step compiled code allocates by inductor's fast path, code
+    compiled during a tracked step included: no buffer goes through the dispatcher."""
+    block = Block(56)
+    compile_blocks(block, [""])
+    x = torch.randn(4, 16, 56, requires_grad=True)
+    with CompiledBytesTracker("cpu"):
+        block(x).sum().backward()  # compiled and loaded while tracked
+    counts = []
+    for counted in (False, True, False):
+        with counted_allocations() if counted else contextlib.nullcontext(), Allocations() as seen:
+            block(x).sum().backward()
+        counts.append(seen.count)
+    assert counts[0] == counts[2] == 0 < counts[1]
 
 
 def steps(work: nn.Module, n: int = 3) -> list[float]:
