@@ -17,6 +17,7 @@ from autotune.errors import ConfigError
 __all__ = [
     "ATTENTION",
     "BITSANDBYTES_OPTIMIZERS",
+    "COMPILE_LEVELS",
     "FUSED_OPTIMIZERS",
     "MAX_BATCH",
     "OPTIMIZERS",
@@ -28,6 +29,7 @@ __all__ = [
     "is_factory",
     "timeline_key",
     "timeline_knobs",
+    "timeline_level",
     "timeline_parts",
 ]
 
@@ -88,28 +90,41 @@ PARALLEL: tuple[str, ...] = ("none", "ddp", "fsdp")
 """Data parallelism over ``world_size`` ranks: none, DDP (replicated), FSDP2 (sharded)."""
 _BLOCK_CHOICES = ("checkpoint", "selective_checkpoint", "offload_activations")
 """The fields that name blocks, each block in one at most (unnamed: kept)."""
-_COMPILED = "+compiled"
-"""The suffix of a compiled timeline's key (see :func:`timeline_key`)."""
+COMPILE_LEVELS: tuple[str, ...] = ("none", "blocks", "model")
+"""What runs through ``torch.compile``: nothing, each block (``compile_blocks``), or the
+whole model with its loss (``compile_model``)."""
+_SUFFIXES = {"none": "", "blocks": "+compiled", "model": "+model"}
+"""The suffix of each compile level's timeline key (see :func:`timeline_key`)."""
 
 
-def timeline_key(precision: str, compiled: bool) -> str:
+def timeline_key(precision: str, level: str) -> str:
     """The key of a profile's timeline: the precision, ``+compiled`` where the blocks run
-    compiled (their memory and time are a timeline of their own)."""
-    return precision + _COMPILED if compiled else precision
+    compiled, ``+model`` where the model and its loss do (each a timeline of its own)."""
+    return precision + _SUFFIXES[level]
+
+
+def timeline_level(key: str) -> str:
+    """The compile level of a :func:`timeline_key`."""
+    return next((level for level, s in _SUFFIXES.items() if s and key.endswith(s)), "none")
 
 
 def timeline_parts(key: str) -> tuple[str, bool]:
-    """(precision, compiled) of a :func:`timeline_key`."""
-    if key.endswith(_COMPILED):
-        return key.removesuffix(_COMPILED), True
-    return key, False
+    """(precision, compiled at any level) of a :func:`timeline_key`: a compiled timeline
+    keeps or checkpoints its blocks whole, never selectively or offloaded."""
+    level = timeline_level(key)
+    return key.removesuffix(_SUFFIXES[level]), level != "none"
 
 
 def timeline_knobs(key: str, blocks: tuple[str, ...]) -> dict[str, Any]:
     """The :class:`TrainConfig` knobs of timeline ``key`` over a model's ``blocks``: its
-    precision, and every block compiled where the timeline is compiled."""
-    precision, compiled = timeline_parts(key)
-    return {"precision": precision, "compile_blocks": blocks if compiled else ()}
+    precision, and every block compiled or the model compiled, as the timeline is."""
+    precision, _ = timeline_parts(key)
+    level = timeline_level(key)
+    return {
+        "precision": precision,
+        "compile_blocks": blocks if level == "blocks" else (),
+        "compile_model": level == "model",
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,15 +169,27 @@ class TrainConfig:
     graph shared by identical blocks), beneath their checkpoint wrapper where they are
     checkpointed. A compiled block is kept or checkpointed whole, never selectively or
     offloaded."""
+    compile_model: bool = False
+    """The whole model's forward and its loss through ``torch.compile`` as one graph (the
+    loss fused with the output layer), shapes static at ``micro_batch_size``, the
+    checkpointed blocks recomputed inside the graph. Not with ``compile_blocks``, nor with
+    blocks checkpointed selectively or offloaded."""
     eval_batch_size: int | None = dataclasses.field(default=None, compare=False)
     """Samples per evaluation forward (no gradients) that fit the budget beside this
     config's training state, measured after a training step; ``None``: not measured. Not
     a knob of training: configs that differ only here are equal."""
 
     @property
+    def compile_level(self) -> str:
+        """What runs compiled, one of :data:`COMPILE_LEVELS`."""
+        if self.compile_model:
+            return "model"
+        return "blocks" if self.compile_blocks else "none"
+
+    @property
     def timeline(self) -> str:
         """The key of the profile's timeline this config trains on (see :func:`timeline_key`)."""
-        return timeline_key(self.precision, bool(self.compile_blocks))
+        return timeline_key(self.precision, self.compile_level)
 
     def __post_init__(self) -> None:
         names = ("micro_batch_size", "grad_accum_steps")
@@ -196,6 +223,7 @@ class TrainConfig:
                 f"blocks {sorted(both)} are compiled and checkpointed selectively or "
                 "offloaded; a compiled block is kept or checkpointed whole."
             )
+        self._check_compile_model()
         for i, first in enumerate(_BLOCK_CHOICES):
             for second in _BLOCK_CHOICES[i + 1 :]:
                 both = set(getattr(self, first)) & set(getattr(self, second))
@@ -212,6 +240,25 @@ class TrainConfig:
                 f"offload_optimizer must be true or false, got {self.offload_optimizer!r}."
             )
         self._check_parallel()
+
+    def _check_compile_model(self) -> None:
+        if not isinstance(self.compile_model, bool):
+            raise ConfigError(
+                f"compile_model must be true or false, got {self.compile_model!r:.40}."
+            )
+        if not self.compile_model:
+            return
+        if self.compile_blocks:
+            raise ConfigError(
+                "compile_model compiles the whole model, its blocks included; leave "
+                "compile_blocks empty."
+            )
+        wrapped = self.selective_checkpoint or self.offload_activations
+        if wrapped:
+            raise ConfigError(
+                "with compile_model the blocks are kept or checkpointed whole: move the "
+                "blocks of selective_checkpoint and offload_activations to checkpoint."
+            )
 
     def _check_parallel(self) -> None:
         if self.parallel not in PARALLEL:
@@ -238,6 +285,7 @@ class TrainConfig:
             (self.precision == "fp16" and self.parallel == "fsdp", "fp16 (use bf16)"),
             (self.offload_optimizer and self.parallel == "ddp", "optimizer offload"),
             (self.compile_blocks, "compile_blocks"),
+            (self.compile_model, "compile_model"),
         ]
         for flag, what in unsupported:
             if flag:
@@ -297,6 +345,8 @@ class TrainConfig:
             parts.append(f"attention={self.attention}")
         if self.compile_blocks:
             parts.append(f"compiled={len(self.compile_blocks)}")
+        if self.compile_model:
+            parts.append("compiled=model")
         if self.eval_batch_size is not None:
             parts.append(f"eval_batch={self.eval_batch_size}")
         return " ".join(parts)

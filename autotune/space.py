@@ -26,6 +26,10 @@ class SearchSpace:
         """Whether compiled blocks are searched on a device of this type."""
         return device_type == "cuda" if self.compile_blocks is None else self.compile_blocks
 
+    def compiles_model(self, device_type: str) -> bool:
+        """Whether the model compiled whole is searched on a device of this type."""
+        return device_type == "cuda" if self.compile_model is None else self.compile_model
+
     def offloads(self, device_type: str) -> tuple[bool, bool]:
         """(optimizer offload, activation offload) allowed on a device of this type."""
         auto = device_type == "cuda"
@@ -57,6 +61,12 @@ class SearchSpace:
     where it does not pay; ``None``: on CUDA yes, on the CPU no (compiling a block class
     takes its C++ compiler seconds per precision there, about the whole tuning budget).
     Compiling needs blocks (``checkpointing``), and one process (no data parallelism)."""
+    compile_model: bool | None = None
+    """Whether the whole model may run compiled with its loss (``torch.compile`` of the
+    forward and the loss as one graph, shapes static at the micro-batch; the blocks kept
+    or checkpointed whole, inside the graph), each precision's timeline profiled and
+    dropped where it does not pay; ``None``: on CUDA yes, on the CPU no (compiling the
+    model takes its C++ compiler tens of seconds there). One process only."""
     blocks: tuple[str, ...] | None = None
     """Qualified names of the blocks; default ``autotune.find_blocks(model)``."""
     max_micro_batch_size: int = 4096
@@ -108,7 +118,7 @@ class SearchSpace:
         for name in ("checkpointing", "selective_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SearchSpace.{name} must be True or False.")
-        for name in ("offload_optimizer", "offload_activations", "compile_blocks"):
+        for name in ("offload_optimizer", "offload_activations", "compile_blocks", "compile_model"):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"SearchSpace.{name} must be True, False or None.")
         if self.max_micro_batch_size < 1:

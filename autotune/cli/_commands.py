@@ -122,6 +122,7 @@ def space_of(args: argparse.Namespace) -> SearchSpace:
         "checkpointing": not args.no_checkpointing,
         "selective_checkpointing": not args.no_selective_checkpointing,
         "compile_blocks": {"auto": None, "on": True, "off": False}[args.compile],
+        "compile_model": {"auto": None, "on": True, "off": False}[args.compile_model],
     }
     if args.precisions:
         knobs["precisions"] = _names(args.precisions)
@@ -177,6 +178,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         knobs["offload_activations"] = _checkpoint(args.offload_activations, model, blocks)
     if args.compile_blocks is not None:
         knobs["compile_blocks"] = _checkpoint(args.compile_blocks, model, blocks)
+    if args.compile_model:
+        knobs["compile_model"] = True
     if args.offload_optimizer:
         knobs["offload_optimizer"] = True
     if args.parallel is not None:

@@ -292,6 +292,12 @@ def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
         default="auto",
         help="search compiled blocks, torch.compile of each block (auto: on CUDA only)",
     )
+    tune.add_argument(
+        "--compile-model",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="search the whole model compiled with its loss, shapes static (auto: on CUDA only)",
+    )
 
 
 def _add_checks(sub: Any) -> None:
@@ -346,6 +352,11 @@ def _add_estimate(sub: Any) -> None:
         "--compile-blocks",
         choices=("all", "none"),
         help="blocks to run compiled (torch.compile of each block's forward): all or none",
+    )
+    est.add_argument(
+        "--compile-model",
+        action="store_true",
+        help="the whole model and its loss compiled as one graph (not with --compile-blocks)",
     )
     est.add_argument(
         "--optimizer",

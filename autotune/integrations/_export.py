@@ -61,7 +61,8 @@ def to_hf(result: TuneResult) -> Export:
     The checkpoint mask, activation offload and compiled blocks are applied to the model
     by ``autotune.integrations.transformers.AutotuneCallback``, block by block, never by
     ``gradient_checkpointing`` (which some models reject and which means every layer) or
-    ``torch_compile`` (the whole model).
+    ``torch_compile`` (the whole model, shapes dynamic; a config that compiles the model
+    whole, ``compile_model``, is compiled by the callback too, shapes static).
     """
     settings, warnings = hf_settings(result)
     usage = (
@@ -86,6 +87,12 @@ def to_hf(result: TuneResult) -> Export:
             f"{' and '.join(named)}: TrainingArguments cannot name blocks: pass "
             "Trainer(callbacks=[AutotuneCallback(result)]) from "
             "autotune.integrations.transformers, which applies them to the model exactly."
+        )
+    if c.compile_model:
+        warnings.append(
+            "compile_model: pass Trainer(callbacks=[AutotuneCallback(result)]), which "
+            "compiles the model (and the loss its forward computes) as tuned, shapes "
+            "static; leave torch_compile off, or the model is compiled twice."
         )
     return Export("hf", settings, tuple(warnings), notes)
 
@@ -283,7 +290,10 @@ def to_accelerate(result: TuneResult) -> Export:
         warnings += checkpoint_in_code(result, "accelerate has no activation checkpointing setting")
     if c.offload_activations:
         warnings.append(lost_offload_activations(c, "accelerate"))
-    warnings += compiled_in_code(c, "accelerate's dynamo_config")
+    if c.compile_model:
+        settings["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_dynamic": False}
+    else:
+        warnings += compiled_in_code(c, "accelerate's dynamo_config")
     usage = "use: accelerate launch --config_file path train.py"
     return Export(
         "accelerate", settings, tuple(warnings), (*origin(result, "accelerate config"), usage)

@@ -141,7 +141,15 @@ def checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
 
 def compiled_in_code(c: TrainConfig, where: str) -> list[str]:
     """The warning for compiled blocks, which no trainer's setting names: ``where``
-    compiles the whole model or nothing."""
+    compiles the whole model or nothing; and for the model compiled whole where a file
+    cannot say it."""
+    if c.compile_model:
+        return [
+            f"compile_model: compile the whole model, shapes static ({where}, with "
+            "dynamic=False), the loss inside its forward where the model computes it (a Hugging "
+            "Face model given labels); or autotune.apply(model, result), which compiles the "
+            "model's forward as tuned."
+        ]
     if not c.compile_blocks:
         return []
     return [

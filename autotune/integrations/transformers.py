@@ -96,8 +96,9 @@ def sample_batch(trainer: Any) -> dict[str, Any]:
 
 
 class AutotuneCallback(TrainerCallback):
-    """Applies ``result``'s checkpoint mask and activation offload to the model at the
-    start of training, and undoes them at the end.
+    """Applies ``result``'s checkpoint mask, activation offload and compiled blocks (or
+    the model compiled whole) to the model at the start of training, and undoes them at
+    the end.
 
     Attributes:
         handle: The applied config while training runs (``None`` before and after).
@@ -188,6 +189,8 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
         args, "activation_checkpointing", False
     ):
         differ.append("activation checkpointing of every layer is on (tuned: per block)")
+    if result.config.compile_model and getattr(args, "torch_compile", False):
+        differ.append("torch_compile is on (the callback compiles the model as tuned)")
     if differ:
         warnings.warn(
             "the Trainer's arguments are not the tuned ones: " + "; ".join(differ) + ". Build "

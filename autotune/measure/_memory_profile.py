@@ -46,6 +46,7 @@ def memory_profile(
     transfer: Transfer | None = None,
     selective: bool = False,
     compiled: Sequence[str] = (),
+    whole: Sequence[str] = (),
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
@@ -54,14 +55,16 @@ def memory_profile(
     With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
     host step are measured too; with ``selective``, the selectively checkpointed variant;
     for each of the precisions ``compiled``, its timeline with every block compiled (kept
-    and checkpointed), unless compiling fails (a note says why).
+    and checkpointed), and for each of ``whole``, with the model compiled whole with its
+    loss (every block kept, and checkpointed), unless compiling fails (a note says why).
 
     Raises:
         ProfileError: nothing fits the device.
     """
     notes: list[str] = []
+    levels = {"blocks": tuple(compiled), "model": tuple(whole)}
     memory, measured = _measure(
-        profiler, precisions, optimizers, transfer, selective, compiled, notes
+        profiler, precisions, optimizers, transfer, selective, levels, notes
     )
     if not memory:
         raise ProfileError(
@@ -77,10 +80,11 @@ def _measure(
     optimizers: Sequence[str],
     transfer: Transfer | None,
     selective: bool,
-    compiled: Sequence[str],
+    levels: dict[str, tuple[str, ...]],
     notes: list[str],
 ) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
-    """Each precision's timeline and each optimizer's step, at micro-batches 2 and 4 (1
+    """Each precision's timeline (and those of ``levels``: the precisions compiled at each
+    compile level) and each optimizer's step, at micro-batches 2 and 4 (1
     and 2 where those do not fit); what is left out is said in ``notes``.
 
     Where not even 1 and 2 fit under the cap in force (the budget, while tuning: every
@@ -99,8 +103,10 @@ def _measure(
             memory, measured = _attempt(
                 profiler, precisions, optimizers, transfer, selective, b1, b2, notes
             )
-            if memory and (ranked := [p for p in compiled if p in memory]):
-                memory.update(_compiled(profiler, ranked, optimizers[0], b1, b2, notes))
+            for level, compiled in levels.items():
+                if memory and (ranked := [p for p in compiled if p in memory]):
+                    timelines = _compiled(profiler, ranked, level, optimizers[0], b1, b2, notes)
+                    memory.update(timelines)
         if memory:
             if lift:
                 notes.append(
@@ -189,26 +195,32 @@ def _profile(
 def _compiled(
     profiler: Profiler,
     precisions: Sequence[str],
+    level: str,
     optimizer: str,
     b1: int,
     b2: int,
     notes: list[str],
 ) -> dict[str, PrecisionProfile]:
-    """The compiled timeline of each of ``precisions`` (by its key); none once compiling
-    fails, with a note that says why (no compiler, an op the compiler rejects, ...)."""
+    """The timeline of each of ``precisions`` compiled at ``level`` (by its key); none
+    once compiling fails, with a note that says why (no compiler, an op the compiler
+    rejects, a block checkpointed inside the graph that cannot be, ...)."""
     out = {}
+    what = "compiled blocks" if level == "blocks" else "the model compiled whole"
     for p in precisions:
-        key = timeline_key(p, True)
+        key = timeline_key(p, level)
         try:
             out[key] = profiler.memory(key, optimizer, b1, b2)
         except torch.OutOfMemoryError:
             notes.append(f"{key}: out of device memory profiling up to micro-batch {2 * b2}")
         except NonFiniteError:
             notes.append(f"{key}: the loss is not finite on the sample batch; not searched")
+        except BlockError as exc:  # a block the compiled model cannot checkpoint
+            notes.append(f"{what}: not searched, {_why(exc)}")
+            return {}
         except Exception as exc:  # the compiler's own failure: compiling is not searched
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"{type(exc).__name__}: {first}"
-            notes.append(f"compiled blocks: not searched, compiling failed ({why})")
+            notes.append(f"{what}: not searched, compiling failed ({why})")
             return {}
     return out
 

@@ -53,7 +53,7 @@ def peak_memory(*holding: Any, device: torch.device | str | None = None) -> Iter
     for h in handles:
         objects += [h.model, h.optimizer, h.scaler]
     context = discover(target).context_bytes  # the CUDA context; 0 on the CPU
-    compiled = any(h.config.compile_blocks for h in handles)
+    compiled = any(h.config.compile_level != "none" for h in handles)
     with (
         measured_compiling(compiled),
         measure_peak(

@@ -32,7 +32,13 @@ from autotune._profile_data import (
     PrecisionProfile,
 )
 from autotune._spelling import option
-from autotune.config import TrainConfig, is_factory, timeline_knobs, timeline_parts
+from autotune.config import (
+    TrainConfig,
+    is_factory,
+    timeline_knobs,
+    timeline_level,
+    timeline_parts,
+)
 from autotune.device import backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
@@ -191,13 +197,15 @@ class Profiler:
 
         Variants: every block kept, every block checkpointed, (``offload``) every block
         offloaded, with the bytes each block sends to the host, and (``selective``) every
-        block checkpointed selectively; compiled blocks only kept and checkpointed. A
-        variant not run takes the kept run's lines.
+        block checkpointed selectively; compiled blocks, or the model compiled whole, only
+        kept and checkpointed. A variant not run takes the kept run's lines.
         """
         compiled = timeline_parts(precision)[1]
+        whole = timeline_level(precision) == "model"
         at: tuple[int, ...] = (b1, b2)
-        if compiled:  # its peaks bend at small sizes: a third size (see Phase.floor)
+        if compiled:
             offload = selective = False
+        if compiled and not whole:  # its peaks bend at small sizes: a third size (Phase.floor)
             at = (b1, b2, 2 * b2)
         runner = self.first_step(self.config(precision, b1, optimizer=optimizer), b1)
         variants = [KEEP, CHECKPOINT] if self.blocks else [KEEP]
@@ -207,12 +215,12 @@ class Profiler:
             variants.append(SELECTIVE)
         with runner:
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
-            tracked = self._tracked(runner, variants, at, compiled=compiled)
+            tracked = self._tracked(runner, variants, at, compiled=compiled, whole=whole)
         runs, moved, copies, beyond = tracked.runs, tracked.moved, tracked.copies, tracked.beyond
         # Every index up to the last variant run; one not run reads as the kept run.
         indices = range(max(variants) + 1)
         fitted = [[runs.get((b, v), runs[b, KEEP]) for v in indices] for b in at]
-        third = (at[2], fitted[2]) if compiled else (None, [])
+        third = (at[2], fitted[2]) if len(at) > 2 else (None, [])
         base, phases = fit_phases(b1, fitted[0], b2, fitted[1], *third)
         # The tracked step ends with one optimizer's step; the cost model adds each one's own.
         micro = tuple(p for p in phases if p.key.micro in (1, 2))
@@ -241,24 +249,35 @@ class Profiler:
         )
 
     def _tracked(
-        self, runner: Runner, variants: Sequence[int], at: Sequence[int], *, compiled: bool
+        self,
+        runner: Runner,
+        variants: Sequence[int],
+        at: Sequence[int],
+        *,
+        compiled: bool,
+        whole: bool,
     ) -> _Tracked:
-        """The tracked steps of each variant at each size of ``at``, on ``runner``."""
+        """The tracked steps of each variant at each size of ``at``, on ``runner``. A model
+        compiled ``whole`` is one graph: its step is tracked without a phase per block (a
+        hook inside the graph would be compiled into it)."""
         out = _Tracked()
+        modules = () if whole else self.modules
         for variant in variants:
-            remove_checkpointing(self.model)
-            if variant in (CHECKPOINT, SELECTIVE):
-                apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
-            elif variant == OFFLOAD:
+            self._every(variant, plain=whole)
+            if variant == OFFLOAD:
                 apply_offloading(self.model, self.blocks, runner.offloader)
-            if compiled:  # compiled at each size and beneath its wrapper before tracked
+            if whole:  # a graph per size (shapes static), each compiled before tracked
+                for b in at:
+                    runner.forward_backward(resize(self.sample, b))
+                runner.zero_grad()
+            elif compiled:  # compiled at each size and beneath its wrapper before tracked
                 for b in at:
                     runner.step(resize(self.sample, b))
             for b in at:
                 if self.backend.caching:  # start from no cached blocks, as verify does
                     self.backend.empty_cache()
                 out.runs[b, variant] = records = tracked_step(
-                    runner, resize(self.sample, b), self.modules
+                    runner, resize(self.sample, b), modules
                 )
                 if variant == OFFLOAD:
                     out.moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
@@ -282,28 +301,31 @@ class Profiler:
         runner = self.runner(self.config(precision, b))
         chunk = resize(self.sample, b)
         times: dict[int, list[float]] = {v: [] for v in variants}
+        plain = runner.config.compile_model
         try:
-            if runner.config.compile_blocks:  # compiled (beneath each wrapper) untimed
+            if runner.config.compile_level != "none":  # compiled, beneath each wrapper, untimed
                 for v in variants:
-                    self._every(v)
+                    self._every(v, plain=plain)
                     with _model_errors(self.model, chunk, self.loss_fn):
                         runner.forward_backward(chunk)
-            self._every(variants[0])
+            self._every(variants[0], plain=plain)
             with _model_errors(self.model, chunk, self.loss_fn):
                 first = self._timed(lambda: runner.forward_backward(chunk))
             for _ in range(self.repeats if first < 0.2 else 1):
                 for v in variants:
-                    self._every(v)
+                    self._every(v, plain=plain)
                     times[v].append(self._timed(lambda: runner.forward_backward(chunk)))
         finally:
             runner.close()  # the checkpoint wrappers and the gradients
         return {v: statistics.median(ts) for v, ts in times.items()}
 
-    def _every(self, variant: int) -> None:
-        """Every block kept, checkpointed or checkpointed selectively."""
+    def _every(self, variant: int, *, plain: bool = False) -> None:
+        """Every block kept, checkpointed or checkpointed selectively (``plain``: by a
+        checkpoint the graph of a model compiled whole holds)."""
         remove_checkpointing(self.model)
         if variant in (CHECKPOINT, SELECTIVE):
-            apply_checkpointing(self.model, self.blocks, selective=variant == SELECTIVE)
+            selective = variant == SELECTIVE
+            apply_checkpointing(self.model, self.blocks, selective=selective, plain=plain)
 
     def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
         """Each block's share of the blocks' forward time, from one timed forward."""

@@ -88,7 +88,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
     Returns:
         The phase records; micro-batches are ``micro`` 1 and 2, the optimizer step 3.
     """
-    tracker = tracker_for(bool(runner.config.compile_blocks), runner.device.type)
+    tracker = tracker_for(runner.config.compile_level != "none", runner.device.type)
     rec = _Recorder(tracker, runner.model)
     existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
     with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):

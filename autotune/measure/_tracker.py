@@ -76,6 +76,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
         self._watched: list[torch.UntypedStorage] = []
 
+    supports_higher_order_operators = True
+    """Higher-order operators (compiled code's ``run_and_save_rng_state``, which a block
+    checkpointed inside a compiled graph runs) come through :meth:`__torch_dispatch__`
+    whole: their outputs count, like any op's."""
+
     runs_compiled: ClassVar[bool] = False
     """Whether code compiled by ``torch.compile`` runs under this tracker as compiled
     (``False``: dynamo steps aside and it runs as eager ops, each one counted)."""

@@ -28,6 +28,7 @@ from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, res
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
+from autotune.train._compiled_model import any_batch_size
 from autotune.train._identity import differences, fingerprint
 from autotune.train._lengths import sequence_length, truncate
 from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
@@ -61,6 +62,7 @@ __all__ = [
     "Runner",
     "Workload",
     "agree_max",
+    "any_batch_size",
     "apply",
     "apply_checkpointing",
     "apply_offloading",

@@ -33,6 +33,7 @@ from autotune.train._checkpoint import (
     remove_checkpointing,
 )
 from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
+from autotune.train._compiled_model import CompiledLoss, compile_forward, uncompile_forward
 from autotune.train._fallback import Ladder, snapshot
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
@@ -57,6 +58,10 @@ class Applied:
         device: Where the model trains.
         scaler: fp16's ``torch.amp.GradScaler``; ``None`` for fp32 and bf16.
     """
+
+    compiles_loss = False
+    """With ``compile_model``: whether the loss is compiled with the model (a runner, which
+    takes the loss itself), rather than the model's forward alone (a loop of one's own)."""
 
     def __init__(
         self,
@@ -92,6 +97,8 @@ class Applied:
         self.offloader = ActivationOffloader(model, device)
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
+        self.compiled_loss: CompiledLoss | None = None
+        """The forward and loss compiled as one graph (a runner's, with ``compile_model``)."""
         self._wrap(config)
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
@@ -298,9 +305,25 @@ class Applied:
         if compiled != set(config.compile_blocks):  # the compiled code is cached: no recompile
             uncompile_blocks(model)
             compile_blocks(model, config.compile_blocks)
-        apply_checkpointing(model, config.checkpoint)
+        self._compile_model(config)
+        apply_checkpointing(model, config.checkpoint, plain=config.compile_model)
         apply_checkpointing(model, config.selective_checkpoint, selective=True)
         apply_offloading(model, config.offload_activations, self.offloader)
+
+    def _compile_model(self, config: TrainConfig) -> None:
+        """The model compiled whole, with its loss where the handle takes the loss, or not."""
+        self.compiled_loss = None
+        if not config.compile_model or self.compiles_loss:
+            uncompile_forward(self.model)
+        if config.compile_model and self.compiles_loss:
+            dtype = _DTYPES.get(config.precision)
+            self.compiled_loss = CompiledLoss(self.device.type, dtype, self._loss_fn())
+        elif config.compile_model:
+            compile_forward(self.model)
+
+    def _loss_fn(self) -> Any:
+        """The loss function a compiled loss takes (a runner's)."""
+        return None
 
     def snapshot(self) -> Callable[[], None]:
         """A function that puts the random state and buffers back as they are now."""
@@ -348,6 +371,7 @@ class Applied:
             self.host.close()
         remove_checkpointing(self.model)
         uncompile_blocks(self.model)
+        uncompile_forward(self.model)
         self._budget.close()  # the allocator's cap as it was before
         self._closed = True
 

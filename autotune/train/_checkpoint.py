@@ -24,6 +24,7 @@ from autotune.train._selective import selective_contexts
 
 __all__ = [
     "COMPILED",
+    "COMPILED_MODEL",
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
@@ -37,18 +38,34 @@ __all__ = [
 _ORIGINAL = "_autotune_original_forward"
 COMPILED = "_autotune_eager_forward"
 """Where a compiled block keeps its eager ``forward`` (see :mod:`autotune.train._compiled`)."""
+COMPILED_MODEL = "_autotune_model_forward"
+"""Where a model compiled whole keeps its eager ``forward`` (see
+:mod:`autotune.train._compiled_model`)."""
 
 
-def apply_checkpointing(model: nn.Module, names: Sequence[str], *, selective: bool = False) -> None:
+def apply_checkpointing(
+    model: nn.Module, names: Sequence[str], *, selective: bool = False, plain: bool = False
+) -> None:
     """Recompute the activations of the named blocks in backward (non-reentrant checkpoint);
     ``selective``: only those of their cheap ops, the expensive ops' outputs kept.
 
+    ``plain``: torch's checkpoint and nothing around it, which dynamo traces into the graph
+    of a model compiled whole: no copies of the buffers a forward changes (a block that
+    updates running statistics is refused) and no block named when a recomputation
+    differs.
+
     Raises:
-        BlockError: a name is not a submodule of ``model``, or (``selective``) a block's
-            forward is compiled: then no block is wrapped.
+        BlockError: a name is not a submodule of ``model``, (``selective``) a block's
+            forward is compiled, or (``plain``) a block updates running statistics: then
+            no block is wrapped.
     """
     context = selective_contexts if selective else noop_context_fn
     modules = _resolve(model, names, "checkpoints")
+    if plain:
+        _check_plain(names, modules)
+        for module in modules:
+            _wrap(module, functools.partial(_plain_checkpointed_forward, module.forward))
+        return
     for name, module in zip(names, modules, strict=True):
         if selective and COMPILED in module.__dict__:
             # Its compiled code writes matrix products into buffers of its own (out=),
@@ -189,6 +206,25 @@ def _recompute_error(exc: RuntimeError) -> BlockError:
         "without checkpointing it: name the blocks that can be with "
         f"{option('SearchSpace(blocks=[...])')}, or {option('SearchSpace(checkpointing=False)')}."
     )
+
+
+def _check_plain(names: Sequence[str], modules: Sequence[nn.Module]) -> None:
+    """Refuse a block whose forward updates running statistics (a batch norm in training
+    mode): a plain checkpoint would recompute it on the statistics as the forward left them."""
+    for name, module in zip(names, modules, strict=True):
+        if any(m.training and getattr(m, "track_running_stats", False) for m in module.modules()):
+            raise BlockError(
+                f"block {name!r} updates running statistics (a batch norm), which a block "
+                "checkpointed inside the compiled model cannot recompute as its forward "
+                "saw them; checkpoint it with the model uncompiled or its blocks compiled "
+                "(compile_model: false)."
+            )
+
+
+def _plain_checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+        return forward(*args, **kwargs)
+    return _checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _checkpointed_forward(

@@ -39,7 +39,7 @@ class _Flag:
     step: int
     why: str
     host: torch.Tensor
-    """One byte of host memory (pinned on a GPU), 1 where the step was refused."""
+    """The flag in host memory (pinned on a GPU), nonzero where the step was refused."""
     arrived: Any
     """The device's event after the copy (``None``: copied already)."""
 
@@ -52,7 +52,7 @@ class _Flag:
         return bool(self.arrived.query())
 
     def refused(self) -> bool:
-        # A byte read from host memory by Python: no op on the device, nothing to wait for.
+        # Host memory read by Python: no op on the device, nothing to wait for.
         return bool(self.host.tolist())
 
 
@@ -117,9 +117,9 @@ class Refusals:
         """``flag`` copied to host memory behind the step's work, with its arrival."""
         streams = self.backend.streams
         with host_memory():
-            host = torch.empty((), dtype=torch.uint8, pin_memory=self.backend.pins)
+            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=self.backend.pins)
         mark_host((host,))
-        host.copy_(flag.reshape(()).ne(0), non_blocking=streams)
+        host.copy_(flag, non_blocking=streams)
         arrived = self.backend.current_stream().record_event() if streams else None
         return _Flag(step, why, host, arrived)
 

@@ -52,10 +52,10 @@ class Runner(Applied):
         units: Sequence[str] = (),
         table: Sequence[LengthRow] = (),
     ) -> None:
+        self.loss_fn = loss_fn  # before the config is applied: a compiled model takes it
         super().__init__(
             model, config, lr=lr, device=device, fallbacks=fallbacks, units=units, table=table
         )
-        self.loss_fn = loss_fn
         _ = self.optimizer  # built now: its memory is part of what the runner holds
 
     def step(
@@ -110,9 +110,16 @@ class Runner(Applied):
         self.backward(loss)
         return loss.detach().float()
 
+    compiles_loss = True
+
+    def _loss_fn(self) -> LossFn | None:
+        return self.loss_fn
+
     def forward_loss(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:
         """Forward of one micro-batch: its loss times ``weight``, ready for :meth:`backward`."""
         chunk = batching.to_device(chunk, self.device, non_blocking=True)
+        if self.compiled_loss is not None:  # the model and its loss, one graph
+            return self.compiled_loss(self.parallel.module, chunk) * weight
         with self.autocast():
             output = call_model(self.parallel.module, chunk, has_loss_fn=self.loss_fn is not None)
             # The output goes out of scope here, so what only it held is freed before backward.

@@ -155,7 +155,7 @@ class OneConfig:
         offloads = bool(config.offload_activations or config.offload_optimizer)
         transfer = measure_transfer(target) if offloads else None
         work, profiles = problem.workload(self.model), []
-        with measured_compiling(bool(config.compile_blocks) and not pieces.shallow):
+        with measured_compiling(config.compile_level != "none" and not pieces.shallow):
             for piece, piece_blocks in pieces.each():
                 profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
                 del piece  # off the device before the next piece comes on

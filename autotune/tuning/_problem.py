@@ -87,6 +87,11 @@ class Problem:
         return bool(self.blocks) and self.space.compiles(self.target.device.type)
 
     @property
+    def compile_model(self) -> bool:
+        """Whether the model compiled whole is searched (in one process)."""
+        return self.world == 1 and self.space.compiles_model(self.target.device.type)
+
+    @property
     def offload(self) -> bool:
         """Whether offload is searched (and so profiled) on this device."""
         return any(self.space.offloads(self.target.device.type))

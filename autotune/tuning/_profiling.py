@@ -25,6 +25,7 @@ from autotune.measure import (
     sharded_precisions,
     time_profile,
 )
+from autotune.train import any_batch_size
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import Problem
 
@@ -65,7 +66,9 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     feasible = _caps(problem, draft)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
-    with budget_cap(problem):  # the context has grown as kernels loaded: the cap shrinks with it
+    # The context has grown as kernels loaded: the cap shrinks with it. A model compiled
+    # whole is timed on one graph for every size (its memory: on each size's own graph).
+    with budget_cap(problem), any_batch_size():
         profile = time_profile(
             profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
         )
@@ -96,10 +99,10 @@ def _memory_on(
         profiler, problem.precisions, problem.sizes, device_name=problem.target.name
     )
     if not pieces.shallow:
-        compiled = (
-            _worth_compiling(precisions, timed) if problem.world == 1 and problem.compile else ()
-        )
-        draft, notes = _memory(profiler, problem, precisions, compiled=compiled)
+        worth = _worth_compiling(precisions, timed) if problem.world == 1 else ()
+        compiled = worth if problem.compile else ()
+        whole = worth if problem.compile_model else ()
+        draft, notes = _memory(profiler, problem, precisions, compiled=compiled, whole=whole)
     else:
         timed = {}
         three, _ = _memory(profiler, problem, precisions)
@@ -119,9 +122,11 @@ def _memory(
     precisions: tuple[str, ...],
     *,
     compiled: tuple[str, ...] = (),
+    whole: tuple[str, ...] = (),
 ) -> tuple[Profile, list[str]]:
     """The memory profile, with FSDP2's own bf16 timeline when several ranks are planned,
-    and the compiled blocks' timelines of the precisions ``compiled``."""
+    the compiled blocks' timelines of the precisions ``compiled`` and those of the model
+    compiled whole of the precisions ``whole``."""
     log.info("profiling memory on %s (%d blocks)", problem.target.name, len(profiler.blocks))
     with budget_cap(problem):
         draft, notes = memory_profile(
@@ -133,6 +138,7 @@ def _memory(
             transfer=measure_transfer(problem.target) if problem.offload else None,
             selective=problem.space.selective_checkpointing,
             compiled=compiled,
+            whole=whole,
         )
     if problem.world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])

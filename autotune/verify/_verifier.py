@@ -30,6 +30,7 @@ from autotune.train import (
     Runner,
     Workload,
     agree_max,
+    any_batch_size,
     batch_size,
     collective,
     copy_model,
@@ -186,7 +187,7 @@ class Verifier:
         # reserved bytes already where it lives on the device). Without a timing window
         # (a fallback's) the first step is the one timed, without the tracker.
         held = tensors_on(batch, self.device)
-        compiled = bool(runner.config.compile_blocks)
+        compiled = runner.config.compile_level != "none"
         once: list[float] = []
         if timed:
             with measure_peak(
@@ -273,8 +274,10 @@ class Verifier:
                     budget_bytes=self.budget_bytes,
                     context_bytes=self.context_bytes,
                     foreign_bytes=self.foreign_bytes,
+                    compiled=runner.config.compile_level != "none",
                 ) as reading,
                 torch.no_grad(),
+                any_batch_size(),  # a model compiled whole: one graph for every size tried
             ):
                 runner.forward_loss(batch)
         except torch.OutOfMemoryError:

@@ -224,7 +224,7 @@ def _simplicity_of(c: TrainConfig) -> tuple[int, int, int]:
         + len(c.selective_checkpoint)
         + len(c.offload_activations)
         + int(c.offload_optimizer)
-        + int(bool(c.compile_blocks))  # tied with eager code: no compiling
+        + int(c.compile_level != "none")  # tied with eager code: no compiling
     )
     mixed = int(c.precision != "fp32")  # tied with fp32: no autocast, no loss scaling
     return wrapped, mixed, c.grad_accum_steps

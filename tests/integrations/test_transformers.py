@@ -251,3 +251,32 @@ def test_evaluation_stays_in_the_budget_where_the_default_batch_goes_over(tmp_pa
     # Asked for more than fits, the callback lowers it (and says so).
     with pytest.warns(AutotuneWarning, match=f"evaluating with {tuned}, the largest"):
         assert evaluating(result, per_device_eval_batch_size=8) <= result.budget_bytes
+
+
+def test_the_trainer_trains_the_model_compiled_whole_as_tuned(tuned: TuneResult, tmp_path) -> None:
+    """A config that compiles the model whole (its loss inside, the first block
+    checkpointed inside the graph): the Trainer's steps run it compiled, with autotune's
+    Runner's losses and weights on the same batches, and the model comes back eager."""
+    config = tuned.config.replace(
+        checkpoint=tuned.model.blocks[:1], selective_checkpoint=(), compile_model=True
+    )
+    result = dataclasses.replace(tuned, config=config)
+    model = gpt2()
+    start = fresh(model)
+    recorder = Recorder()
+    recorder.attach(model)
+    compiled: list[bool] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a: compiled.append(type(vars(m).get("forward")).__name__ != "method")
+    )
+    trainer_for(model, result, tmp_path).train()
+    hook.remove()
+    assert compiled and all(compiled)  # the forward the Trainer called: compiled
+    # The same math as the Runner's eager step (its compiled one is tested in tests/train:
+    # the recorder's hook inside its graph would be compiled again at every call).
+    eager = dataclasses.replace(result, config=config.replace(compile_model=False))
+    replay, reference = runner_replay(start, eager, recorder, lr=LR, max_grad_norm=1.0)
+    torch.testing.assert_close(torch.stack(recorder.losses), torch.stack(replay.losses))
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -1,0 +1,143 @@
+"""The model compiled whole with its loss (``compile_model``): one graph a micro-batch,
+nothing recompiled after the first step, and a runner step that costs what the bare
+compiled loop an expert writes costs, in ops dispatched and in memory.
+
+Counted, not timed: what a GPU waits on (a launch, a guard, a sync) is what a CPU hides.
+The model is the integration tests' GPT-2 at their micro-batch, so that inductor compiles
+its graph once for both (its cache is on disk).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autotune
+from autotune import TrainConfig
+from autotune.measure._tracker import CompiledBytesTracker, state_tensors
+from autotune.train._compiled import measured_compiling
+
+MICRO, SEQ, VOCAB = 4, 32, 128
+
+
+def gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    model.accepts_loss_kwargs = False
+    return model
+
+
+def batch(n: int = 2 * MICRO, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the ops a step dispatches (what the compiled code calls out to included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code runs as compiled under it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _bare_loss(model: nn.Module, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**chunk).loss
+
+
+def bare_step(model: nn.Module, compiled: object, optimizer: torch.optim.Optimizer) -> None:
+    """nanoGPT's step without its clipping: compiled forward and loss per micro-batch, the
+    loss over the accumulation, one fused AdamW step, the gradients freed."""
+    for chunk in ({k: v[i : i + MICRO] for k, v in batch().items()} for i in (0, MICRO)):
+        (compiled(model, chunk) / 2).backward()  # type: ignore[operator]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def peak(step: object, *state: object) -> int:
+    tracker = CompiledBytesTracker("cpu")
+    tracker.track(state_tensors(*state))
+    with tracker:
+        step()  # type: ignore[operator]
+    return tracker.peak
+
+
+def test_the_runner_step_is_the_bare_compiled_loops_step() -> None:
+    """Through the runner, the model and its loss are one graph per micro-batch, compiled
+    once: later steps compile nothing. A step dispatches the bare loop's ops and a few of
+    its own, none per block, holds no more memory beyond their few bytes, and learns what
+    the eager model learns."""
+    config = TrainConfig(
+        micro_batch_size=MICRO, grad_accum_steps=2, optimizer="adamw_fused", compile_model=True
+    )
+    eager = gpt2()
+    with autotune.prepare(eager, config.replace(compile_model=False), lr=1e-3) as runner:
+        expected = [runner.step(batch()).item() for _ in range(3)]
+    with measured_compiling(), autotune.prepare(gpt2(), config, lr=1e-3) as runner:
+        graphs = counters["stats"]["unique_graphs"]
+        losses = [runner.step(batch()).item()]
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # forward and loss: one graph
+        assert not counters["graph_break"]
+        with Dispatched() as ours:
+            losses.append(runner.step(batch()).item())
+        losses.append(runner.step(batch()).item())
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # nothing compiled again
+        ours_peak = peak(lambda: runner.step(batch()), runner.model, runner.optimizer)
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+    model = gpt2()
+    model.config.use_cache = False  # a training loop's (a cache is for generating)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = torch.compile(_bare_loss, dynamic=False)
+    bare_step(model, compiled, optimizer)
+    with Dispatched() as bare:
+        bare_step(model, compiled, optimizer)
+    bare_peak = peak(lambda: bare_step(model, compiled, optimizer), model, optimizer)
+    # The runner's own: the device's finiteness flag and its copy to the host (8 ops a
+    # step), the running loss (2 a micro-batch); nothing per block.
+    assert ours.count <= bare.count + 8 + 2 * 2
+    assert ours_peak <= bare_peak + 64  # the flag's and the running loss's bytes at most
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_blocks_checkpointed_inside_the_graph_recompute_as_eager_ones() -> None:
+    """A checkpointed block recomputes inside the compiled graph: same losses, less
+    memory held through the backward than with every block kept."""
+    blocks = autotune.find_blocks(gpt2())
+    config = TrainConfig(micro_batch_size=MICRO, optimizer="adamw_fused", compile_model=True)
+    peaks, losses = [], []
+    for checkpoint in ((), blocks):
+        model = gpt2()
+        with (
+            measured_compiling(),
+            autotune.prepare(model, config.replace(checkpoint=checkpoint), lr=1e-3) as runner,
+        ):
+            losses.append([runner.step(batch(MICRO)).item() for _ in range(2)])
+            peaks.append(peak(lambda: runner.step(batch(MICRO)), runner.model, runner.optimizer))
+        assert not any("forward" in vars(m) for m in model.modules())  # given back
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert peaks[1] < peaks[0]
+
+
+def test_a_block_that_updates_running_statistics_is_refused_inside_the_graph() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+    config = TrainConfig(micro_batch_size=4, compile_model=True, checkpoint=("1",))
+    with pytest.raises(autotune.BlockError, match="updates running statistics"):
+        autotune.prepare(copy.deepcopy(model), config, loss_fn=lambda out, b: out.mean())
