@@ -219,6 +219,12 @@ class TuneResult:
     busy: str | None = None
     """Why the machine counted as busy while tuning (others' load, scattered timings), and
     what to do; ``None``: it did not."""
+    expert: TrialRecord | None = None
+    """The expert's recipe (on a GPU: bf16, the whole model compiled with its loss, the
+    optimizer fused, the largest micro-batch that fits with no block or every block
+    checkpointed, the faster of the two; on a CPU: the faster precision, eager),
+    verified in the same run and timed the same way, the config to beat; ``None``: not
+    run (a plan, or data parallelism)."""
     figures_for: str = dataclasses.field(default="", compare=False)
     """The digest of the config the figures were made for (:meth:`TrainConfig.digest`),
     written with the file; empty: the config in hand."""

@@ -61,6 +61,13 @@ def main() -> None:
     )
     print(f"  speed    predicted {p.samples_per_s:.0f}, measured {m.samples_per_s:.0f} samples/s")
     print(f"  noise    a timing is sure to about {100 * result.noise:.1f}% on this machine")
+    expert = result.expert
+    if expert is not None and expert.measured is not None:  # the hand config to beat
+        ratio = m.samples_per_s / expert.measured.samples_per_s
+        print(
+            f"  expert   {expert.config.describe()}: measured "
+            f"{expert.measured.samples_per_s:.0f} samples/s, this config {ratio:.2f}x"
+        )
     for config in result.tied:
         print(f"  tied     {config.describe()} (as fast within that noise; the simpler won)")
     if result.busy:

@@ -11,6 +11,7 @@ from torch import nn
 
 import autotune
 from autotune._format import GIB
+from autotune.cli._figures import figures
 from autotune.errors import BatchError, BudgetError, BudgetTooSmallError, ConfigError, LossError
 from autotune.models import gpt_batch, tiny_gpt
 
@@ -87,6 +88,22 @@ def test_winner_is_the_fastest_verified_config(gpt_result) -> None:
     tied = [t for t in passed if t.measured.samples_per_s >= 0.99 * best]
     assert result.measured.samples_per_s >= 0.99 * best
     assert result.measured.peak_bytes == min(t.measured.peak_bytes for t in tied)
+
+
+def test_the_experts_recipe_is_verified_and_never_beats_the_winner(gpt_result) -> None:
+    """The CPU expert's recipe (the faster precision, eager, the largest micro-batch that
+    fits with no block or every block checkpointed) runs in the same run, timed the same
+    way, and is not measured ahead of the winner beyond one timing's noise."""
+    result, _ = gpt_result
+    expert = result.expert
+    assert expert is not None and expert.measured is not None
+    assert expert in result.trials
+    c = expert.config
+    assert c.compile_level == "none" and not c.offload_activations and not c.offload_optimizer
+    assert c.checkpoint in ((), result.model.blocks) and not c.selective_checkpoint
+    ratio = result.measured.samples_per_s / expert.measured.samples_per_s
+    assert ratio >= 1 - 2 * max(result.noise, 0.03)
+    assert f"{ratio:.2f}x" in dict(figures(result))["expert's recipe"] or c == result.config
 
 
 def test_fallbacks_are_verified_and_increasingly_frugal(gpt_result) -> None:

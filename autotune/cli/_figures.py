@@ -42,4 +42,22 @@ def figures(result: TuneResult) -> list[tuple[str, str]]:
             "throughput",
             f"predicted {p.samples_per_s:.1f}, measured {m.samples_per_s:.1f} samples/s{everyone}",
         ),
+        *_against_expert(result),
+    ]
+
+
+def _against_expert(result: TuneResult) -> list[tuple[str, str]]:
+    """The row of the expert's recipe, measured in the same run: the config to beat."""
+    expert, m = result.expert, result.measured
+    if expert is None or expert.measured is None or m is None:
+        return []
+    if expert.config == result.config:
+        return [("expert's recipe", "this config (nothing measured beat it)")]
+    speed = expert.measured.samples_per_s
+    return [
+        (
+            "expert's recipe",
+            f"{expert.config.describe()}: measured {speed:.1f} samples/s; this config "
+            f"{m.samples_per_s / speed:.2f}x",
+        )
     ]

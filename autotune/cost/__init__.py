@@ -9,7 +9,8 @@
 * ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits;
   ``_bounds``: a run's planners, one per layout.
 * ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,
-  exhaustive best, fallback candidates); ``_shortfall``: the error when nothing fits.
+  exhaustive best, fallback candidates); ``_expert``: the expert's recipe, the config to
+  beat; ``_shortfall``: the error when nothing fits.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from autotune.cost._bounds import planner_of, planners
 from autotune.cost._candidates import fallback_candidates, largest_fitting, micro_batch_candidates
 from autotune.cost._cost_model import CostModel
+from autotune.cost._expert import expert_candidates
 from autotune.cost._planner import Candidate, Planner
 from autotune.cost._search import search
 from autotune.cost._shortfall import too_small
@@ -28,6 +30,7 @@ __all__ = [
     "Candidate",
     "CostModel",
     "Planner",
+    "expert_candidates",
     "fallback_candidates",
     "largest_fitting",
     "micro_batch_candidates",

@@ -63,11 +63,14 @@ from autotune.verify import (
     Measure,
     Noise,
     Verifier,
+    baseline_candidates,
+    baseline_record,
     choose_winner,
     fallback_ladder,
     fastest,
     settle,
     tied_with,
+    verify_baseline,
 )
 
 __all__ = ["DeviceRun", "job_store", "tune_on_device"]
@@ -87,6 +90,7 @@ class _Verified:
     records: list[TrialRecord]
     fallbacks: list[TrainConfig]
     noise: Noise
+    expert: TrialRecord | None
 
 
 def tune_on_device(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
@@ -174,7 +178,7 @@ class DeviceRun:
     @contextlib.contextmanager
     def holding(self, problem: Problem) -> Iterator[None]:
         """The budget held from the first byte, and compiled blocks measured where searched."""
-        with budget_cap(problem), measured_compiling(problem.compile):
+        with budget_cap(problem), measured_compiling(problem.compile or problem.compile_model):
             yield
 
     def profile(self, problem: Problem) -> Profile:
@@ -222,6 +226,8 @@ class DeviceRun:
         # Other work on the cores while profiling: the calibrated predictions are looser.
         slack = _machine(self.cpu, problem).slack
         tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack)
+        experts = baseline_candidates(found, problem.target.device.type)
+        tried += verify_baseline(measure, experts, tried)  # the config to beat, every run
         noise = _machine(self.cpu, problem)  # and while verifying: raced harder (verify.BUSY)
         records = self.jobs.once(
             job_key("settle", *(r.config for r in tried)),
@@ -237,7 +243,7 @@ class DeviceRun:
         wanted = self.options.eval_batch_size
         sized = with_eval_batches(verifier, [chosen.config, *ladder], wanted, most)
         chosen = dataclasses.replace(chosen, config=sized[0])
-        return _Verified(chosen, records, sized[1:], noise)
+        return _Verified(chosen, records, sized[1:], noise, baseline_record(records, experts))
 
     def _measure(self, verifier: Verifier, *, timed: bool = True) -> Measure:
         """Run configs for real, each once among the processes that share the jobs.
@@ -285,6 +291,7 @@ def _result(
         trials=tuple(verified.records),
         tied=tuple(tied),
         noise=noise,
+        expert=verified.expert,
     )
 
 

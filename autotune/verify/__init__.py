@@ -4,6 +4,7 @@
 * ``_winner``: which candidates to run, which one wins, timing close contenders again,
   with ``_noise`` (when one timing leads another beyond the noise).
 * ``_fallbacks``: the fallback ladder, verified the same way.
+* ``_baseline``: the expert's recipe, verified in every run: the config to beat.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).
@@ -11,6 +12,7 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
+from autotune.verify._baseline import baseline_candidates, baseline_record, verify_baseline
 from autotune.verify._fallbacks import fallback_ladder
 from autotune.verify._noise import BUSY, MOST_NOISE, QUIET, Noise
 from autotune.verify._verifier import Verifier
@@ -23,9 +25,12 @@ __all__ = [
     "Measure",
     "Noise",
     "Verifier",
+    "baseline_candidates",
+    "baseline_record",
     "choose_winner",
     "fallback_ladder",
     "fastest",
     "settle",
     "tied_with",
+    "verify_baseline",
 ]

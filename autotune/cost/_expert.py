@@ -1,0 +1,78 @@
+"""The expert's recipe: the config a knowledgeable user writes by hand, the one to beat.
+
+On a GPU it is what nanoGPT and torchtitan write: the fastest precision the device has
+(bf16, else fp16), the whole model compiled with its loss, the user's optimizer fused
+where torch has the kernel, no block checkpointed or every one, the largest micro-batch
+that fits; the faster of the two, timed. On a CPU: the faster precision, nothing compiled
+(compiling there costs more than it saves), no or every block checkpointed, the largest
+micro-batch that fits. Every tuning run verifies these beside its own candidates, so that
+the config it returns is never measured slower than the expert's beyond the noise.
+"""
+
+from __future__ import annotations
+
+from autotune.config import TrainConfig, timeline_key, timeline_knobs, timeline_parts
+from autotune.cost._planner import Candidate, Planner
+
+__all__ = ["expert_candidates"]
+
+_GPU_PRECISIONS = ("bf16", "fp16", "fp32")
+"""A GPU expert's precision, first available first (nanoGPT: bf16 where supported)."""
+
+
+def expert_candidates(planner: Planner, device_type: str) -> list[Candidate]:
+    """The expert's recipe over ``planner``'s space: every block kept, and every block
+    checkpointed, each at the largest micro-batch that fits (none where nothing fits, or
+    where the planner's layout is data parallel: the expert's loop is one process)."""
+    if planner.cost.layout.parallel != "none":
+        return []
+    key = _timeline(planner, device_type)
+    if key is None:
+        return []
+    blocks = planner.cost.profile.blocks
+    masks = [(), blocks] if blocks and planner.checkpointing else [()]
+    out = []
+    for checkpoint in masks:
+        found = _largest(planner, key, checkpoint)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _timeline(planner: Planner, device_type: str) -> str | None:
+    """The expert's timeline among the planner's: on a GPU the first of
+    :data:`_GPU_PRECISIONS`, the whole model compiled where that was profiled; on a CPU the
+    eager precision predicted fastest at the smallest micro-batch."""
+    keys = list(planner.precisions)
+    eager = [k for k in keys if not timeline_parts(k)[1]]
+    if not eager:
+        return None
+    if device_type != "cpu":
+        precision = next((p for p in _GPU_PRECISIONS if p in eager), eager[0])
+        whole = timeline_key(precision, "model")
+        return whole if whole in keys else precision
+    profile, b = planner.cost.profile, planner.sizes[0]
+
+    def seconds(key: str) -> float:
+        curve = profile.precisions[key].time
+        return curve.fwd_bwd(b) if curve is not None else float("inf")
+
+    return min(eager, key=seconds)
+
+
+def _largest(planner: Planner, key: str, checkpoint: tuple[str, ...]) -> Candidate | None:
+    """The config of timeline ``key`` with ``checkpoint`` at the largest micro-batch whose
+    predicted peak fits, with the user's optimizer on the device."""
+    cost, optimizer = planner.cost, planner.optimizers[0]
+    for b in sorted(planner.sizes, reverse=True):
+        config = TrainConfig(
+            micro_batch_size=b,
+            grad_accum_steps=planner.accum(b),
+            **timeline_knobs(key, cost.profile.blocks),
+            checkpoint=checkpoint,
+            optimizer=optimizer,
+        )
+        prediction = cost.predict(config)
+        if prediction.measurement.peak_bytes <= planner.limit:
+            return Candidate(config, prediction)
+    return None
