@@ -13,15 +13,14 @@ costs no compilation); then compiled at the one found and, where a larger diviso
 at that too (a compiled step can hold less than the eager one). Every try runs under the
 budget (the caching allocator capped at it, less the context); the peak is autotune's
 definition (reserved + context), the time the median of whole optimizer steps after two
-warm-up steps.
+warm-up steps, timed by the harness every arm is timed by (benchmarks/harness.py).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import gc
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,11 +30,11 @@ from torch import nn
 
 from autotune.device import backend_for
 from autotune.train._optimizers import build_optimizer
+from benchmarks.harness import STEPS, WARMUP, time_steps
 
 __all__ = ["ExpertRun", "expert_config"]
 
 _LR = 1e-5
-_TIMED_STEPS = 5
 
 
 @dataclass
@@ -143,7 +142,7 @@ def _run(
     backend: str | None,
     in_place: bool,
     *,
-    steps: int = _TIMED_STEPS,
+    steps: int = STEPS,
 ) -> ExpertRun:
     """The expert's loop at micro-batch ``b`` under the budget: two warm-up steps, then
     ``steps`` timed ones (none: a step that fits is all that is asked)."""
@@ -155,22 +154,19 @@ def _run(
     context = ops.context_bytes()
     work = model if in_place else copy.deepcopy(model).to(device)
     _checkpointing(work, ckpt)
+    _named_loss(work)
     forward = torch.compile(work, backend=backend) if backend is not None else work
     opt = build_optimizer(optimizer, [p for p in work.parameters() if p.requires_grad], _LR)
     try:
         with ops.cap(budget_bytes - context + foreign):
-            for _ in range(2 if steps else 1):
+            for _ in range(WARMUP if steps else 1):
                 _step(forward, opt, batch, b, device)
             ops.synchronize()
             ops.reset_peak()
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                _step(forward, opt, batch, b, device)
-                ops.synchronize()
-                times.append(time.perf_counter() - start)
-            if steps:
-                run.step_s = statistics.median(times)
+            if steps:  # the harness every arm is timed by (warmed up above)
+                step = functools.partial(_step, forward, opt, batch, b, device)
+                timing = time_steps(step, device, steps, warmup=0)
+                run.step_s = timing.step_s
                 run.samples_per_s = g / run.step_s
                 if ops.caching:  # the CPU's peak is not read here: a smoke run's
                     run.peak_bytes = ops.max_reserved() - foreign + ops.context_bytes()
@@ -203,6 +199,15 @@ def _step(
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def _named_loss(model: nn.Module) -> None:
+    """Name the loss of each causal LM inside ``model``, as an expert does once the graph
+    break shows: without it Hugging Face's loss warns through a logger dynamo cannot
+    trace, which splits the compiled graph between the logits and the loss."""
+    for m in model.modules():
+        if hasattr(m, "loss_type") and getattr(m, "loss_type", None) is None:
+            m.loss_type = "ForCausalLM"
 
 
 def _checkpointing(model: nn.Module, on: bool) -> None:

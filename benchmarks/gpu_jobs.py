@@ -1,8 +1,10 @@
 """The three GPU jobs (benchmarks/jobs.py) tuned, held to the budget, against the expert.
 
 For each job and budget: the tuner runs (``autotune.autotune``, cold compiler on the
-first job of the process) while NVML is sampled every millisecond; then the expert's
-compiled config (benchmarks/expert.py) runs under the same budget. Recorded: both configs
+first job of the process) while NVML is sampled every millisecond; then its config is
+timed again through autotune's runner, and the expert's compiled config
+(benchmarks/expert.py) runs under the same budget, both by one harness
+(benchmarks/harness.py: batch on the device, the same warm-up and syncs, no NVML thread). Recorded: both configs
 and their measured throughput, MFU (benchmarks/mfu.py), every verified trial's peak and
 step time predicted against measured, what the driver saw the tuning run hold against the
 budget, and where the tuning seconds went. The JSON is rewritten after every row, so a run
@@ -20,6 +22,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see run.py)
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -37,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import autotune
 from autotune.device import backend_for
 from benchmarks.expert import expert_config
+from benchmarks.harness import time_runner
 from benchmarks.jobs import Job, budget_bytes, jobs
 from benchmarks.mfu import flops_per_token, mfu
 from benchmarks.nvml_sampler import NvmlSampler
@@ -129,6 +133,18 @@ def run_job(
     if sampler.used() is not None:  # what the driver saw, less the job's model held before
         row["driver_tuning_bytes"] = sampler.peak - idle - held
     row.update(_tuned(result, flops, job.shape["seq"], name))
+    # The tuned config timed again as the expert is: same harness, batch on the device,
+    # no NVML thread (sampled while tuning, never while timing).
+    work = model if job.name.startswith("qlora") else copy.deepcopy(model)
+    timing = time_runner(work, result, job.sample(job.global_batch_size), device)
+    del work
+    row["tuned_verified_samples_per_s"] = row["tuned_samples_per_s"]
+    row["tuned_samples_per_s"] = timing.samples_per_s(job.global_batch_size)
+    row["tuned_spread"] = timing.spread
+    row["tuned_mfu"] = mfu(row["tuned_samples_per_s"], flops, job.shape["seq"], name)
+    if result.expert is not None and result.expert.measured is not None:
+        row["run_expert"] = result.expert.config.describe()  # the recipe inside the run
+        row["run_expert_samples_per_s"] = result.expert.measured.samples_per_s
     expert = expert_config(
         model,
         job.sample,

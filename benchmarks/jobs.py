@@ -1,11 +1,13 @@
 """The GPU jobs people bring (issue 37), as memory-efficient training guides describe them.
 
-1. ``gpt2-124m``: pre-training GPT-2 124M, 1024 tokens, global batch 32, at 16 and 24 GiB.
-2. ``llama-1b``: a full fine-tune of a ~1B LLaMA (width 2048, 20 layers, GQA 32/4), 1024
+1. ``llama-1b``: a full fine-tune of a ~1B LLaMA (width 2048, 20 layers, GQA 32/4), 1024
    tokens, global batch 16, at 24 GiB and at the card's own memory (for MFU).
-3. ``qlora-7b``: QLoRA of a 7B Llama: the base quantized to 4-bit NF4 by bitsandbytes on
+2. ``qlora-7b``: QLoRA of a 7B Llama: the base quantized to 4-bit NF4 by bitsandbytes on
    the device, peft LoRA r=16 on the attention and MLP projections, 2048 tokens, global
    batch 16, bf16, ``paged_adamw8bit`` allowed, at 24 GiB.
+3. ``gpt2-124m``: pre-training GPT-2 124M, 1024 tokens, global batch 32, at 16 and 24 GiB.
+
+The large jobs run first (they have never run on a GPU), GPT-2 last.
 
 Random weights, nothing downloaded. ``smoke=True`` gives the same jobs at tiny shapes and
 MiB budgets, which the CPU runs in CI so that a lent GPU never spends minutes on a
@@ -176,16 +178,8 @@ def jobs(*, smoke: bool = False) -> list[Job]:
         llama, llama7 = small, small
         seq = {"gpt2": 64, "llama": 64, "qlora": 64}
         budgets = {"gpt2": ("256MiB",), "llama": ("256MiB",), "qlora": ("256MiB",)}
+    # The large jobs first, GPT-2 last: a kit stopped at its time limit has run them.
     return [
-        Job(
-            "gpt2-124m",
-            _on_the_host(hf_gpt2(**gpt2)),
-            _sample(gpt2["vocab_size"], seq["gpt2"]),
-            32,
-            budgets["gpt2"],
-            {"layers": gpt2["n_layer"], "width": gpt2["n_embd"], "seq": seq["gpt2"]},
-            notes="pre-training a small GPT",
-        ),
         Job(
             "llama-1b",
             _on_the_host(hf_llama(**llama)),
@@ -208,5 +202,14 @@ def jobs(*, smoke: bool = False) -> list[Job]:
             expert_optimizer="paged_adamw8bit",
             expert_checkpointing=(True,),  # every QLoRA recipe checkpoints every layer
             notes="QLoRA: NF4 base (bitsandbytes), LoRA r=16 on every projection",
+        ),
+        Job(
+            "gpt2-124m",
+            _on_the_host(hf_gpt2(**gpt2)),
+            _sample(gpt2["vocab_size"], seq["gpt2"]),
+            32,
+            budgets["gpt2"],
+            {"layers": gpt2["n_layer"], "width": gpt2["n_embd"], "seq": seq["gpt2"]},
+            notes="pre-training a small GPT",
         ),
     ]

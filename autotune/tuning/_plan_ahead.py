@@ -249,7 +249,7 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
 
 def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptions) -> Problem:
     """The tuner's problem on a GPU that is not here, traced on the CPU's kernels: no
-    offload (a traced step copies nothing to the host) and no compiled blocks."""
+    offload (a traced step copies nothing to the host) and nothing compiled."""
     world, _ = world_of(options.world_size)
     global_batch_size = per_rank_batch(options.global_batch_size, world)
     space = dataclasses.replace(
@@ -261,6 +261,7 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         offload_optimizer=False,
         offload_activations=False,
         compile_blocks=False,
+        compile_model=False,
     )
     target = Target(
         torch.device("cpu"), spec.name, spec.memory_bytes, spec.memory_bytes, CONTEXT_BYTES, 0

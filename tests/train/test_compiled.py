@@ -13,8 +13,8 @@ import copy
 
 import pytest
 import torch
+from counted_ops import CountedOps
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.errors import BlockError
 from autotune.measure._tracker import CompiledBytesTracker
@@ -76,22 +76,6 @@ def grown_and_held(width: int) -> tuple[int, int]:
     return grown, storage_bytes([*saved, y], [*block.parameters(), x])
 
 
-class Allocations(TorchDispatchMode):
-    """Counts the buffers compiled code allocates through the dispatcher."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # compiled code runs as compiled under it
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += func is torch.ops.aten.empty_strided.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_tracker_counts_a_compiled_blocks_saved_activations_to_the_byte() -> None:
     """The forward of a compiled block leaves its output and what its compiled backward
     saved (read from the compiled autograd node): the tracker's live bytes grow by exactly
@@ -110,7 +94,8 @@ def test_compiled_code_takes_the_counted_route_only_while_a_step_is_tracked() ->
         block(x).sum().backward()  # compiled and loaded while tracked
     counts = []
     for counted in (False, True, False):
-        with counted_allocations() if counted else contextlib.nullcontext(), Allocations() as seen:
+        allocations = CountedOps(lambda op: op is torch.ops.aten.empty_strided.default)
+        with counted_allocations() if counted else contextlib.nullcontext(), allocations as seen:
             block(x).sum().backward()
         counts.append(seen.count)
     assert counts[0] == counts[2] == 0 < counts[1]

@@ -3,8 +3,8 @@ nothing recompiled after the first step, and a runner step that costs what the b
 compiled loop an expert writes costs, in ops dispatched and in memory.
 
 Counted, not timed: what a GPU waits on (a launch, a guard, a sync) is what a CPU hides.
-The model is the integration tests' GPT-2 at their micro-batch, so that inductor compiles
-its graph once for both (its cache is on disk).
+The model is the integration tests' GPT-2 at their micro-batch (``tests/tiny_gpt2.py``),
+so that inductor compiles its graph once for both (its cache is on disk).
 """
 
 from __future__ import annotations
@@ -13,49 +13,20 @@ import copy
 
 import pytest
 import torch
+from counted_ops import CountedOps
+from tiny_gpt2 import MICRO, SEQ, VOCAB, gpt2
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotune
 from autotune import TrainConfig
 from autotune.measure._tracker import CompiledBytesTracker, state_tensors
 from autotune.train._compiled import measured_compiling
 
-MICRO, SEQ, VOCAB = 4, 32, 128
-
-
-def gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    model.accepts_loss_kwargs = False
-    return model
-
 
 def batch(n: int = 2 * MICRO, seed: int = 0) -> dict[str, torch.Tensor]:
     ids = torch.randint(VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
-
-
-class Dispatched(TorchDispatchMode):
-    """Counts the ops a step dispatches (what the compiled code calls out to included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # compiled code runs as compiled under it
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _bare_loss(model: nn.Module, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -95,7 +66,7 @@ def test_the_runner_step_is_the_bare_compiled_loops_step() -> None:
         losses = [runner.step(batch()).item()]
         assert counters["stats"]["unique_graphs"] == graphs + 1  # forward and loss: one graph
         assert not counters["graph_break"]
-        with Dispatched() as ours:
+        with CountedOps() as ours:
             losses.append(runner.step(batch()).item())
         losses.append(runner.step(batch()).item())
         assert counters["stats"]["unique_graphs"] == graphs + 1  # nothing compiled again
@@ -107,7 +78,7 @@ def test_the_runner_step_is_the_bare_compiled_loops_step() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     compiled = torch.compile(_bare_loss, dynamic=False)
     bare_step(model, compiled, optimizer)
-    with Dispatched() as bare:
+    with CountedOps() as bare:
         bare_step(model, compiled, optimizer)
     bare_peak = peak(lambda: bare_step(model, compiled, optimizer), model, optimizer)
     # The runner's own: the device's finiteness flag and its copy to the host (8 ops a

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
+from counted_ops import SYNCS, CountedOps
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotune
 from autotune import NonFiniteError, TrainConfig
@@ -64,20 +64,6 @@ def test_an_own_loop_with_the_handle_is_refused_the_same_way() -> None:
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
-class _Syncs(TorchDispatchMode):
-    """Counts the ops that read a value off the device (``item()``, ``bool()``): on a GPU
-    each one waits for every kernel queued before it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_fused_optimizers_step_reads_nothing_off_the_device(precision: str) -> None:
     config = TrainConfig(micro_batch_size=2, grad_accum_steps=2, precision=precision)
@@ -85,7 +71,7 @@ def test_a_fused_optimizers_step_reads_nothing_off_the_device(precision: str) ->
     model = net()
     with autotune.prepare(model, config, lr=1e-2, loss_fn=loss_fn, device="cpu") as runner:
         runner.step(batch())
-        with _Syncs() as syncs:
+        with CountedOps(SYNCS.__contains__) as syncs:
             runner.step(batch())
         assert syncs.count == 0  # the plain AdamW's check reads one flag a step
         before = copy.deepcopy(model.state_dict())
