@@ -174,3 +174,33 @@ def test_autotune_searches_compiled_blocks_and_verifies_what_it_predicts() -> No
         assert all(is_compiled(work[i]) for i in range(3)) == bool(result.config.compile_blocks)
         assert handle.config == result.config
     assert not any(is_compiled(m) for m in work.modules())
+
+
+def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte() -> None:
+    """The model and its loss compiled whole: a timeline of its own beside the eager one,
+    planned at a profiled size, and the verifier measures the planned config's peak."""
+    from tiny_gpt2 import MICRO, SEQ, VOCAB, gpt2
+
+    ids = torch.randint(VOCAB, (2 * MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids}
+    profiler = Profiler(gpt2(), sample, (), device=torch.device("cpu"), loss_fn=None)
+    with measured_compiling():
+        profile, notes = memory_profile(
+            profiler, ("fp32",), ("adamw_fused",), device_name="cpu", context_bytes=0,
+            whole=("fp32",),
+        )  # fmt: skip
+    assert set(profile.precisions) == {"fp32", "fp32+model"} and not notes
+    planner = Planner(
+        cost=CostModel(profile), sizes=(MICRO,), precisions=("fp32+model",),
+        optimizers=("adamw_fused",), global_batch_size=2 * MICRO, limit=2**30,
+    )  # fmt: skip
+    config = planner.config("fp32+model", "adamw_fused", MICRO)
+    assert config is not None and config.compile_model and not config.compile_blocks
+    verifier = Verifier(gpt2(), sample, device=torch.device("cpu"), budget_bytes=2**30,
+                        loss_fn=None, blocks=())  # fmt: skip
+    with measured_compiling():
+        measured, error = verifier.run(config)
+    assert error is None and measured is not None
+    assert planner.cost.predict(config).measurement.peak_bytes == measured.peak_bytes
+    eager = planner.cost.predict(config.replace(compile_model=False)).measurement.peak_bytes
+    assert measured.peak_bytes < eager  # the loss inside the graph holds less

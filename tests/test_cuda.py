@@ -266,3 +266,21 @@ def test_autotune_on_cuda_offloads_when_nothing_else_fits() -> None:
     )
     assert result.config.offload_optimizer
     assert result.measured.peak_bytes <= result.budget_bytes
+
+
+def test_a_step_on_cuda_reads_nothing_off_the_device_and_copies_its_batch_async() -> None:
+    """A step with fused AdamW in bf16, its batch in pageable host memory: not one sync
+    (torch's sync debug mode raises at the first), the batch pinned once for the step."""
+    model = tiny_gpt()
+    config = autotune.TrainConfig(
+        micro_batch_size=4, grad_accum_steps=2, precision="bf16", optimizer="adamw_fused"
+    )
+    batch = gpt_batch(model.config, 8)
+    with autotune.prepare(model, config, device="cuda") as runner:
+        runner.step(batch)  # the optimizer's state made
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runner.check_steps()

@@ -147,6 +147,8 @@ class Applied:
         """:meth:`micro_batches` where the batch is (the runner moves each one itself)."""
         self._check_open()
         self.select(batch)
+        if self.backend.pins:  # pinned once a step: each micro-batch's copy runs async
+            batch = batching.pinned(batch)
         chunks = batching.split(batch, self.config.micro_batch_size)
         weights = batching.shares(batch, chunks)
         for i, (chunk, weight) in enumerate(zip(chunks, weights, strict=True)):

@@ -23,6 +23,7 @@ __all__ = [
     "batch_size",
     "bytes_per_sample",
     "map_tensors",
+    "pinned",
     "resize",
     "shares",
     "split",
@@ -220,6 +221,14 @@ def bytes_per_sample(batch: Batch, device: torch.device) -> float:
     leaves = {id(t): t for t in tensors_on(batch, device)}.values()  # labels=input_ids: once
     held = sum(t.numel() * t.element_size() for t in leaves)
     return held / batch_size(batch)
+
+
+def pinned(batch: Batch) -> Batch:
+    """``batch`` with its host tensors in pinned memory (those pinned already as they are),
+    so that a non-blocking copy to a GPU runs behind the host instead of stalling it."""
+    return _map(
+        batch, lambda t: t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory(), 0
+    )
 
 
 def to_device(batch: Batch, device: torch.device | str, *, non_blocking: bool = False) -> Batch:

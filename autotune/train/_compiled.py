@@ -38,6 +38,7 @@ from torch import nn
 from autotune._blocks import eager_module, is_compile_wrapper
 from autotune.errors import BlockError
 from autotune.train._checkpoint import COMPILED, is_wrapped, replace_forward, restore_forwards
+from autotune.train._compiled_model import forget_graphs
 
 __all__ = [
     "compile_blocks",
@@ -192,16 +193,21 @@ be of eager code."""
 
 @contextlib.contextmanager
 def measured_compiling(enabled: bool = True) -> Iterator[None]:
-    """A tuning run that measures compiled blocks: dynamo's per-function limit of graphs
+    """A tuning run that measures compiled code: dynamo's per-function limit of graphs
     raised to :data:`_RECOMPILES` (their allocations are counted where a step is tracked:
-    :func:`counted_allocations`); nothing where not ``enabled``."""
+    :func:`counted_allocations`), and the compiled loss's graphs of the run dropped at its
+    end (:func:`~autotune.train._compiled_model.forget_graphs`); nothing where not
+    ``enabled``."""
     if not enabled:
         yield
         return
     config = torch._dynamo.config
     limit = max(config.recompile_limit, _RECOMPILES)
-    with config.patch(recompile_limit=limit):
-        yield
+    try:
+        with config.patch(recompile_limit=limit):
+            yield
+    finally:
+        forget_graphs()
 
 
 def _dispatched(device: str, *, pinned: bool = False) -> Callable[..., torch.Tensor]:

@@ -33,7 +33,13 @@ from torch.utils._pytree import tree_flatten
 from autotune.train._checkpoint import COMPILED_MODEL, replace_forward, restore_forwards
 from autotune.train._loss import LossFn, call_model, compute_loss
 
-__all__ = ["CompiledLoss", "any_batch_size", "compile_forward", "uncompile_forward"]
+__all__ = [
+    "CompiledLoss",
+    "any_batch_size",
+    "compile_forward",
+    "forget_graphs",
+    "uncompile_forward",
+]
 
 _dynamic_depth = 0
 
@@ -103,6 +109,15 @@ def _compiled(dynamic: bool) -> Any:
     if dynamic:
         return torch.compile(_any_size_loss)
     return torch.compile(_static_loss, dynamic=False)
+
+
+def forget_graphs() -> None:
+    """Drop the compiled loss's graphs (a tuning run's: every size, mask and precision it
+    measured). Dynamo allows a function few graphs (8) outside a tuning run, and one past
+    them runs eagerly: a runner made after tuning, in the same process, compiles its own
+    (from inductor's cache where it has it) instead."""
+    for fn in (_static_loss, _any_size_loss):
+        torch._dynamo.eval_frame.remove_from_cache(fn)
 
 
 def _mark_batch_dynamic(chunk: Any) -> None:
