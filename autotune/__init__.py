@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         PackedSequences,
         add_batch_layout,
     )
+    from autotune.train._chunked_loss import chunked_loss
     from autotune.train._prepare import apply, prepare
     from autotune.train._runner import Runner
     from autotune.train._sampler import LengthBucketSampler
@@ -86,6 +87,7 @@ __all__ = [
     "add_batch_layout",
     "apply",
     "autotune",
+    "chunked_loss",
     "estimate",
     "find_blocks",
     "load",

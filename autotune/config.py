@@ -27,10 +27,12 @@ __all__ = [
     "TrainConfig",
     "check_optimizer",
     "is_factory",
+    "timeline_chunked",
     "timeline_key",
     "timeline_knobs",
     "timeline_level",
     "timeline_parts",
+    "timeline_unchunked",
 ]
 
 MAX_BATCH = 2**31 - 1
@@ -97,14 +99,30 @@ _SUFFIXES = {"none": "", "blocks": "+compiled", "model": "+model"}
 """The suffix of each compile level's timeline key (see :func:`timeline_key`)."""
 
 
-def timeline_key(precision: str, level: str) -> str:
+_CHUNKED = "+chunked"
+"""The suffix of a timeline whose loss is chunked (see :func:`timeline_key`)."""
+
+
+def timeline_key(precision: str, level: str, chunked: bool = False) -> str:
     """The key of a profile's timeline: the precision, ``+compiled`` where the blocks run
-    compiled, ``+model`` where the model and its loss do (each a timeline of its own)."""
-    return precision + _SUFFIXES[level]
+    compiled, ``+model`` where the model and its loss do, ``+chunked`` where the loss is
+    chunked (each a timeline of its own)."""
+    return precision + _SUFFIXES[level] + (_CHUNKED if chunked else "")
+
+
+def timeline_chunked(key: str) -> bool:
+    """Whether the loss of timeline ``key`` is chunked."""
+    return key.endswith(_CHUNKED)
+
+
+def timeline_unchunked(key: str) -> str:
+    """Timeline ``key`` with the plain loss (its twin, for a chunked one)."""
+    return key.removesuffix(_CHUNKED)
 
 
 def timeline_level(key: str) -> str:
     """The compile level of a :func:`timeline_key`."""
+    key = key.removesuffix(_CHUNKED)
     return next((level for level, s in _SUFFIXES.items() if s and key.endswith(s)), "none")
 
 
@@ -112,18 +130,20 @@ def timeline_parts(key: str) -> tuple[str, bool]:
     """(precision, compiled at any level) of a :func:`timeline_key`: a compiled timeline
     keeps or checkpoints its blocks whole, never selectively or offloaded."""
     level = timeline_level(key)
-    return key.removesuffix(_SUFFIXES[level]), level != "none"
+    return key.removesuffix(_CHUNKED).removesuffix(_SUFFIXES[level]), level != "none"
 
 
 def timeline_knobs(key: str, blocks: tuple[str, ...]) -> dict[str, Any]:
     """The :class:`TrainConfig` knobs of timeline ``key`` over a model's ``blocks``: its
-    precision, and every block compiled or the model compiled, as the timeline is."""
+    precision, every block compiled or the model compiled, and the loss chunked, as the
+    timeline is."""
     precision, _ = timeline_parts(key)
     level = timeline_level(key)
     return {
         "precision": precision,
         "compile_blocks": blocks if level == "blocks" else (),
         "compile_model": level == "model",
+        "chunked_loss": timeline_chunked(key),
     }
 
 
@@ -174,6 +194,10 @@ class TrainConfig:
     loss fused with the output layer), shapes static at ``micro_batch_size``, the
     checkpointed blocks recomputed inside the graph. Not with ``compile_blocks``, nor with
     blocks checkpointed selectively or offloaded."""
+    chunked_loss: bool = False
+    """A causal language model's output layer and cross-entropy taken an eighth of the
+    tokens at a time, each piece recomputed in backward: a large vocabulary's logits are
+    never whole (Hugging Face causal language models whose loss is their own)."""
     eval_batch_size: int | None = dataclasses.field(default=None, compare=False)
     """Samples per evaluation forward (no gradients) that fit the budget beside this
     config's training state, measured after a training step; ``None``: not measured. Not
@@ -189,7 +213,7 @@ class TrainConfig:
     @property
     def timeline(self) -> str:
         """The key of the profile's timeline this config trains on (see :func:`timeline_key`)."""
-        return timeline_key(self.precision, self.compile_level)
+        return timeline_key(self.precision, self.compile_level, self.chunked_loss)
 
     def __post_init__(self) -> None:
         names = ("micro_batch_size", "grad_accum_steps")
@@ -224,6 +248,8 @@ class TrainConfig:
                 "offloaded; a compiled block is kept or checkpointed whole."
             )
         self._check_compile_model()
+        if not isinstance(self.chunked_loss, bool):
+            raise ConfigError(f"chunked_loss must be true or false, got {self.chunked_loss!r:.40}.")
         for i, first in enumerate(_BLOCK_CHOICES):
             for second in _BLOCK_CHOICES[i + 1 :]:
                 both = set(getattr(self, first)) & set(getattr(self, second))
@@ -347,6 +373,8 @@ class TrainConfig:
             parts.append(f"compiled={len(self.compile_blocks)}")
         if self.compile_model:
             parts.append("compiled=model")
+        if self.chunked_loss:
+            parts.append("chunked_loss")
         if self.eval_batch_size is not None:
             parts.append(f"eval_batch={self.eval_batch_size}")
         return " ".join(parts)

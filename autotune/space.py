@@ -67,6 +67,11 @@ class SearchSpace:
     or checkpointed whole, inside the graph), each precision's timeline profiled and
     dropped where it does not pay; ``None``: on CUDA yes, on the CPU no (compiling the
     model takes its C++ compiler tens of seconds there). One process only."""
+    chunked_loss: bool | None = None
+    """Whether a causal language model's loss may be chunked (its output layer and
+    cross-entropy a slice of the tokens at a time, never the whole logits), its timeline
+    profiled and searched; ``None``: where the model takes it and its fp32 logits are at
+    least a quarter of what a sample holds through its step."""
     blocks: tuple[str, ...] | None = None
     """Qualified names of the blocks; default ``autotune.find_blocks(model)``."""
     max_micro_batch_size: int = 4096
@@ -118,7 +123,13 @@ class SearchSpace:
         for name in ("checkpointing", "selective_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SearchSpace.{name} must be True or False.")
-        for name in ("offload_optimizer", "offload_activations", "compile_blocks", "compile_model"):
+        for name in (
+            "offload_optimizer",
+            "offload_activations",
+            "compile_blocks",
+            "compile_model",
+            "chunked_loss",
+        ):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"SearchSpace.{name} must be True, False or None.")
         if self.max_micro_batch_size < 1:

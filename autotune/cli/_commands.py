@@ -123,6 +123,7 @@ def space_of(args: argparse.Namespace) -> SearchSpace:
         "selective_checkpointing": not args.no_selective_checkpointing,
         "compile_blocks": {"auto": None, "on": True, "off": False}[args.compile],
         "compile_model": {"auto": None, "on": True, "off": False}[args.compile_model],
+        "chunked_loss": {"auto": None, "on": True, "off": False}[args.chunked_loss],
     }
     if args.precisions:
         knobs["precisions"] = _names(args.precisions)
@@ -180,6 +181,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         knobs["compile_blocks"] = _checkpoint(args.compile_blocks, model, blocks)
     if args.compile_model:
         knobs["compile_model"] = True
+    if args.chunked_loss:
+        knobs["chunked_loss"] = True
     if args.offload_optimizer:
         knobs["offload_optimizer"] = True
     if args.parallel is not None:

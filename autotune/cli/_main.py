@@ -298,6 +298,13 @@ def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
         default="auto",
         help="search the whole model compiled with its loss, shapes static (auto: on CUDA only)",
     )
+    tune.add_argument(
+        "--chunked-loss",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="search a causal LM's loss in chunks, never the whole logits (auto: where the "
+        "logits are a quarter of a sample's memory or more)",
+    )
 
 
 def _add_checks(sub: Any) -> None:
@@ -357,6 +364,11 @@ def _add_estimate(sub: Any) -> None:
         "--compile-model",
         action="store_true",
         help="the whole model and its loss compiled as one graph (not with --compile-blocks)",
+    )
+    est.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        help="a causal LM's output layer and loss in chunks of the tokens",
     )
     est.add_argument(
         "--optimizer",

@@ -11,7 +11,13 @@ the config it returns is never measured slower than the expert's beyond the nois
 
 from __future__ import annotations
 
-from autotune.config import TrainConfig, timeline_key, timeline_knobs, timeline_parts
+from autotune.config import (
+    TrainConfig,
+    timeline_chunked,
+    timeline_key,
+    timeline_knobs,
+    timeline_parts,
+)
 from autotune.cost._planner import Candidate, Planner
 
 __all__ = ["expert_candidates"]
@@ -44,7 +50,7 @@ def _timeline(planner: Planner, device_type: str) -> str | None:
     :data:`_GPU_PRECISIONS`, the whole model compiled where that was profiled; on a CPU the
     eager precision predicted fastest at the smallest micro-batch."""
     keys = list(planner.precisions)
-    eager = [k for k in keys if not timeline_parts(k)[1]]
+    eager = [k for k in keys if not timeline_parts(k)[1] and not timeline_chunked(k)]
     if not eager:
         return None
     if device_type != "cpu":

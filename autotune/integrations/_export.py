@@ -21,6 +21,7 @@ from autotune.integrations._export_file import (
     LIGHTNING_PRECISION,
     Export,
     checkpoint_in_code,
+    chunked_in_code,
     compiled_in_code,
     lost_offload_activations,
     offload,
@@ -88,6 +89,7 @@ def to_hf(result: TuneResult) -> Export:
             "Trainer(callbacks=[AutotuneCallback(result)]) from "
             "autotune.integrations.transformers, which applies them to the model exactly."
         )
+    warnings += chunked_in_code(c, "the Trainer")
     if c.compile_model:
         warnings.append(
             "compile_model: pass Trainer(callbacks=[AutotuneCallback(result)]), which "
@@ -171,6 +173,7 @@ def to_lightning(result: TuneResult) -> Export:
         optimizer_in_code(c, "return it from LightningModule.configure_optimizers()"),
         *checkpoint_in_code(result, "the Trainer has no per-block activation checkpointing"),
         *compiled_in_code(c, "Lightning (torch.compile(model) in configure_model)"),
+        *chunked_in_code(c, "your training_step"),
         *offload(
             c,
             "these Trainer settings",
@@ -245,6 +248,7 @@ def to_deepspeed(result: TuneResult) -> Export:
             f"deepspeed.checkpointing.checkpoint: {', '.join(wrapped)}"
         )
     warnings += compiled_in_code(c, "DeepSpeed's compile setting")
+    warnings += chunked_in_code(c, "DeepSpeed's engine")
     return Export("deepspeed", settings, tuple(warnings), tuple(notes))
 
 
@@ -294,6 +298,7 @@ def to_accelerate(result: TuneResult) -> Export:
         settings["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_dynamic": False}
     else:
         warnings += compiled_in_code(c, "accelerate's dynamo_config")
+    warnings += chunked_in_code(c, "your loop")
     usage = "use: accelerate launch --config_file path train.py"
     return Export(
         "accelerate", settings, tuple(warnings), (*origin(result, "accelerate config"), usage)

@@ -20,6 +20,7 @@ __all__ = [
     "TORCH_OPTIMIZER",
     "Export",
     "checkpoint_in_code",
+    "chunked_in_code",
     "compiled_in_code",
     "lost_offload_activations",
     "offload",
@@ -137,6 +138,18 @@ def checkpoint_in_code(result: TuneResult, why: str) -> list[str]:
             "context_fn=create_selective_checkpoint_contexts(policy))."
         )
     return out
+
+
+def chunked_in_code(c: TrainConfig, where: str) -> list[str]:
+    """The warning for the chunked loss, which no trainer computes: ``where`` takes the
+    whole logits, more than was tuned."""
+    if not c.chunked_loss:
+        return []
+    return [
+        f"chunked_loss: {where} computes the loss over the whole logits, which holds more "
+        "than tuned; autotune.prepare(model, result) trains with the chunked loss, and a "
+        "loop of your own takes it as autotune.chunked_loss(model, batch)."
+    ]
 
 
 def compiled_in_code(c: TrainConfig, where: str) -> list[str]:

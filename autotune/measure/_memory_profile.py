@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotune._profile_data import OptimizerProfile, PrecisionProfile, Profile, Transfer
-from autotune.config import timeline_key
+from autotune.config import timeline_key, timeline_parts
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profiler import Profiler
@@ -55,17 +55,18 @@ def memory_profile(
     With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
     host step are measured too; with ``selective``, the selectively checkpointed variant;
     for each of the precisions ``compiled``, its timeline with every block compiled (kept
-    and checkpointed), and for each of ``whole``, with the model compiled whole with its
+    and checkpointed), for each of ``whole``, with the model compiled whole with its
     loss (every block kept, and checkpointed), unless compiling fails (a note says why).
 
     Raises:
         ProfileError: nothing fits the device.
     """
     notes: list[str] = []
-    levels = {"blocks": tuple(compiled), "model": tuple(whole)}
-    memory, measured = _measure(
-        profiler, precisions, optimizers, transfer, selective, levels, notes
-    )
+    extra = {
+        "compiled blocks": tuple(timeline_key(p, "blocks") for p in compiled),
+        "the model compiled whole": tuple(timeline_key(p, "model") for p in whole),
+    }
+    memory, measured = _measure(profiler, precisions, optimizers, transfer, selective, extra, notes)
     if not memory:
         raise ProfileError(
             f"the model does not fit {device_name} even at micro-batch 2 without "
@@ -80,12 +81,13 @@ def _measure(
     optimizers: Sequence[str],
     transfer: Transfer | None,
     selective: bool,
-    levels: dict[str, tuple[str, ...]],
+    extra: dict[str, tuple[str, ...]],
     notes: list[str],
 ) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
-    """Each precision's timeline (and those of ``levels``: the precisions compiled at each
-    compile level) and each optimizer's step, at micro-batches 2 and 4 (1
-    and 2 where those do not fit); what is left out is said in ``notes``.
+    """Each precision's timeline (and those of ``extra``: the timelines of other ways to
+    train, by what they are, each of a precision measured) and each optimizer's step, at
+    micro-batches 2 and 4 (1 and 2 where those do not fit); what is left out is said in
+    ``notes``.
 
     Where not even 1 and 2 fit under the cap in force (the budget, while tuning: every
     block kept at micro-batch 1 can need more than a config that checkpoints them), they
@@ -103,10 +105,14 @@ def _measure(
             memory, measured = _attempt(
                 profiler, precisions, optimizers, transfer, selective, b1, b2, notes
             )
-            for level, compiled in levels.items():
-                if memory and (ranked := [p for p in compiled if p in memory]):
-                    timelines = _compiled(profiler, ranked, level, optimizers[0], b1, b2, notes)
-                    memory.update(timelines)
+            for what, keys in extra.items():
+                if memory and (ranked := [k for k in keys if timeline_parts(k)[0] in memory]):
+                    eager = {"offload": transfer is not None, "selective": selective}
+                    knobs = {} if timeline_parts(ranked[0])[1] else eager
+                    sizes = (b1, b2)
+                    memory.update(
+                        _timelines(profiler, ranked, what, optimizers[0], sizes, notes, knobs)
+                    )
         if memory:
             if lift:
                 notes.append(
@@ -192,24 +198,24 @@ def _profile(
     )
 
 
-def _compiled(
+def _timelines(
     profiler: Profiler,
-    precisions: Sequence[str],
-    level: str,
+    keys: Sequence[str],
+    what: str,
     optimizer: str,
-    b1: int,
-    b2: int,
+    sizes: tuple[int, int],
     notes: list[str],
+    knobs: dict[str, bool],
 ) -> dict[str, PrecisionProfile]:
-    """The timeline of each of ``precisions`` compiled at ``level`` (by its key); none
-    once compiling fails, with a note that says why (no compiler, an op the compiler
-    rejects, a block checkpointed inside the graph that cannot be, ...)."""
+    """The timeline of each of ``keys`` (``what`` they are, for notes; ``knobs``: the
+    variants :meth:`Profiler.memory` runs); none once one fails, with a note that says why
+    (no compiler, an op the compiler rejects, a block checkpointed inside the graph that
+    cannot be, ...)."""
     out = {}
-    what = "compiled blocks" if level == "blocks" else "the model compiled whole"
-    for p in precisions:
-        key = timeline_key(p, level)
+    b1, b2 = sizes
+    for key in keys:
         try:
-            out[key] = profiler.memory(key, optimizer, b1, b2)
+            out[key] = profiler.memory(key, optimizer, b1, b2, **knobs)
         except torch.OutOfMemoryError:
             notes.append(f"{key}: out of device memory profiling up to micro-batch {2 * b2}")
         except NonFiniteError:
@@ -217,10 +223,10 @@ def _compiled(
         except BlockError as exc:  # a block the compiled model cannot checkpoint
             notes.append(f"{what}: not searched, {_why(exc)}")
             return {}
-        except Exception as exc:  # the compiler's own failure: compiling is not searched
+        except Exception as exc:  # the compiler's own failure, say: not searched
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             why = f"{type(exc).__name__}: {first}"
-            notes.append(f"{what}: not searched, compiling failed ({why})")
+            notes.append(f"{what}: not searched, it failed ({why})")
             return {}
     return out
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, PrecisionProfile, Profile, TimeCurve
-from autotune.config import timeline_parts
+from autotune.config import timeline_chunked, timeline_parts, timeline_unchunked
 from autotune.errors import BatchError, ProfileError
 from autotune.measure._profiler import Profiler
 
@@ -295,9 +295,10 @@ def _drop_slow(
 ) -> None:
     """Time each precision against the reference at its size ``at``; drop from
     ``feasible`` and ``times`` (with a note) a precision much slower than fp32 and a
-    compiled timeline slower than its eager twin."""
+    compiled timeline slower than its eager twin. A chunked loss is slower than its
+    plain twin by design (memory for time): it goes only where its twin went."""
     for p in list(feasible):
-        if p == reference:
+        if p == reference or timeline_chunked(p):
             continue
         b = at[p]
         times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
@@ -319,6 +320,9 @@ def _drop_slow(
                     f"{device_name}, not searched"
                 )
                 del feasible[p], times[p]
+    for p in [p for p in feasible if timeline_chunked(p)]:
+        if timeline_unchunked(p) not in feasible:
+            del feasible[p], times[p]
 
 
 def _ratio(profiler: Profiler, p: str, reference: str, b: int, first: float) -> float:

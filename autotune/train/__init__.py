@@ -27,6 +27,7 @@ from autotune.train._attention import set_attention
 from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
+from autotune.train._chunked_loss import chunked_loss, why_not_chunked
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
 from autotune.train._compiled_model import any_batch_size
 from autotune.train._identity import differences, fingerprint
@@ -73,6 +74,7 @@ __all__ = [
     "bytes_per_sample",
     "call_model",
     "check_finite",
+    "chunked_loss",
     "collective",
     "compiled_parts",
     "compute_loss",
@@ -101,4 +103,5 @@ __all__ = [
     "set_attention",
     "tensors_on",
     "truncate",
+    "why_not_chunked",
 ]

@@ -319,7 +319,9 @@ class Applied:
             uncompile_forward(self.model)
         if config.compile_model and self.compiles_loss:
             dtype = _DTYPES.get(config.precision)
-            self.compiled_loss = CompiledLoss(self.device.type, dtype, self._loss_fn())
+            self.compiled_loss = CompiledLoss(
+                self.device.type, dtype, self._loss_fn(), chunked=config.chunked_loss
+            )
         elif config.compile_model:
             compile_forward(self.model)
 

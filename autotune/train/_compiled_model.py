@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autotune.train._checkpoint import COMPILED_MODEL, replace_forward, restore_forwards
+from autotune.train._chunked_loss import chunked_loss
 from autotune.train._loss import LossFn, call_model, compute_loss
 
 __all__ = [
@@ -65,14 +66,22 @@ class CompiledLoss:
         loss_fn: The user's loss, or ``None`` (the output's own).
     """
 
-    def __init__(self, device_type: str, dtype: torch.dtype | None, loss_fn: LossFn | None) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype | None,
+        loss_fn: LossFn | None,
+        *,
+        chunked: bool = False,
+    ) -> None:
         self.device_type = device_type
         self.dtype = dtype
         self.loss_fn = loss_fn
+        self.chunked = chunked
 
     def __call__(self, module: nn.Module, chunk: Any) -> torch.Tensor:
         """The loss of ``module`` on ``chunk`` (on the device already), compiled."""
-        args = (module, chunk, self.loss_fn, self.device_type, self.dtype)
+        args = (module, chunk, self.loss_fn, self.device_type, self.dtype, self.chunked)
         with _logging_ignored():
             if _dynamic_depth:
                 _mark_batch_dynamic(chunk)
@@ -85,10 +94,13 @@ def _loss(
     loss_fn: LossFn | None,
     device_type: str,
     dtype: torch.dtype | None,
+    chunked: bool,
 ) -> torch.Tensor:
     # Autocast inside the graph: outside, dynamo would guard on its state and compile again
     # where a caller's autocast differs.
     with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+        if chunked:
+            return chunked_loss(module, chunk)
         output = call_model(module, chunk, has_loss_fn=loss_fn is not None)
         return compute_loss(output, chunk, loss_fn)
 

@@ -134,6 +134,13 @@ def apply(
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
+    if config.chunked_loss:
+        warnings.warn(
+            "this config chunks the loss, which your loop takes: take it as "
+            "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
+            AutotuneWarning,
+            stacklevel=2,
+        )
     handle = Applied(
         model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
     )

@@ -19,6 +19,7 @@ from autotune.config import TrainConfig
 from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._applied import Applied
+from autotune.train._chunked_loss import chunked_loss
 from autotune.train._loss import LossFn, call_model, compute_loss
 from autotune.train._refusals import LOSS
 from autotune.train._steps import Scheduler, apply_step
@@ -121,6 +122,8 @@ class Runner(Applied):
         if self.compiled_loss is not None:  # the model and its loss, one graph
             return self.compiled_loss(self.parallel.module, chunk) * weight
         with self.autocast():
+            if self.config.chunked_loss:  # the logits a slice of the tokens at a time
+                return chunked_loss(self.parallel.module, chunk) * weight
             output = call_model(self.parallel.module, chunk, has_loss_fn=self.loss_fn is not None)
             # The output goes out of scope here, so what only it held is freed before backward.
             return compute_loss(output, chunk, self.loss_fn) * weight

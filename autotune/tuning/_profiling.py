@@ -9,13 +9,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
+from typing import Any
 
 from torch import nn
 
 from autotune._profile_data import Profile
-from autotune.cost import largest_fitting, planners, too_small
+from autotune.config import TrainConfig, timeline_key, timeline_parts
+from autotune.cost import CostModel, largest_fitting, planners, too_small
 from autotune.device import backend_for
+from autotune.errors import ProfileError
 from autotune.measure import (
     Profiler,
     deepen_time,
@@ -25,7 +29,7 @@ from autotune.measure import (
     sharded_precisions,
     time_profile,
 )
-from autotune.train import any_batch_size
+from autotune.train import any_batch_size, why_not_chunked
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import Problem
 
@@ -103,6 +107,7 @@ def _memory_on(
         compiled = worth if problem.compile else ()
         whole = worth if problem.compile_model else ()
         draft, notes = _memory(profiler, problem, precisions, compiled=compiled, whole=whole)
+        draft = _with_chunked_loss(profiler, problem, draft, notes)
     else:
         timed = {}
         three, _ = _memory(profiler, problem, precisions)
@@ -143,6 +148,54 @@ def _memory(
     if problem.world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
         draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     return draft, notes
+
+
+_LOGITS_SHARE = 0.25
+"""The chunked loss is searched (by default) where a sample's fp32 logits are at least
+this share of what the sample holds through its step."""
+
+
+def _with_chunked_loss(
+    profiler: Profiler, problem: Problem, draft: Profile, notes: list[str]
+) -> Profile:
+    """``draft`` with the chunked loss's timeline of each eager precision where it is
+    searched (:attr:`SearchSpace.chunked_loss`) and the model takes it."""
+    wanted = problem.space.chunked_loss
+    why = why_not_chunked(profiler.model, profiler.sample, profiler.loss_fn is not None)
+    if wanted is False or why is not None:
+        if wanted and why is not None:
+            notes.append(f"the chunked loss: not searched, {why}")
+        return draft
+    eager = [p for p in draft.precisions if not timeline_parts(p)[1]]
+    if wanted is None and _logits_share(profiler, draft, eager[0]) < _LOGITS_SHARE:
+        return draft
+    log.info("profiling the chunked loss")
+    try:
+        found, more = memory_profile(
+            profiler,
+            tuple(timeline_key(p, "none", chunked=True) for p in eager),
+            problem.space.optimizers[:1],
+            device_name=problem.target.name,
+            context_bytes=problem.target.context_bytes,
+            transfer=draft.transfer,
+            selective=problem.space.selective_checkpointing,
+        )
+    except ProfileError:  # nothing of it fits: the plain loss's timelines stay
+        notes.append("the chunked loss: not searched, it does not fit at micro-batch 2")
+        return draft
+    notes.extend(more)
+    return dataclasses.replace(draft, precisions={**draft.precisions, **found.precisions})
+
+
+def _logits_share(profiler: Profiler, draft: Profile, precision: str) -> float:
+    """A sample's fp32 logits over what it holds through its step, every block kept."""
+    lm: Any = profiler.model  # a causal language model (why_not_chunked said so)
+    tokens = math.prod(profiler.sample["labels"].shape[1:])
+    logits = 4 * tokens * lm.get_output_embeddings().out_features
+    optimizer = next(iter(draft.optimizers))
+    config = TrainConfig(micro_batch_size=4, precision=precision, optimizer=optimizer)
+    per_sample = CostModel(draft).costs(config).activations_per_sample
+    return float(logits / max(per_sample, 1))
 
 
 _COMPILE_WITHIN = 1.15

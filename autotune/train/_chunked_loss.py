@@ -1,0 +1,88 @@
+"""The chunked loss (``TrainConfig.chunked_loss``): a causal language model's output layer and
+cross-entropy taken a piece of the tokens at a time, each piece recomputed in backward, so
+that a large vocabulary's logits are never whole.
+
+A plain step holds the logits of every token of the micro-batch (and, through Hugging
+Face's loss, an fp32 copy of them) from the output layer until the backward has passed
+them: at 16 x 1024 tokens and 50,257 words, 3.3 GB in bf16 and 6.6 GB more in fp32. Here
+the model's body runs as usual up to its last hidden states; then each of
+:data:`CHUNKS` slices of the tokens goes through the output layer and the cross-entropy
+under a checkpoint, which keeps only the slice's hidden states and its summed loss, and
+makes the slice's logits again in backward. The loss is Hugging Face's ``ForCausalLMLoss``
+(labels shifted by one, ``-100`` ignored, the mean over the tokens that count), computed
+in fp32; the gradients are the plain loss's within rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autotune.errors import LossError
+
+__all__ = ["CHUNKS", "chunked_loss", "why_not_chunked"]
+
+CHUNKS = 8
+"""Slices of the tokens: a slice's logits are an eighth of the whole."""
+_IGNORE = -100
+"""The label a token that does not count has (Hugging Face's, and torch's default)."""
+
+
+def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | None:
+    """Why ``model`` on ``batch`` cannot take the chunked loss, or ``None`` where it can: a
+    Hugging Face causal language model, its output layer a linear layer, given a dict
+    batch with ``labels``, its loss its own (no ``loss_fn``) and its logits plain (no
+    scaling or soft-capping)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    config = getattr(model, "config", None)
+    if has_loss_fn:
+        return "the loss is a loss_fn of your own"
+    if not isinstance(head, nn.Linear) or getattr(model, "base_model", model) is model:
+        return "the model is no Hugging Face causal language model with a linear output layer"
+    if not isinstance(batch, dict) and not hasattr(batch, "keys"):
+        return "the batch is no dict of the model's arguments"
+    if "labels" not in batch:
+        return "the batch has no labels"
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return f"the model's logits are transformed ({name})"
+    return None
+
+
+def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The causal language-model loss of ``model`` on ``batch`` (see the module), its
+    logits made a slice of the tokens at a time.
+
+    Raises:
+        LossError: the model cannot take it (:func:`why_not_chunked`).
+    """
+    why = why_not_chunked(model, batch, has_loss_fn=False)
+    if why is not None:
+        raise LossError(f"the chunked loss cannot be taken here: {why}; set chunked_loss: false.")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    lm: Any = model  # a Hugging Face causal language model (checked above)
+    hidden = lm.base_model(**inputs)[0]
+    head = lm.get_output_embeddings()
+    labels = nn.functional.pad(batch["labels"], (0, 1), value=_IGNORE)[..., 1:]
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    targets = labels.reshape(-1).to(rows.device)
+    size = -(-rows.shape[0] // CHUNKS)
+    total = rows.new_zeros((), dtype=torch.float32)
+    for start in range(0, rows.shape[0], size):
+        piece = slice(start, start + size)
+        total = total + checkpoint(
+            _summed, rows[piece], head.weight, head.bias, targets[piece], use_reentrant=False
+        )
+    counted: torch.Tensor = total / (targets != _IGNORE).sum().clamp(min=1)
+    return counted
+
+
+def _summed(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+) -> torch.Tensor:
+    """The summed cross-entropy of ``rows`` through the output layer, in fp32."""
+    logits = nn.functional.linear(rows, weight, bias).float()
+    return nn.functional.cross_entropy(logits, targets, ignore_index=_IGNORE, reduction="sum")
