@@ -15,6 +15,7 @@ in fp32; the gradients are the plain loss's within rounding.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -36,12 +37,11 @@ def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | No
     Hugging Face causal language model, its output layer a linear layer, given a dict
     batch with ``labels``, its loss its own (no ``loss_fn``) and its logits plain (no
     scaling or soft-capping)."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    config = getattr(model, "config", None)
     if has_loss_fn:
         return "the loss is a loss_fn of your own"
-    if not isinstance(head, nn.Linear) or getattr(model, "base_model", model) is model:
+    if not _causal_lm(model):
         return "the model is no Hugging Face causal language model with a linear output layer"
+    config = getattr(model, "config", None)
     if not isinstance(batch, dict) and not hasattr(batch, "keys"):
         return "the batch is no dict of the model's arguments"
     if "labels" not in batch:
@@ -50,6 +50,16 @@ def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | No
         if getattr(config, name, None) not in (None, 1, 1.0):
             return f"the model's logits are transformed ({name})"
     return None
+
+
+def _causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model (not a wrapper of one: peft's) whose body
+    is its ``base_model`` and whose output layer is linear."""
+    transformers = sys.modules.get("transformers")  # not loaded: no Hugging Face model
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    head = model.get_output_embeddings()
+    return isinstance(head, nn.Linear) and model.base_model is not model
 
 
 def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:

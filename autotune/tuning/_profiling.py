@@ -19,7 +19,7 @@ from autotune._profile_data import Profile
 from autotune.config import TrainConfig, timeline_key, timeline_parts
 from autotune.cost import CostModel, largest_fitting, planners, too_small
 from autotune.device import backend_for
-from autotune.errors import ProfileError
+from autotune.errors import AutotuneError
 from autotune.measure import (
     Profiler,
     deepen_time,
@@ -180,8 +180,9 @@ def _with_chunked_loss(
             transfer=draft.transfer,
             selective=problem.space.selective_checkpointing,
         )
-    except ProfileError:  # nothing of it fits: the plain loss's timelines stay
-        notes.append("the chunked loss: not searched, it does not fit at micro-batch 2")
+    except AutotuneError as exc:  # it does not fit, or the model refuses it: not searched
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        notes.append(f"the chunked loss: not searched ({type(exc).__name__}: {first})")
         return draft
     notes.extend(more)
     return dataclasses.replace(draft, precisions={**draft.precisions, **found.precisions})
