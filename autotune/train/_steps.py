@@ -75,10 +75,15 @@ def apply_step(
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` skips its update on the device given a ``found_inf`` flag
-    (torch's fused kernels), over plain gradients (not FSDP's shards, whose verdict the
-    ranks must share)."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False) or _traced(optimizer):
+    """Whether ``optimizer`` skips its update on the device given a ``found_inf`` flag:
+    one of torch's own built fused (not an optimizer of one's own that may claim the
+    older contract of a ``grad_scaler`` argument), over plain gradients (not FSDP's
+    shards, whose verdict the ranks must share)."""
+    own = type(optimizer).__module__.startswith("torch.optim")
+    fused = own and optimizer.defaults.get("fused") is True
+    if not (fused and getattr(optimizer, "_step_supports_amp_scaling", False)):
+        return False
+    if _traced(optimizer):
         return False
     grads = (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
     return not any(hasattr(g, "to_local") for g in grads)
