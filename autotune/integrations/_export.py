@@ -94,7 +94,8 @@ def to_hf(result: TuneResult) -> Export:
         warnings.append(
             "compile_model: pass Trainer(callbacks=[AutotuneCallback(result)]), which "
             "compiles the model (and the loss its forward computes) as tuned, shapes "
-            "static; leave torch_compile off, or the model is compiled twice."
+            "static, one graph; leave torch_compile off: the model would be compiled "
+            "twice, and Hugging Face's own compile cuts its graph at the loss's warning."
         )
     return Export("hf", settings, tuple(warnings), notes)
 

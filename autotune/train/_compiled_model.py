@@ -161,7 +161,13 @@ def compile_forward(model: nn.Module) -> None:
     if COMPILED_MODEL in model.__dict__:
         return
     compiled = torch.compile(model.forward, dynamic=False)
-    replace_forward(model, compiled, COMPILED_MODEL)
+    replace_forward(model, functools.partial(_logging_stepped_over, compiled), COMPILED_MODEL)
+
+
+def _logging_stepped_over(compiled: Any, *args: Any, **kwargs: Any) -> Any:
+    """``compiled(*args, **kwargs)``, one graph where Hugging Face's loss warns."""
+    with _logging_ignored():
+        return compiled(*args, **kwargs)
 
 
 def uncompile_forward(model: nn.Module) -> None:
