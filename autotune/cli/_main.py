@@ -245,7 +245,9 @@ def _add_plan(sub: Any) -> None:
     _add_space(plan, gpu_knobs=False)
     plan.add_argument("-o", "--output", default="planned.yaml", help="result file (planned.yaml)")
     plan.add_argument("--json", action="store_true", help="print the result as JSON")
-    plan.set_defaults(run=run_plan, offload="off", compile="off")
+    plan.set_defaults(
+        run=run_plan, offload="off", compile="off", compile_model="off", chunked_loss="off"
+    )
 
 
 def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
@@ -278,7 +280,7 @@ def _add_space(tune: Any, *, gpu_knobs: bool = True) -> None:
         action="store_true",
         help="checkpoint blocks whole only, never keeping their matrix products",
     )
-    if not gpu_knobs:  # offload and compiled blocks: not planned on fake tensors
+    if not gpu_knobs:  # offload, compiling and the chunked loss: not planned on fake tensors
         return
     tune.add_argument(
         "--offload",
