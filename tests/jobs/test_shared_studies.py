@@ -7,6 +7,7 @@ of a verification; the next process takes its job over and no candidate is lost.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,15 +132,28 @@ def studies(storage: str) -> list[str]:
 def fresh(kind: str, tmp_path: Path, name: str) -> str:
     """A storage of ``kind`` that no earlier test used."""
     if kind == "postgres":
-        assert POSTGRES is not None
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(POSTGRES)
-        with engine.begin() as db:  # one database for every test: start from no tables
-            db.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
-        engine.dispose()
-        return POSTGRES
+        return _postgres_database()
     return storages(tmp_path / name)[kind] if (tmp_path / name).mkdir() is None else ""
+
+
+def _postgres_database() -> str:
+    """A new database on the server, dropped when the suite's process ends: tests that run
+    at once (in two workers) never see each other's tables."""
+    assert POSTGRES is not None
+    from sqlalchemy import create_engine, make_url, text
+
+    name = f"autotune_{uuid.uuid4().hex[:12]}"
+    server = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
+    with server.connect() as db:
+        db.execute(text(f"CREATE DATABASE {name}"))
+
+    def drop() -> None:
+        with server.connect() as db:
+            db.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        server.dispose()
+
+    atexit.register(drop)
+    return make_url(POSTGRES).set(database=name).render_as_string(hide_password=False)
 
 
 KINDS = ["journal", "sqlite", "postgres"]
