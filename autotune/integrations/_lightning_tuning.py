@@ -18,7 +18,7 @@ from autotune.config import FUSED_OPTIMIZERS
 from autotune.errors import ConfigError, LossError
 from autotune.train import OptimizerFactory, factory_name
 
-__all__ = ["as_a_model", "first_batch", "optimizer_name", "step_loss"]
+__all__ = ["as_a_model", "first_batch", "fuse", "fuses", "optimizer_name", "step_loss"]
 
 _OPTIMIZERS = {  # optimizer class name -> the autotune optimizer with the same state
     "AdamW": "adamw",
@@ -79,6 +79,33 @@ def optimizer_name(
     tuned = _OPTIMIZERS[name]
     fused = tuned == "adamw" and bool(optimizers[0].defaults.get("fused"))
     return FUSED_OPTIMIZERS[tuned] if fused else tuned
+
+
+def fuses(optimizer: torch.optim.Optimizer, tuned: str, name: str) -> bool:
+    """Whether ``optimizer`` (the module's, tuned as ``name``) steps as ``tuned`` once
+    passed to :func:`fuse`: ``tuned`` is the fused twin of ``name``, and ``optimizer`` one of
+    torch's own that takes the fused kernel."""
+    own = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    twin = FUSED_OPTIMIZERS.get(name) == tuned
+    return twin and own and not optimizer.defaults.get("differentiable", False)
+
+
+def fuse(optimizer: torch.optim.Optimizer) -> None:
+    """Step ``optimizer`` with torch's fused kernel from now on, in place: the same update
+    in one kernel per step, as Hugging Face's default ``adamw_torch_fused`` builds it.
+
+    In place, so that schedulers and Lightning's references keep stepping this one; state
+    restored from a checkpoint of an unfused run has its step counters moved to the
+    parameters' devices, where the fused kernel reads them. Idempotent.
+    """
+    optimizer.defaults.update(fused=True, foreach=None)
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+    for p, state in optimizer.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.device != p.device:
+            state["step"] = step.to(p.device, torch.float32)
 
 
 def _configured(module: pl.LightningModule) -> OptimizerFactory:

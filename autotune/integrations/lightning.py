@@ -31,7 +31,13 @@ from lightning.pytorch.utilities.parsing import (
 
 from autotune.errors import AutotuneWarning, ConfigError
 from autotune.integrations._lightning_fallback import Ladder, precision_plugin
-from autotune.integrations._lightning_tuning import as_a_model, first_batch, optimizer_name
+from autotune.integrations._lightning_tuning import (
+    as_a_model,
+    first_batch,
+    fuse,
+    fuses,
+    optimizer_name,
+)
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
@@ -60,7 +66,11 @@ class Autotune(pl.Callback):
             ``configure_optimizers`` itself, on a copy of the module, measured.
         space, n_trials, timeout_s, seed, storage, study_name: As for
             :func:`autotune.autotune`. The space's optimizer is always the one the module
-            configures, never offloaded: Lightning steps that one, on the device.
+            configures, never offloaded: Lightning steps that one, on the device. Where
+            the module's is torch's ``AdamW`` (or ``Adam``) and the tuner chose torch's
+            fused kernel for it (the same update, faster), the module's optimizer is
+            made to step fused, in place, as Hugging Face's default
+            ``adamw_torch_fused`` does; the log says so.
 
     Attributes:
         result: The tuned result, after fit start.
@@ -102,6 +112,8 @@ class Autotune(pl.Callback):
         self.handle: Applied | None = None
         self.ladder: Ladder | None = None
         self._given: TuneResult | None = None
+        self._fused = False
+        """Whether the module's optimizer was made to step fused, as tuned."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -144,14 +156,23 @@ class Autotune(pl.Callback):
         result = (
             self._given if self._given is not None else self._tune(trainer, pl_module, optimizer)
         )
-        if (result.config.optimizer, result.config.offload_optimizer) != (optimizer, False):
+        c = result.config
+        self._fused = (
+            fuses(trainer.optimizers[0], c.optimizer, optimizer) if trainer.optimizers else False
+        )
+        if self._fused:  # the module's AdamW, stepped with the kernel it was tuned with
+            fuse(trainer.optimizers[0])
+            log.info("autotune: the module's %s steps fused, as tuned (%s)", optimizer, c.optimizer)
+            optimizer = c.optimizer
+        if (c.optimizer, c.offload_optimizer) != (optimizer, False):
             raise ConfigError(
-                f"the result was tuned for {result.config.describe()}, but Lightning steps "
-                f"the module's own optimizer on the device ({optimizer}); tune again with "
-                f"optimizers=[{optimizer!r}] and offload_optimizer=False."
+                f"the result was tuned for {c.describe()}, but Lightning steps the module's "
+                f"own optimizer on the device ({optimizer}); let the callback tune the "
+                f"module with it: Autotune(budget_gb={result.budget_bytes / 2**30:.4g}, "
+                f"global_batch_size={c.effective_batch_size}) in place of "
+                "Autotune.from_result(...)."
             )
         self.result = result
-        c = result.config
         before = lightning_getattr(pl_module, self.batch_arg_name)
         lightning_setattr(pl_module, self.batch_arg_name, c.micro_batch_size)
         if self.eval_batch_arg_name is not None and c.eval_batch_size is not None:
@@ -193,6 +214,10 @@ class Autotune(pl.Callback):
         options = self.options.replace(device=trainer.strategy.root_device, space=space)
         with as_a_model(module, trainer, sample):
             return tune(module, sample, options)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fused:  # again: a checkpoint's optimizer state, restored after fit start
+            fuse(trainer.optimizers[0])
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fits = self.result.config.eval_batch_size if self.result is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
 from typing import Any
 
@@ -128,6 +129,34 @@ def test_autotune_tunes_at_fit_start_and_trains_as_tuned(tuned: TuneResult) -> N
     assert callback.handle is None
 
 
+class LitAdamW(LitGPT):
+    """The module most Lightning code has: a plain AdamW from configure_optimizers."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def test_a_modules_plain_adamw_trains_fused_as_tuned(tuned: TuneResult) -> None:
+    module = LitAdamW()
+    # A result tuned with another optimizer is refused, with advice that runs as written.
+    with pytest.raises(ConfigError, match="let the callback tune the module") as refused:
+        trainer_with(Autotune.from_result(tuned)).fit(module)
+    advice = re.search(r"Autotune\(budget_gb=[^)]*\)", str(refused.value))
+    assert advice is not None
+    callback = eval(advice.group(0), {"Autotune": Autotune})  # the callback's defaults
+    watch = Watch(tuned.budget_bytes)
+    trainer = trainer_with(callback, watch)
+    trainer.fit(module)
+    result = callback.result
+    assert result is not None and result.config.optimizer == "adamw_fused"
+    optimizer = trainer.optimizers[0]  # the module's own, stepping with the tuned kernel
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+    assert all(g["fused"] and g["lr"] == 1e-4 for g in optimizer.param_groups)
+    assert trainer.global_step == STEPS
+    assert watch.reading.peak_bytes <= result.budget_bytes
+    assert watch.reading.peak_bytes == pytest.approx(result.predicted.peak_bytes, rel=0.03)
+
+
 class LitSign(LitGPT):
     """A module whose optimizer autotune has never heard of."""
 
@@ -222,8 +251,11 @@ def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     module = LitGPT()
     del module.batch_size
     module.train_dataloader = lambda: DataLoader(Rows(samples(8)), batch_size=2)  # type: ignore[method-assign]
-    with pytest.raises(ConfigError, match="'batch_size'"):
+    with pytest.raises(ConfigError, match=r"'batch_size'.*or pass batch_arg_name="):
         trainer_with(Autotune(1.0)).fit(module)
+    module.rows = 2  # the advice: the loader's batch size an attribute the callback is told of
+    module.train_dataloader = lambda: DataLoader(Rows(samples(8)), batch_size=module.rows)  # type: ignore[method-assign]
+    Autotune(1.0, batch_arg_name="rows").setup(trainer_with(), module, "fit")
 
 
 def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
