@@ -208,6 +208,24 @@ def test_tune_from_a_plan_for_other_ranks_or_batches_says_what_to_do(
     assert time.perf_counter() - started < 2
 
 
+def test_tune_from_a_file_naming_a_block_the_model_lacks_exits_before_profiling(
+    planned, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    edited = planned.config.replace(checkpoint=("blocks.99",))
+    path = dataclasses.replace(planned, config=edited).save(tmp_path / "edited.yaml")
+
+    def profiled(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled a run that names a block the model lacks")
+
+    monkeypatch.setattr("autotune.tuning._device_run.profile_model", profiled)
+    code = main(
+        ["tune", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+         "--from", str(path), "--device", "cpu", "-q", "-o", str(tmp_path / "t.yaml")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "checkpoint names 'blocks.99'" in err and "did you mean" in err
+
+
 def test_cli_plans_a_hugging_face_config(capsys, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     config = {

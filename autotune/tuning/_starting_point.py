@@ -11,12 +11,13 @@ ranks is verified under ``torchrun`` with 8).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 
 from torch import nn
 
-from autotune.config import is_factory
-from autotune.errors import ConfigError
+from autotune.config import TrainConfig, is_factory
+from autotune.errors import BlockError, ConfigError
 from autotune.result import TrialRecord, TuneResult, load
 from autotune.train import available, fingerprint, group_size, not_at_hand
 from autotune.tuning._options import TuneOptions
@@ -48,6 +49,8 @@ def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
         ConfigError: the plan is for another model (checked before anything runs), a
             table per sequence length (one config cannot start it), a world size or a
             global batch other than the plan's.
+        BlockError: the plan's config names a block the model lacks (a hand-edited
+            file), checked before anything runs too.
     """
     plan = options.start_from
     if plan is None:
@@ -60,6 +63,7 @@ def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
             "this model (autotune plan, or autotune.plan_ahead), or tune it without one."
         )
     c = plan.config
+    _check_blocks(c, model)
     if options.table:
         raise ConfigError(
             "a run that starts from a plan verifies its one config: tune a table per "
@@ -87,6 +91,37 @@ def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
         optimizers=_with(space.optimizers, c.optimizer),
     )
     return options.replace(global_batch_size=batch, space=space)
+
+
+_NAMING_BLOCKS = (
+    "checkpoint",
+    "selective_checkpoint",
+    "offload_activations",
+    "compile_blocks",
+    "keep_gathered",
+)
+"""The fields of a config that name blocks."""
+
+
+def _check_blocks(config: TrainConfig, model: nn.Module) -> None:
+    """Every block ``config`` names is a submodule of ``model`` (a hand-edited file may
+    name one it lacks): checked before anything runs.
+
+    Raises:
+        BlockError: a name that is not a submodule of ``model``.
+    """
+    known = dict(model.named_modules())
+    for field in _NAMING_BLOCKS:
+        for name in getattr(config, field):
+            if name and name in known:
+                continue
+            close = difflib.get_close_matches(str(name), [k for k in known if k], n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            raise BlockError(
+                f"the plan's {field} names {name!r}, not a submodule of this "
+                f"{type(model).__name__}{hint}; correct the name in the file, or tune "
+                "without the plan."
+            )
 
 
 def _with(names: tuple[str, ...], name: str) -> tuple[str, ...]:
