@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         BatchLayout,
         ImagePatches,
         PackedSequences,
+        SampleLists,
         add_batch_layout,
     )
     from autotune.train._chunked_loss import chunked_loss
@@ -78,6 +79,7 @@ __all__ = [
     "PeakReading",
     "ProfileError",
     "Runner",
+    "SampleLists",
     "SearchSpace",
     "TrainConfig",
     "TrialRecord",

@@ -167,7 +167,9 @@ def resize(batch: Batch, n: int) -> Batch:
             return layout.take(batch, 0, n)
         whole, rest = divmod(n, size)
         parts = [batch] * whole + ([layout.take(batch, 0, rest)] if rest else [])
-        return layout.join(parts)
+        # New tensors, as rows grow into: a loader's batch holds distinct samples (a
+        # layout's join may keep its parts' tensors, as a list of samples does).
+        return layout.join([map_tensors(p, torch.clone) for p in parts])
     if n <= size:
         return _map(batch, lambda t: t[:n], 1)
     indices: dict[torch.device, Tensor] = {}  # one index per device the batch spans

@@ -6,11 +6,13 @@ cuts and grows them along dimension 0. Some do not: padding-free packing puts a 
 sequences end to end in one row, told apart by ``position_ids`` that start again at 0
 (:class:`PackedSequences`, TRL's ``bfd`` packing); a vision-language batch holds every
 image's patches in one tensor, with each image's grid (:class:`ImagePatches`, Qwen2-VL's
-``pixel_values`` and ``image_grid_thw``). A layout says how many samples such a batch holds,
-takes a range of them and joins batches, and what each part's loss weighs in the whole's
-mean; the profiler, the verifier, the runner's micro-batches and the trainers' callbacks
-all cut batches through :func:`layout_of`. Layouts of the user's (:func:`add_batch_layout`)
-are tried first.
+``pixel_values`` and ``image_grid_thw``); a detection batch holds a list of images of
+different sizes and a list of target dicts (:class:`SampleLists`, torchvision's
+``(images, targets)``). A layout says how many samples such a batch holds, takes a range
+of them and joins batches, and what each part's loss weighs in the whole's mean; the
+profiler, the verifier, the runner's micro-batches and the trainers' callbacks all cut
+batches through :func:`layout_of`. Layouts of the user's (:func:`add_batch_layout`) are
+tried first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "BatchLayout",
     "ImagePatches",
     "PackedSequences",
+    "SampleLists",
     "add_batch_layout",
     "layout_of",
     "layouts_of_model",
@@ -269,6 +272,79 @@ class ImagePatches(BatchLayout):
         return bounds[start], bounds[stop]
 
 
-_KNOWN: tuple[BatchLayout, ...] = (PackedSequences(),)
+class SampleLists(BatchLayout):
+    """A batch whose parts are lists with an entry per sample: torchvision's detection
+    models' ``(images, targets)``, a list of image tensors of any sizes and a list of
+    target dicts (``boxes``, ``labels``, ``masks``). Every list at the top of the batch (a
+    tuple, list or Mapping) holds the same number of entries; what is not a list passes
+    whole into every part. Recognised where a list holds records (dicts), or where its
+    tensors do not share a first dimension (images of different sizes): a list of tensors
+    that share one is read as rows, as before. Memory grows with the samples taken, each
+    its own size (a detection model batches its images padded to the largest).
+    """
+
+    def recognises(self, batch: Any) -> bool:
+        lists = _lists(batch)
+        if not lists or len({len(v) for v in lists}) != 1 or not lists[0]:
+            return False
+        if _loose(batch):  # a tensor with rows beside the lists: rows, not samples
+            return False
+        entries = [e for v in lists for e in v]
+        if any(isinstance(e, Mapping) for e in entries):
+            return True
+        firsts = {t.shape[0] for e in entries for t in _tensors(e) if t.ndim >= 1}
+        return len(firsts) > 1
+
+    def size(self, batch: Any) -> int:
+        return len(_lists(batch)[0])
+
+    def take(self, batch: Any, start: int, stop: int) -> Any:
+        return _each_list(batch, lambda v: v[start:stop])
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        lists = [_lists(p) for p in parts]
+        joined = iter([[e for part in pieces for e in part] for pieces in zip(*lists, strict=True)])
+        return _each_list(parts[0], lambda v: next(joined))
+
+
+def _values(batch: Any) -> list[Any]:
+    """The parts at the top of a tuple, list or Mapping batch (none of anything else)."""
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    return list(batch) if isinstance(batch, (tuple, list)) else []
+
+
+def _lists(batch: Any) -> list[list[Any]]:
+    """The lists at the top of ``batch``, in order."""
+    return [v for v in _values(batch) if type(v) is list]
+
+
+def _loose(batch: Any) -> bool:
+    """Whether a tensor with a dimension sits at the top of ``batch``, beside its lists."""
+    return any(isinstance(v, Tensor) and v.ndim >= 1 for v in _values(batch))
+
+
+def _tensors(entry: Any) -> list[Tensor]:
+    """The tensors of one entry of a list (a tensor, or a tuple or Mapping of them)."""
+    if isinstance(entry, Tensor):
+        return [entry]
+    return [v for v in _values(entry) if isinstance(v, Tensor)]
+
+
+def _each_list(batch: Any, fn: Any) -> Any:
+    """``batch`` with ``fn`` applied to each list at its top, in order."""
+
+    def one(v: Any) -> Any:
+        return fn(v) if type(v) is list else v
+
+    if isinstance(batch, Mapping):
+        out = {k: one(v) for k, v in batch.items()}
+        return type(batch)(out) if type(batch) is not dict else out
+    items = [one(v) for v in batch]
+    kind: Any = type(batch)
+    return kind(*items) if hasattr(kind, "_fields") else kind(items)
+
+
+_KNOWN: tuple[BatchLayout, ...] = (PackedSequences(), SampleLists())
 """The layouts recognised in any batch (those that need the model's config are added by
 :func:`layouts_of_model`)."""

@@ -5,7 +5,9 @@ The calling convention, used identically by tuning and by :func:`autotune.prepar
 * a Tensor ``x``: ``model(x)``;
 * a Mapping (dict, ``BatchEncoding``): ``model(**batch)``;
 * a tuple/list: ``model(*batch)``; with a ``loss_fn``, the last element is taken to be the
-  target the loss reads, so the model gets ``model(*batch[:-1])`` (the ``(x, y)`` idiom).
+  target the loss reads, so the model gets ``model(*batch[:-1])`` (the ``(x, y)`` idiom),
+  except in a batch of per-sample lists (:class:`~autotune.train._batch_layout.SampleLists`:
+  torchvision's detection ``(images, targets)``), whose records the model reads itself.
 
 The loss: ``loss_fn(output, batch)`` when given; else a scalar output, ``output.loss``
 (Hugging Face models given labels), or the first element of a tuple output.
@@ -21,6 +23,7 @@ from torch import nn
 
 from autotune._spelling import option
 from autotune.errors import LossError
+from autotune.train._batch_layout import SampleLists, layout_of
 
 __all__ = ["LossFn", "call_model", "compute_loss", "describe_call", "raised_in"]
 
@@ -34,8 +37,8 @@ def call_model(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
-        args = batch[:-1] if has_loss_fn and len(batch) > 1 else batch
-        return model(*args)
+        target = has_loss_fn and len(batch) > 1 and not isinstance(layout_of(batch), SampleLists)
+        return model(*(batch[:-1] if target else batch))
     return model(batch)
 
 

@@ -33,15 +33,29 @@ from autotune.train import (
     any_batch_size,
     batch_size,
     collective,
+    compute_loss,
     copy_model,
     gathered_tensors,
     map_tensors,
     prepare,
+    raised_in,
     resize,
     tensors_on,
 )
 
 __all__ = ["Verifier"]
+
+
+def _evaluate(runner: Runner, batch: Any) -> None:
+    """An evaluation forward with its loss; where the model's output in eval mode holds
+    no loss to read (a detection model's detections), the forward alone, whose output was
+    alive when the loss was asked for."""
+    try:
+        runner.forward_loss(batch)
+    except Exception as exc:
+        if isinstance(exc, torch.OutOfMemoryError) or not raised_in(exc, compute_loss):
+            raise
+
 
 log = logging.getLogger("autotune")
 
@@ -238,11 +252,11 @@ class Verifier:
         return times
 
     def eval_batch(self, config: TrainConfig, wanted: int | None, most: int) -> int | None:
-        """The largest evaluation batch (a no-grad forward with its loss, in eval mode, in
-        the config's precision) that fits the budget after a training step of ``config``,
-        up to ``most``; ``wanted``: that size, where it fits. Measured: at the micro-batch
-        and twice it, the line through them says the largest, which is run (and lowered
-        until it fits). ``None``: not even the micro-batch fits."""
+        """The largest evaluation batch (a no-grad forward with its loss where it has one,
+        in eval mode, in the config's precision) that fits the budget after a training
+        step of ``config``, up to ``most``; ``wanted``: that size, where it fits.
+        Measured: at the micro-batch and twice it, the line through them says the largest,
+        which is run (and lowered until it fits). ``None``: not even the micro-batch fits."""
         self._release(before=True)
         runner = self._prepare(config)
         try:
@@ -279,7 +293,7 @@ class Verifier:
                 torch.no_grad(),
                 any_batch_size(),  # a model compiled whole: one graph for every size tried
             ):
-                runner.forward_loss(batch)
+                _evaluate(runner, batch)
         except torch.OutOfMemoryError:
             return None
         finally:

@@ -136,3 +136,67 @@ def test_a_vision_language_batch_tunes_and_trains_cut_by_image() -> None:
     ]
     with autotune.prepare(copy.deepcopy(model), result, device="cpu") as runner:
         torch.testing.assert_close(runner.step(batch), whole.detach())
+
+
+def faster_rcnn() -> torch.nn.Module:
+    """torchvision's Faster R-CNN (its transform, region proposals and box heads) on a
+    two-layer backbone, small enough for a test's steps."""
+    from torchvision.models.detection import FasterRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+    from torchvision.ops import MultiScaleRoIAlign
+
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+    )  # fmt: skip
+    backbone.out_channels = 16
+    return FasterRCNN(
+        backbone, min_size=48, max_size=80,
+        rpn_anchor_generator=AnchorGenerator(((8, 16),), ((0.5, 1.0, 2.0),)),
+        rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
+        box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2), box_head=TwoMLPHead(16 * 49, 64),
+        box_predictor=FastRCNNPredictor(64, 3), box_batch_size_per_image=16,
+    )  # fmt: skip
+
+
+def detection_batch() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """torchvision's ``(images, targets)``: four images of different sizes, each with its
+    boxes and labels."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, h, w, generator=g) for h, w in ((60, 80), (72, 56), (64, 64), (50, 90))]
+    targets = [
+        {"boxes": torch.tensor([[4.0, 6.0, 30.0, 40.0]] * n), "labels": torch.ones(n, dtype=torch.int64)}
+        for n in (1, 2, 3, 4)
+    ]  # fmt: skip
+    return images, targets
+
+
+def test_a_detection_batch_of_sample_lists_tunes_and_trains_cut_by_sample() -> None:
+    model, batch = faster_rcnn(), detection_batch()
+    images, targets = batch
+    assert batch_size(batch) == 4  # not the images' 3 channels, nor a target's boxes
+    second = split(batch, 3)[1]
+    assert second[0][0] is images[3] and second[1][0] is targets[3]
+    grown = resize(batch, 6)  # new tensors, as a loader's batch holds
+    assert torch.equal(grown[0][5], images[1]) and grown[0][5] is not images[1]
+    # Lists of tensors that share their first dimension are rows, as before.
+    assert batch_size(([torch.ones(5, 2), torch.ones(5, 3)], [torch.ones(5), torch.ones(5)])) == 5
+
+    def loss(output: dict[str, torch.Tensor], batch: object) -> torch.Tensor:
+        return sum(output.values())  # type: ignore[return-value]
+
+    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+    result = autotune.autotune(
+        model, batch, 0.1, global_batch_size=4, space=space, device="cpu", loss_fn=loss
+    )
+    assert result.measured is not None and result.config.grad_accum_steps == 2
+    assert result.measured.peak_bytes <= result.budget_bytes
+    trained = copy.deepcopy(model)
+    with autotune.prepare(trained, result, device="cpu", loss_fn=loss) as runner:
+        assert torch.isfinite(runner.step(batch))
+    moved = [
+        not torch.equal(a, b) for a, b in zip(model.parameters(), trained.parameters(), strict=True)
+    ]
+    assert any(moved)
