@@ -337,11 +337,11 @@ def _each_list(batch: Any, fn: Any) -> Any:
     def one(v: Any) -> Any:
         return fn(v) if type(v) is list else v
 
+    kind: Any = type(batch)
     if isinstance(batch, Mapping):
         out = {k: one(v) for k, v in batch.items()}
-        return type(batch)(out) if type(batch) is not dict else out
+        return kind(out) if kind is not dict else out
     items = [one(v) for v in batch]
-    kind: Any = type(batch)
     return kind(*items) if hasattr(kind, "_fields") else kind(items)
 
 
