@@ -96,8 +96,13 @@ def start(tmp_path: Path, storage: str, **env: str) -> subprocess.Popen[str]:
     )
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, object]:
-    out, err = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen[str], timeout: float = 600) -> dict[str, object]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # and reaped: nothing left running into the next test
+        proc.communicate()
+        raise
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -198,7 +203,7 @@ def test_a_worker_killed_at_any_stage_loses_nothing(
     doomed.communicate(timeout=60)
     # Its process is gone from this machine: the next run takes the job over at once
     # (a grace of 10 minutes would time the test out).
-    after = finish(start(tmp_path, storage, GRACE_S="600"), timeout=120)
+    after = finish(start(tmp_path, storage, GRACE_S="600"), timeout=300)
     if stage == "record":
         assert hung in after["trials"]
     assert studies(storage) == ["shared"]  # the killed job's claim is tidied with the rest
@@ -243,7 +248,7 @@ def test_an_interrupted_worker_releases_its_claim_at_once(tmp_path) -> None:
     _, err = stopped.communicate(timeout=60)
     assert stopped.returncode != 0 and "KeyboardInterrupt" in err
     # A grace of 10 minutes: only a released claim lets this run finish in time.
-    after = finish(start(tmp_path, storage, GRACE_S="600"), timeout=120)
+    after = finish(start(tmp_path, storage, GRACE_S="600"), timeout=300)
     assert hung in after["trials"]
 
 
@@ -253,7 +258,7 @@ def test_a_64_block_model_fits_the_database(tmp_path, kind: str) -> None:
     # 512-character key column. They are short hashes now. (SQLite has no such limit: the
     # 35 s of a run there would test nothing more.)
     storage = fresh(kind, tmp_path, "deep")
-    result = finish(start(tmp_path, storage, LAYERS="64"), timeout=300)
+    result = finish(start(tmp_path, storage, LAYERS="64"))
     assert result["winner"]
     with opened(storage) as db:
         for name in optuna.get_all_study_names(db):

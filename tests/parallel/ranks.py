@@ -50,7 +50,7 @@ def start(world: int, job: dict[str, Any]) -> list[subprocess.Popen[str]]:
     return procs
 
 
-def run(world: int, job: dict[str, Any], timeout: float = 240) -> list[Any]:
+def run(world: int, job: dict[str, Any], timeout: float = 600) -> list[Any]:
     """Run ``job`` on ``world`` ranks; every rank's result, by rank.
 
     Raises:
@@ -62,8 +62,9 @@ def run(world: int, job: dict[str, Any], timeout: float = 240) -> list[Any]:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for p in procs:
+            for p in procs:  # killed and reaped: nothing left running into the next test
                 p.kill()
+                p.communicate()
             raise AssertionError(f"rank {rank} did not finish in {timeout} s") from None
         assert proc.returncode == 0, f"rank {rank} failed:\n{err[-4000:]}"
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

@@ -61,10 +61,11 @@ def test_a_rank_killed_mid_tuning_makes_the_others_fail_clearly() -> None:
     outcomes = []
     for proc in procs:
         try:
-            _, err = proc.communicate(timeout=120)
+            _, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:  # a hang is the failure this test is about
             for p in procs:
                 p.kill()
+                p.communicate()
             pytest.fail("a rank hung after another was killed")
         outcomes.append((proc.returncode, err))
     assert outcomes[2][0] == -signal.SIGKILL
