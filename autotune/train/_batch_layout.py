@@ -320,8 +320,15 @@ def _lists(batch: Any) -> list[list[Any]]:
 
 
 def _loose(batch: Any) -> bool:
-    """Whether a tensor with a dimension sits at the top of ``batch``, beside its lists."""
-    return any(isinstance(v, Tensor) and v.ndim >= 1 for v in _values(batch))
+    """Whether a tensor with a dimension sits in ``batch`` outside its lists (at the top,
+    or in a tuple or Mapping there): rows, beside the lists."""
+    return any(type(v) is not list and _holds_rows(v) for v in _values(batch))
+
+
+def _holds_rows(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.ndim >= 1
+    return any(_holds_rows(v) for v in _values(value))
 
 
 def _tensors(entry: Any) -> list[Tensor]:

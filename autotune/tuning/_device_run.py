@@ -224,11 +224,11 @@ class DeviceRun:
             first = [record] if record is not None else []
             candidates = [c for c in candidates if c.config != plan.config]
         # Other work on the cores while profiling: the calibrated predictions are looser.
-        slack = _machine(self.cpu, problem).slack
+        slack = self._load("profiled", problem).slack
         tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack)
         experts = baseline_candidates(found, problem.target.device.type)
         tried += verify_baseline(measure, experts, tried)  # the config to beat, every run
-        noise = _machine(self.cpu, problem)  # and while verifying: raced harder (verify.BUSY)
+        noise = self._load("verified", problem)  # and while verifying: raced harder
         records = self.jobs.once(
             job_key("settle", *(r.config for r in tried)),
             lambda: settle(verifier, tried, noise),
@@ -244,6 +244,14 @@ class DeviceRun:
         sized = with_eval_batches(verifier, [chosen.config, *ladder], wanted, most)
         chosen = dataclasses.replace(chosen, config=sized[0])
         return _Verified(chosen, records, sized[1:], noise, baseline_record(records, experts))
+
+    def _load(self, stage: str, problem: Problem) -> Noise:
+        """How noisy the machine was up to ``stage``, read once per study: a run that
+        resumes it (or another process of it) decides as the first did, and so verifies
+        and re-times the same configs, reading their results instead of measuring again."""
+        now = _machine(self.cpu, problem) is BUSY  # on every rank: its ranks agree on it
+        busy = self.jobs.once(job_key(f"busy-{stage}"), lambda: now, "reading the load")
+        return BUSY if busy else QUIET
 
     def _measure(self, verifier: Verifier, *, timed: bool = True) -> Measure:
         """Run configs for real, each once among the processes that share the jobs.
