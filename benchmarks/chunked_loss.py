@@ -13,7 +13,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see run.py)
 
 import argparse
-import datetime
 import json
 import sys
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import autotune
 import benchmarks  # noqa: F401  (torchvision importable on a CPU torch, as for every benchmark)
 from autotune.device import backend_for
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
+from benchmarks.report import write_results
 
 VOCAB, SEQ, ROWS = 32_000, 64, 4
 
@@ -94,14 +94,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.date.today().isoformat(),
-        "torch": str(torch.__version__),
-        "device": backend_for(torch.device("cpu")).name(),
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(report, indent=1))
+    write_results(args.out, rows, device=backend_for(torch.device("cpu")).name())
 
 
 if __name__ == "__main__":

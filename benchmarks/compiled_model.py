@@ -18,7 +18,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import argparse
 import copy
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from autotune import TrainConfig
 from autotune.device import backend_for
 from autotune.train._compiled import measured_compiling
 from autotune.verify import Verifier
+from benchmarks.report import write_results
 
 GLOBAL, SEQ, VOCAB = 16, 32, 512
 
@@ -89,14 +89,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.date.today().isoformat(),
-        "torch": str(torch.__version__),
-        "device": backend_for(device).name(),
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(report, indent=1))
+    write_results(args.out, rows, device=backend_for(device).name())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import zoo  # noqa: E402
 
 import autotune  # noqa: E402
 from autotune.verify._verifier import Verifier  # noqa: E402
+from benchmarks.report import write_results  # noqa: E402
 
 Built = tuple[torch.nn.Module, Any, Any]
 
@@ -99,13 +99,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.date.today().isoformat(),
-        "torch": str(torch.__version__),
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(report, indent=1))
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

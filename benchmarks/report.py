@@ -15,10 +15,16 @@ Definitions (see benchmarks/README.md):
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from autotune import TrainConfig, TuneResult
 
@@ -211,3 +217,16 @@ def format_table(rows: Sequence[Row], summary: dict[str, Any]) -> str:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[item["met"]]
         text.append(f"{name:26s} {shown!s:>10}  target {item['target']:>8}  {verdict}")
     return "\n".join(text)
+
+
+def write_results(out: Path, rows: Sequence[dict[str, Any]], **extra: Any) -> None:
+    """A benchmark script's results file: the command that made it, the date, torch's
+    version, ``extra`` (the device, say) and its rows."""
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.date.today().isoformat(),
+        "torch": str(torch.__version__),
+        **extra,
+        "rows": list(rows),
+    }
+    out.write_text(json.dumps(report, indent=1))

@@ -20,7 +20,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see run.py)
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -41,6 +40,7 @@ import autotune
 from autotune.device import backend_for
 from autotune.measure._tracker import CompiledBytesTracker, state_tensors
 from benchmarks.harness import time_steps
+from benchmarks.report import write_results
 
 MICRO, ACCUM, SEQ, VOCAB = 8, 2, 128, 8192
 
@@ -141,14 +141,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.date.today().isoformat(),
-        "torch": str(torch.__version__),
-        "device": backend_for(device).name(),
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(report, indent=1))
+    write_results(args.out, rows, device=backend_for(device).name())
 
 
 if __name__ == "__main__":

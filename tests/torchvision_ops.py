@@ -25,9 +25,13 @@ def declare_torchvision_ops() -> None:
     ``nms`` and ``qnms``. Classification models (torchvision's, timm's) never call those
     detection ops, so declaring their schemas lets the import through. Detection models
     (Faster R-CNN) call ``nms``: it gets a kernel in plain torch here, the C++ kernel's
-    greedy rule, and ``roi_align`` takes torchvision's own pure-torch path, eager. Where they did load (a torchvision built for this torch), nothing
-    here runs.
+    greedy rule, and ``roi_align`` takes torchvision's own pure-torch path, eager. Where
+    they did load (a torchvision built for this torch), nothing here runs. Once per
+    process: a second call (a benchmark script that imports the benchmarks package too)
+    finds the ops declared.
     """
+    if _KEPT:
+        return
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return
