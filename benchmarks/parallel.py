@@ -1,12 +1,14 @@
-"""Data parallelism on the CPU with gloo (issue 14): per-rank peak prediction, the largest
-model a per-rank budget holds at 1, 2 and 4 ranks, tuning time at 2 ranks, and a deep
-model tuned from a profile of its whole depth against one of copies with 3 and 4 blocks.
+"""Data parallelism on the CPU with gloo (issue 14): per-rank peak prediction, an FSDP2
+winner's peak read four ways (issue 47), the largest model a per-rank budget holds at 1, 2
+and 4 ranks, tuning time at 2 ranks, and a deep model tuned from a profile of its whole
+depth against one of copies with 3 and 4 blocks.
 
     python benchmarks/parallel.py --out benchmarks/results/parallel-cpu.json   # ~6 min
 
 Ranks are real processes started by ``torch.distributed.run`` (torchrun), one thread each.
-Targets: per-rank peak error <= 3% (max); the largest model grows close to 1/N in the
-sharded states; tuning time at 2 ranks is reported.
+Targets: per-rank peak error <= 3% (max); prediction, verification, ``peak_memory`` and an
+independent count of live storage within 3% of each other, under the budget; the largest
+model grows close to 1/N in the sharded states; tuning time at 2 ranks is reported.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=int, default=96)
     parser.add_argument(
         "--only",
-        choices=("prediction", "largest", "tuning", "deep"),
+        choices=("prediction", "readings", "largest", "tuning", "deep"),
         help="one part, kept beside the rest",
     )
     args = parser.parse_args()
@@ -125,6 +127,9 @@ def main() -> None:
     if args.only in (None, "prediction"):
         out["prediction"] = prediction([2, 4])
         args.out.write_text(json.dumps(out, indent=2))  # each part as it is done
+    if args.only in (None, "readings"):
+        out["readings"] = readings()
+        args.out.write_text(json.dumps(out, indent=2))
     if args.only in (None, "largest"):
         out["largest"] = largest(args.budget_mib, [1, 2, 4])
         two = next(r for r in out["largest"] if r["world"] == 2)
@@ -141,6 +146,26 @@ def main() -> None:
         out["deep"] = deep()
     out["seconds"] = time.time() - started
     args.out.write_text(json.dumps(out, indent=2))
+
+
+def readings() -> dict[str, Any]:
+    """FSDP2 on 2 ranks, tuned within 0.06 GiB: the winner's peak a rank as predicted, as
+    verified, as ``autotune.peak_memory`` reads it from before the first step, and as an
+    independent count of every live storage (``storage_count.py``)."""
+    job = {"model": READINGS, "budget_gb": 0.06, "global_batch": 32}
+    r = launch(2, {"readings": job})
+    spread = max(r[k] for k in FIGURES) / min(r[k] for k in FIGURES) - 1
+    print(
+        f"FSDP2 readings ({r['config']}): "
+        + ", ".join(f"{k} {r[k] / 2**20:.2f}" for k in FIGURES)
+        + f" MiB of {r['budget'] / 2**20:.1f}; spread {100 * spread:.3f}%"
+    )
+    return {**r, "spread": spread}
+
+
+FIGURES = ("predicted", "verified", "peak_memory", "count")
+READINGS = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 4096}
+"""A GPT whose gathered parameters are a fifth of a rank's peak (the tied vocabulary)."""
 
 
 def tuning() -> list[Any]:

@@ -5,7 +5,8 @@ Prints ``RESULT <json>`` on rank 0.
 ``{"measure": [config, ...], "model": {...}}``: for each config, the per-rank peak
 ``autotune.estimate`` predicts from one process's profile, and what the ranks measure over
 steps 2 to 4 (the first makes the optimizer state) under the tracker verification uses:
-the largest rank's steady step (its least peak) and the largest peak of any step. ``{"tune": {...}}``: ``autotune.autotune`` on every rank, timed.
+the largest rank's steady step (its least peak) and the largest peak of any step. ``{"tune": {...}}``: ``autotune.autotune`` on every rank, timed. ``{"readings": {...}}``: the
+winner's peak three ways (see :func:`readings`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from storage_count import StorageCount
 
 import autotune
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.train._parallel import agree_max, gathered_tensors
+from autotune.train._parallel import agree_max
 
 
 def measure(shape: dict[str, int], spec: dict[str, Any], world: int) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def measure(shape: dict[str, int], spec: dict[str, Any], world: int) -> dict[str
         with measure_peak(
             torch.device("cpu"),
             existing=state_tensors(runner.model, runner.optimizer),
-            resized=gathered_tensors(runner.model),
+            gathering=[runner.model],
         ) as reading:
             runner.step(batch)
         if step:  # the first makes the optimizer state
@@ -91,6 +93,44 @@ def tune(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def readings(job: dict[str, Any]) -> dict[str, Any]:
+    """``autotune.autotune`` on every rank, then three readings of three steps of the
+    winner, the first included: its prediction, ``autotune.peak_memory`` around the runner
+    and :class:`StorageCount`, which shares nothing with autotune's tracker."""
+    result = autotune.autotune(
+        tiny_gpt(**job["model"]),
+        gpt_batch(tiny_gpt(**job["model"]).config, 8, seed=1),
+        job["budget_gb"],
+        global_batch_size=job["global_batch"],
+        device="cpu",
+    )
+    model = tiny_gpt(**job["model"])
+    local, world = result.config.effective_batch_size, dist.get_world_size()
+    data = gpt_batch(model.config, local * world * 3, seed=2)
+    runner = autotune.prepare(model, result.config, lr=1e-4, device="cpu")
+    first = dist.get_rank() * local
+    mine = [tuple(t[first + s * world * local :][:local].clone() for t in data) for s in range(3)]
+    held = [t for batch in mine for t in batch]
+    with (
+        StorageCount([*state_tensors(runner.model, runner.optimizer), *held]) as count,
+        autotune.peak_memory(runner) as reading,
+    ):
+        for batch in mine:
+            runner.step(batch)
+    runner.close()
+    batches = sum(t.nbytes for t in held)
+    # The largest rank's of each (the last rank's shards can be shorter).
+    peak, counted = agree_max([reading.peak_bytes, count.peak - batches], torch.device("cpu"))
+    return {
+        "config": result.config.describe(),
+        "budget": result.budget_bytes,
+        "predicted": result.predicted.peak_bytes,
+        "verified": result.measured.peak_bytes,
+        "peak_memory": int(peak),
+        "count": int(counted),
+    }
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -99,6 +139,8 @@ def main() -> None:
     try:
         if "measure" in job:
             out: Any = [measure(job["model"], spec, world) for spec in job["measure"]]
+        elif "readings" in job:
+            out = readings(job["readings"])
         else:
             out = tune(job["tune"])
         dist.barrier()  # every rank done with its collectives before the group goes

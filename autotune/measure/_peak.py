@@ -13,9 +13,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from autotune.device import backend_for
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, tracker_for
+from autotune.train import following_gathered
 
 __all__ = ["PeakReading", "measure_peak"]
 
@@ -40,7 +42,7 @@ def measure_peak(
     context_bytes: int = 0,
     foreign_bytes: int = 0,
     tracker: LiveBytesTracker | None = None,
-    resized: Iterable[torch.Tensor] = (),
+    gathering: Iterable[nn.Module] = (),
     compiled: bool = False,
 ) -> Iterator[PeakReading]:
     """Measure the peak device memory of the block, by the device's definition.
@@ -59,8 +61,9 @@ def measure_peak(
         foreign_bytes: Allocator bytes held by tensors that are not part of the run.
         tracker: A tracker to use (to read its phases); without a caching allocator a
             new one otherwise.
-        resized: Tensors whose storage is freed and allocated again by resizing, outside
-            any op (FSDP2's gathered parameters); the tracker reads their size at every op.
+        gathering: Models whose FSDP2 units gather their parameters into storage freed
+            and allocated again by resizing, outside any op: the tracker reads those
+            storages' sizes at every op, from the unit's first forward on.
         compiled: The block runs compiled blocks (see
             :func:`~autotune.measure._tracker.tracker_for`).
     """
@@ -70,15 +73,17 @@ def measure_peak(
         tracker = tracker_for(compiled, device.type, budget_bytes=budget_bytes)
     if tracker is not None:
         tracker.track(existing)
-        tracker.watch(resized)
         tracker.peak = tracker.live
+    following = (
+        following_gathered(gathering, tracker.watch) if tracker else contextlib.nullcontext()
+    )
     cap = None
     if backend.caching and budget_bytes is not None:
         cap = budget_bytes - context_bytes + foreign_bytes
     with backend.cap(cap):
         backend.synchronize()
         backend.reset_peak()
-        with tracker if tracker is not None else contextlib.nullcontext():
+        with following, tracker if tracker is not None else contextlib.nullcontext():
             yield reading
         backend.synchronize()
     if tracker is not None:

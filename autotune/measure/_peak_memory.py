@@ -57,7 +57,11 @@ def peak_memory(*holding: Any, device: torch.device | str | None = None) -> Iter
     with (
         measured_compiling(compiled),
         measure_peak(
-            target, existing=state_tensors(*objects), context_bytes=context, compiled=compiled
+            target,
+            existing=state_tensors(*objects),
+            context_bytes=context,
+            gathering=[o for o in objects if isinstance(o, torch.nn.Module)],
+            compiled=compiled,
         ) as reading,
     ):
         yield reading

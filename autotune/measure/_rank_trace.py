@@ -27,7 +27,7 @@ from autotune.errors import DistributedError, ProfileError
 from autotune.measure._fake import is_traced, traced
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
-from autotune.train import LossFn, gathered_tensors, map_tensors, prepare, resize
+from autotune.train import LossFn, map_tensors, prepare, resize
 
 __all__ = ["fake_ranks", "traced_rank_peak"]
 
@@ -106,7 +106,7 @@ def traced_rank_peak(
             with measure_peak(
                 cpu,
                 existing=state_tensors(runner.model, runner.optimizer),
-                resized=gathered_tensors(runner.model),
+                gathering=[runner.model],
             ) as reading:
                 runner.step(batch)
             peak = max(peak, reading.peak_bytes) if step else 0

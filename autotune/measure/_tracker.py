@@ -74,7 +74,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak = 0
         self.phases: list[PhaseRecord] = []
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
-        self._watched: list[torch.UntypedStorage] = []
+        self._watched: dict[int, torch.UntypedStorage] = {}  # id(storage) -> storage
 
     supports_higher_order_operators = True
     """Higher-order operators (compiled code's ``run_and_save_rng_state``, which a block
@@ -97,12 +97,14 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors whose storage is freed and allocated again by resizing it outside
-        any op (FSDP2's gathered parameters): their size is read again at every op."""
+        any op (FSDP2's gathered parameters): their size is read again at every op. A
+        storage counted already (made by an op) is read again from now on."""
         for t in tensors:
             storage = _storage(t)
             self._add(storage, _device_type(t), check_budget=False)
-            if id(storage) in self._sizes:
-                self._watched.append(storage)
+            if id(storage) in self._sizes and id(storage) not in self._watched:
+                self._watched[id(storage)] = storage
+                self._resized(storage, check_budget=False)
 
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
         """Close the current phase and open one labelled ``key`` at the current live bytes."""
@@ -116,10 +118,10 @@ class LiveBytesTracker(TorchDispatchMode):
             self.phases[-1].exit = self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for storage in self._watched:  # resized since the last op?
+        for storage in self._watched.values():  # resized since the last op?
             self._resized(storage, check_budget=False)
         out = func(*args, **(kwargs or {}))
-        for storage in self._watched:
+        for storage in self._watched.values():
             self._resized(storage, check_budget=True)
         if in_host_memory() and not self.counts_host:
             return out

@@ -10,7 +10,7 @@ bf16 autocast, and an offloaded optimizer is FSDP's ``CPUOffloadPolicy``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "broadcast",
     "check_group",
     "collective",
+    "following_gathered",
     "gathered_tensors",
     "group_size",
     "rank",
@@ -237,12 +238,45 @@ def _fully_shard(
 
 def gathered_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors FSDP2 gathers parameters into, whose storage it frees and allocates
-    again by resizing (outside any op a dispatch mode sees); empty for other models."""
+    again by resizing (outside any op a dispatch mode sees); empty for other models, and
+    for units that have not run forward yet (FSDP2 makes them in a unit's first one)."""
     out: list[torch.Tensor] = []
     for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if state else None
-        for param in getattr(group, "fsdp_params", ()):
-            out.extend(getattr(param, "all_gather_outputs", ()))
-            out.extend(getattr(param, "_unsharded_inner_tensors", ()))
+        out.extend(_unit_gathered(module))
+    return out
+
+
+@contextlib.contextmanager
+def following_gathered(
+    models: Iterable[nn.Module], watch: Callable[[list[torch.Tensor]], None]
+) -> Iterator[None]:
+    """Hand ``watch`` the tensors FSDP2 gathers the ``models``' parameters into: those
+    that exist now, and each unit's from its first forward on (FSDP2 makes them in the
+    unit's pre-forward hook, which runs before the one added here), so that a reading
+    that starts before the first step follows them too."""
+    handles = []
+    for model in models:
+        watch(gathered_tensors(model))
+        for module in model.modules():
+            if _param_group(module) is not None:
+                hook = module.register_forward_pre_hook(lambda m, _: watch(_unit_gathered(m)))
+                handles.append(hook)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _param_group(module: nn.Module) -> Any:
+    """FSDP2's parameter group of a unit (``None`` for other modules)."""
+    state = getattr(module, "_get_fsdp_state", None)
+    return getattr(state(), "_fsdp_param_group", None) if state else None
+
+
+def _unit_gathered(module: nn.Module) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for param in getattr(_param_group(module), "fsdp_params", ()):
+        out.extend(getattr(param, "all_gather_outputs", ()))
+        out.extend(getattr(param, "_unsharded_inner_tensors", ()))
     return out

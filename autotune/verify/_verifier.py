@@ -35,7 +35,6 @@ from autotune.train import (
     collective,
     compute_loss,
     copy_model,
-    gathered_tensors,
     map_tensors,
     prepare,
     raised_in,
@@ -220,7 +219,7 @@ class Verifier:
                 self.device,
                 existing=[*self._state(runner), *held],
                 budget_bytes=budget,
-                resized=gathered_tensors(runner.model),
+                gathering=[runner.model],
                 compiled=compiled,
             ) as reading:
                 runner.step(batch)

@@ -67,6 +67,19 @@ def test_every_rank_within_3_percent_and_same_losses_as_one_process(world: int) 
     assert sum(t == low for t, low in traced) >= 0.8 * len(traced), traced
 
 
+def test_fsdp2_prediction_peak_memory_and_an_independent_count_agree() -> None:
+    """Read from before the first step, when FSDP2 has not yet made the storage it
+    gathers parameters into: ``peak_memory`` follows it as it is made and freed by
+    resizing (it once counted it whole for good: 20% over), and agrees with a count
+    that shares nothing with autotune's tracker."""
+    spec = {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 2, "checkpoint": ["blocks.0"]}
+    for rank, r in enumerate(run(2, {"readings": spec})):
+        # The count also holds the three batches, made before the block.
+        counted = r["count"] - r["batches"]
+        assert abs(r["peak_memory"] - counted) <= 1e-3 * counted, (rank, r)
+        assert abs(r["predicted"] - counted) <= 0.03 * counted, (rank, r)
+
+
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_a_nan_in_one_rank_s_gradients_is_refused_by_every_rank(parallel: str) -> None:
     # Under FSDP the NaN sits in one rank's shard only: that rank alone must not refuse

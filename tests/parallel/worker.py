@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,6 @@ import autotune
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
-from autotune.train._parallel import gathered_tensors
 
 
 def mlp() -> nn.Module:
@@ -102,7 +102,7 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         with measure_peak(
             torch.device("cpu"),
             existing=state_tensors(runner.model, runner.optimizer),
-            resized=gathered_tensors(runner.model),
+            gathering=[runner.model],
         ) as reading:
             loss = runner.step(mine)
         if step:  # the first step makes the optimizer state, as in one process
@@ -121,6 +121,38 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         for step in range(3)
     ]
     return {"predicted": predicted, "measured": peaks, "losses": losses, "reference": expected}
+
+
+def readings(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Three readings of the same three steps of ``spec`` on this rank, the first step
+    included: the peak predicted from one process, ``autotune.peak_memory`` around the
+    runner, and an independent count of every storage any op receives or returns."""
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from benchmarks.storage_count import StorageCount
+
+    local = spec["micro"] * spec["accum"]
+    config = config_of(spec, world)
+    model, loss_fn, data = model_and_data(spec["model"], local * world * 3)
+    predicted, _ = autotune.estimate(model, rows(data, 0, 4), config, device="cpu", loss_fn=loss_fn)
+    runner = autotune.prepare(model, config, lr=1e-3, loss_fn=loss_fn, device="cpu")
+    mine = [
+        tuple(
+            t.clone()
+            for t in rows(data, (s * world + rank) * local, (s * world + rank + 1) * local)
+        )
+        for s in range(3)
+    ]
+    held = [t for batch in mine for t in batch]
+    alive = [*state_tensors(runner.model, runner.optimizer), *held]
+    with StorageCount(alive) as count, autotune.peak_memory(runner) as reading:
+        for batch in mine:
+            runner.step(batch)
+    return {
+        "predicted": predicted,
+        "peak_memory": reading.peak_bytes,
+        "count": count.peak,
+        "batches": sum(t.nbytes for t in held),
+    }
 
 
 def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -190,14 +222,14 @@ def fallback(rank: int, world: int) -> dict[str, Any]:
         with measure_peak(
             torch.device("cpu"),
             existing=state_tensors(runner.model, runner.optimizer),
-            resized=gathered_tensors(runner.model),
+            gathering=[runner.model],
             budget_bytes=budget,
         ):
             loss = runner.step(mine)
     with measure_peak(
         torch.device("cpu"),
         existing=state_tensors(runner.model, runner.optimizer),
-        resized=gathered_tensors(runner.model),
+        gathering=[runner.model],
         budget_bytes=budget,
     ) as after:
         runner.step(mine)  # the fallback from now on, within the budget
@@ -265,6 +297,8 @@ def main() -> None:
     try:
         if "cases" in job:
             out: Any = [case(spec, rank, world) for spec in job["cases"]]
+        elif "readings" in job:
+            out = readings(job["readings"], rank, world)
         elif job.get("fallback"):
             out = fallback(rank, world)
         elif "nonfinite" in job:
