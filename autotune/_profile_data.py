@@ -27,6 +27,7 @@ __all__ = [
     "PhaseKey",
     "PrecisionProfile",
     "Profile",
+    "Requests",
     "TimeCurve",
     "Transfer",
     "profile_from_json",
@@ -195,6 +196,49 @@ class TimeCurve:
         return max(ratio, 0.0) * self.fwd_bwd(b)
 
 
+Segment = tuple[int, int, bool, bool, tuple[tuple[int, bool], ...]]
+"""A caching allocator's segment: (address, stream, small pool, expandable, its blocks'
+(size, allocated) in address order)."""
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A tracked step's requests to the caching allocator, in order, each allocation's
+    bytes against the micro-batch size: the allocator's model replays them at any size
+    (:func:`autotune.device.reserved_beyond`) to give what it reserves beyond them."""
+
+    settings: str
+    """``PYTORCH_CUDA_ALLOC_CONF`` of the profiled run."""
+    start: tuple[Segment, ...]
+    """The allocator's segments as the step began (its cached segments given back)."""
+    sizes: tuple[Line, ...]
+    """Each allocation's requested bytes."""
+    streams: tuple[int, ...]
+    """Each allocation's stream."""
+    order: tuple[int, ...]
+    """``i``: allocation ``i`` is made; ``-1 - i``: it is freed."""
+    held: int = 0
+    """Live bytes of the run as the step began (the tracker's count)."""
+    foreign: int = 0
+    """Reserved bytes not the run's (the user's own model on the device)."""
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Requests:
+        start = tuple(
+            (a, stream, small, expandable, tuple((n, used) for n, used in blocks))
+            for a, stream, small, expandable, blocks in d["start"]
+        )
+        return Requests(
+            d["settings"],
+            start,
+            tuple(Line(**v) for v in d["sizes"]),
+            tuple(d["streams"]),
+            tuple(d["order"]),
+            d.get("held", 0),
+            d.get("foreign", 0),
+        )
+
+
 @dataclass(frozen=True)
 class PrecisionProfile:
     """What one precision costs."""
@@ -215,6 +259,9 @@ class PrecisionProfile:
     allocator takes each one rounded (empty: not profiled)."""
     selective: bool = False
     """Whether the selectively checkpointed variant was profiled."""
+    requests: tuple[Requests | None, ...] = ()
+    """A caching allocator's requests in a tracked step of each variant (as a phase's
+    lines; ``None`` or empty: not recorded, :attr:`reserve` stands)."""
 
 
 @dataclass(frozen=True)
@@ -313,6 +360,7 @@ def profile_from_json(text: str) -> Profile:
             lines(p["moved"]),
             tuple(lines(c) for c in p["copies"]),
             p.get("selective", False),
+            tuple(None if r is None else Requests.from_dict(r) for r in p.get("requests", ())),
         )
 
     return Profile(

@@ -19,6 +19,11 @@ rewritten after every point, so a run stopped at a time limit keeps what it meas
     python benchmarks/calibrate.py --out calibration.json                 # GPT-2 124M, 1024 tokens
     python benchmarks/calibrate.py --small --device cpu --out /tmp/c.json  # smoke run
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/calibrate.py ...
+    python benchmarks/calibrate.py --sizes 4 --traces DIR ...  # and each step's allocator trace
+
+With ``--traces`` the measured step of every point is recorded as an allocator trace
+(``autotune/device/_allocator_trace.py``), which the allocator's model replays in the
+tests (``tests/data/allocator-traces``).
 
 The allocator's setting is read when CUDA starts, so each setting is a process of its own
 (the JSON records it): the GPU kit runs both, to decide ``expandable_segments`` on evidence.
@@ -27,6 +32,7 @@ The allocator's setting is read when CUDA starts, so each setting is a process o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -41,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autotune
+from autotune.device._allocator_trace import recording
 from autotune.device._backend import backend_for
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors, tracker_for
@@ -63,9 +70,9 @@ def model_and_batch(small: bool, device: torch.device) -> tuple[torch.nn.Module,
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-_VARIANTS = ("kept", "ckpt", "compiled")
-"""Every block kept, every block checkpointed, every block compiled: the variants whose
-reserve the profile fits (each has lines of its own)."""
+_VARIANTS = ("kept", "ckpt", "compiled", "offload")
+"""Every block kept, checkpointed, compiled or with its activations offloaded to the host
+(copies on a side stream)."""
 
 
 def variant_config(model: torch.nn.Module, b: int, p: str, variant: str) -> autotune.TrainConfig:
@@ -75,6 +82,7 @@ def variant_config(model: torch.nn.Module, b: int, p: str, variant: str) -> auto
         "kept": {},
         "ckpt": {"checkpoint": blocks},
         "compiled": {"compile_blocks": blocks},
+        "offload": {"offload_activations": blocks},
     }[variant]
     return autotune.TrainConfig(micro_batch_size=b, precision=p, **knobs)
 
@@ -86,6 +94,7 @@ def point(
     b: int,
     p: str,
     variant: str = "kept",
+    traces: Path | None = None,
 ) -> dict[str, Any]:
     config = variant_config(model, b, p, variant)
     predicted, _ = autotune.estimate(model, sample, config, device=device)
@@ -111,7 +120,13 @@ def point(
         existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        with measure_peak(device, existing=existing, tracker=tracker) as reading:
+        trace = Path(traces or ".") / f"{variant}-{p}-b{b}.json.gz"
+        with (
+            recording(trace, device, config=config.describe())
+            if traces
+            else contextlib.nullcontext(),
+            measure_peak(device, existing=existing, tracker=tracker) as reading,
+        ):
             runner.step(batch)
         out["live"] = reading.live_peak_bytes
         out["peak"] = reading.peak_bytes  # autotune's definition (CUDA: reserved + context 0)
@@ -138,6 +153,9 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="*", default=["fp32", "bf16"])
     parser.add_argument("--variants", nargs="*", default=["kept"], choices=_VARIANTS)
     parser.add_argument("--out", type=Path, default=Path("calibration.json"))
+    parser.add_argument(
+        "--traces", type=Path, help="record each measured step's allocator trace in DIR"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     model, sample = model_and_batch(args.small, device)
@@ -153,7 +171,9 @@ def main() -> None:
         for p in args.precisions:
             for b in args.sizes:
                 try:
-                    result["points"].append(point(model, sample, device, b, p, variant))
+                    result["points"].append(
+                        point(model, sample, device, b, p, variant, args.traces)
+                    )
                 except torch.OutOfMemoryError as exc:
                     result["points"].append(
                         {"micro_batch_size": b, "precision": p, "variant": variant, "oom": str(exc)}

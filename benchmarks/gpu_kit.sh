@@ -14,7 +14,8 @@
 #
 # Single steps:
 #   bash benchmarks/gpu_kit.sh tests        # the CUDA tests and the stand-in's
-#   bash benchmarks/gpu_kit.sh calibrate    # live / allocated / reserved / NVML vs predicted
+#   bash benchmarks/gpu_kit.sh calibrate    # live / allocated / reserved / NVML vs predicted,
+#                                           # and each step's allocator trace
 #   bash benchmarks/gpu_kit.sh gpt2         # tuner benchmark, GPT-2 124M, 16 and 24 GiB,
 #                                           # against the eager grid and accelerate's finder
 #   bash benchmarks/gpu_kit.sh llama        # the same, ~1B LLaMA-style, 24 GiB
@@ -55,16 +56,20 @@ case "${1:-}" in
       step tests 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py \
         --junitxml="$out/cuda-tests.xml"
       step calibrate 300 python benchmarks/calibrate.py --small --device cpu --sizes 2 \
-        --precisions fp32 --variants kept ckpt --out "$out/calibration.json"
+        --precisions fp32 --variants kept ckpt --out "$out/calibration.json" \
+        --traces "$out/traces"
       step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu --out "$out/jobs.json"
     else
       step tests 60 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
         --junitxml="$out/cuda-tests.xml"
-      step calibrate 60 python benchmarks/calibrate.py --sizes 4 8 --precisions bf16 \
-        --variants kept ckpt compiled --out "$out/calibration.json"
+      # One size a variant, each measured step's allocator trace kept (test data for the
+      # allocator's model: copy them to tests/data/allocator-traces).
+      step calibrate 60 python benchmarks/calibrate.py --sizes 4 --precisions bf16 \
+        --variants kept ckpt compiled offload --out "$out/calibration.json" \
+        --traces "$out/traces"
       step calibrate-expandable 40 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python benchmarks/calibrate.py --sizes 4 8 --precisions bf16 --variants kept ckpt \
-        --out "$out/calibration-expandable.json"
+        python benchmarks/calibrate.py --sizes 4 --precisions bf16 --variants kept ckpt \
+        --out "$out/calibration-expandable.json" --traces "$out/traces-expandable"
       step jobs 330 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 24GiB --out "$out/jobs.json"
     fi
     python benchmarks/gpu_jobs.py --table "$out" ;;
@@ -74,7 +79,8 @@ case "${1:-}" in
   table)     python benchmarks/gpu_jobs.py --table "$out" ;;
   tests)     python -m pytest -q tests/test_cuda.py tests/test_caching_device.py \
                --junitxml="$out/cuda-tests.xml" ;;
-  calibrate) python benchmarks/calibrate.py --device cuda --out "$out/calibration.json" ;;
+  calibrate) python benchmarks/calibrate.py --device cuda --out "$out/calibration.json" \
+               --traces "$out/traces" ;;
   gpt2)      python benchmarks/run.py --device cuda --cases gpt2-124m --budgets 16GiB 24GiB \
                --rounds 3 --out "$out/tune-gpt2.json" ;;
   llama)     python benchmarks/run.py --device cuda --cases llama-1b --budgets 24GiB \

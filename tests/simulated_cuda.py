@@ -1,14 +1,11 @@
 """A CPU stand-in for the CUDA caching allocator's statistics, so that CI runs the CUDA
 logic of autotune (reserved peaks, the context, foreign bytes, the cap) on CPU tensors.
 
-It models what the real allocator's rules (PyTorch's CUDACachingAllocator) do to the
-numbers autotune reads: requests rounded up to 512 bytes; requests up to 1 MiB carved from
-2 MiB segments of a small pool; larger ones from segments rounded up to 2 MiB, cached when
-freed and reused by a later request they fit; ``empty_cache`` returns cached segments; a
-cap (or the device's memory) makes a request that would reserve past it free the cache,
-then raise ``torch.OutOfMemoryError``. It is a model of the statistics, not of the real allocator's
-block splitting; it runs the same autotune code the GPU runs, behind
-:class:`autotune.device._backend.Backend`.
+Every storage the CPU allocates while it is active goes through the allocator's model
+(:mod:`autotune.device._caching_allocator`: PyTorch's CUDACachingAllocator's rules of
+rounding, pools, splits, merges and release-and-retry), with the cap (or the device's
+memory) as its limit: a request it cannot serve raises ``torch.OutOfMemoryError``. It
+runs the same autotune code the GPU runs, behind :class:`autotune.device._backend.Backend`.
 """
 
 from __future__ import annotations
@@ -22,17 +19,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autotune.device._backend import Backend
+from autotune.device._allocator_trace import RequestLog
+from autotune.device._backend import Backend, RequestBox
+from autotune.device._caching_allocator import CachingAllocator, OutOfMemory
 from autotune.device._host import in_host_memory, is_host_storage
-
-_ROUND = 512
-_SMALL = 1 << 20
-_SMALL_SEGMENT = 2 << 20
-_LARGE_ROUND = 2 << 20
-
-
-def _round(n: int, to: int) -> int:
-    return -(-max(n, 1) // to) * to
 
 
 class SimulatedAllocator(TorchDispatchMode):
@@ -50,9 +40,11 @@ class SimulatedAllocator(TorchDispatchMode):
         self.context = 0
         """Device memory outside the allocator, as a test sets it (kernels load lazily)."""
         """The most ever reserved (``peak`` is reset by measurements, this never is)."""
-        self.small_free = 0
-        self.small_segments = 0
-        self.large_free: list[int] = []
+        self.model = CachingAllocator()
+        """The allocator's rules, fed the CPU's real requests and frees."""
+        self.log: RequestLog | None = None
+        """The requests being recorded (see :meth:`SimulatedCuda.requests`)."""
+        self._made: dict[int, int] = {}  # address -> allocation, while recorded
         self._seen: set[int] = set()
         self.compute = SimulatedStream()
         """The stream compute runs on; side streams made by the offloaders are in ``streams``."""
@@ -71,59 +63,45 @@ class SimulatedAllocator(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key not in inputs and key not in self._seen and not is_host_storage(storage):
+                if (
+                    key not in inputs
+                    and key not in self._seen
+                    and storage.nbytes()  # no bytes: never reaches the allocator
+                    and not is_host_storage(storage)
+                ):
                     self._allocate(storage)
         return out
 
     def _allocate(self, storage: torch.UntypedStorage) -> None:
-        size = _round(storage.nbytes(), _ROUND)
-        if size <= _SMALL:
-            if self.small_free < size:
-                self._reserve(_SMALL_SEGMENT)
-                self.small_free += _SMALL_SEGMENT
-                self.small_segments += 1
-            self.small_free -= size
-            segment = 0
-        else:
-            fits = [s for s in self.large_free if s >= size]
-            if fits:
-                segment = min(fits)
-                self.large_free.remove(segment)
-            else:
-                segment = _round(size, _LARGE_ROUND)
-                self._reserve(segment)
-        self.allocated += size
-        self._seen.add(id(storage))
-        weakref.finalize(storage, self._free, id(storage), size, segment)
-
-    def _reserve(self, nbytes: int) -> None:
         limit = self.total - self.context if self.cap is None else min(self.cap, self.total)
-        if self.reserved + nbytes > limit:
-            self.empty_cache()
-            if self.reserved + nbytes > limit:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {nbytes} bytes (simulated: "
-                    f"{self.reserved} reserved, limit {limit})"
-                )
-        self.reserved += nbytes
+        self.model.limit = limit
+        try:
+            block = self.model.malloc(storage.nbytes())
+        except OutOfMemory as exc:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated): {exc}") from None
+        self._seen.add(id(storage))
+        weakref.finalize(storage, self._free, id(storage), block.address)
+        self._update()
+        if self.log is not None:
+            self._made[block.address] = len(self.log.allocations)
+            self.log.order.append(len(self.log.allocations))
+            self.log.allocations.append((storage.nbytes(), 0))
+
+    def _free(self, key: int, address: int) -> None:
+        self._seen.discard(key)
+        self.model.free(address)
+        self._update()
+        if self.log is not None and address in self._made:
+            self.log.order.append(-1 - self._made.pop(address))
+
+    def _update(self) -> None:
+        self.reserved, self.allocated = self.model.reserved, self.model.allocated_bytes
         self.peak = max(self.peak, self.reserved)
         self.high_water = max(self.high_water, self.reserved)
 
-    def _free(self, key: int, size: int, segment: int) -> None:
-        self._seen.discard(key)
-        self.allocated -= size
-        if segment:
-            self.large_free.append(segment)
-        else:
-            self.small_free += size
-
     def empty_cache(self) -> None:
-        self.reserved -= sum(self.large_free)
-        self.large_free = []
-        whole = min(self.small_free // _SMALL_SEGMENT, self.small_segments)
-        self.reserved -= whole * _SMALL_SEGMENT
-        self.small_free -= whole * _SMALL_SEGMENT
-        self.small_segments -= whole
+        self.model.empty_cache()
+        self._update()
 
 
 class SimulatedEvent:
@@ -206,6 +184,15 @@ class SimulatedCuda(Backend):
 
     def empty_cache(self) -> None:
         self.allocator.empty_cache()
+
+    @contextlib.contextmanager
+    def requests(self) -> Iterator[RequestBox]:
+        box, allocator = RequestBox(), self.allocator
+        allocator.log, allocator._made = RequestLog(start=allocator.model.snapshot()), {}
+        try:
+            yield box
+        finally:
+            box.log, allocator.log = allocator.log, None
 
     def empty_host_cache(self) -> None:
         self.allocator.host_cache_releases += 1

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from autotune._profile_data import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
 from autotune.config import TrainConfig
 from autotune.cost._knobs import Knobs, Mask
-from autotune.device import pinned_bytes
+from autotune.device import pinned_bytes, reserved_beyond
 from autotune.result import Breakdown, Costs
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
@@ -60,6 +60,7 @@ class MemoryModel(ProfileView):
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
+        self._replayed: dict[tuple[str, int, int], int] = {}
         self._micro = {
             name: (
                 tuple(ph for ph in prec.phases if ph.key.micro == 1),
@@ -197,16 +198,33 @@ class MemoryModel(ProfileView):
         self, live_bytes: int, precision: str, b: int, shares: tuple[float, ...]
     ) -> int:
         """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
-        beyond them at micro-batch ``b`` (each variant's fit, weighted by the ``shares`` of
+        beyond them at micro-batch ``b`` (each variant's, weighted by the ``shares`` of
         :meth:`variant_shares` as between blocks), and the context."""
-        reserve = self.profile.precisions[precision].reserve
-        beyond = 0.0
-        if reserve:
-            beyond = reserve[0](b)
-            for share, v in zip(shares, WRAPPED, strict=True):
-                if share and v < len(reserve):
-                    beyond += share * (reserve[v](b) - reserve[0](b))
+        prec = self.profile.precisions[precision]
+        if not prec.reserve and not prec.requests:
+            return live_bytes + self.profile.context_bytes
+        beyond = self._beyond(precision, KEEP, b)
+        for share, v in zip(shares, WRAPPED, strict=True):
+            if share:
+                beyond += share * (self._beyond(precision, v, b) - self._beyond(precision, KEEP, b))
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
+
+    def _beyond(self, precision: str, v: int, b: int) -> float:
+        """What the allocator reserves beyond the live bytes in a step of variant ``v`` at
+        micro-batch ``b``: its model fed the step's requests where they were recorded (the
+        allocator's rules at this very size), else the line fitted over the profiled sizes
+        (a variant not profiled: the kept run's)."""
+        prec = self.profile.precisions[precision]
+        requests = prec.requests[v] if v < len(prec.requests) else None
+        if requests is None and prec.requests:
+            requests = prec.requests[KEEP]
+        if requests is not None:
+            key = (precision, v, b)
+            if key not in self._replayed:
+                self._replayed[key] = reserved_beyond(requests, b)
+            return self._replayed[key]
+        reserve = prec.reserve
+        return reserve[v](b) if v < len(reserve) else reserve[KEEP](b)
 
     def host_bytes(self, config: TrainConfig) -> int:
         """Host bytes offload holds at most: optimizer side and one micro-batch's

@@ -7,6 +7,9 @@
   in bytes.
 * ``_host``: host memory that offload keeps on purpose, which device trackers leave out.
 * ``_load``: what other work took of the machine's CPUs while a run measured.
+* ``_caching_allocator``: the CUDA caching allocator's rules, modelled: what it reserves
+  for a sequence of requests; ``_allocator_trace``: its recorded traces and requests,
+  replayed through the model.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).
@@ -14,7 +17,8 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.device._backend import Backend, backend_for, pinned_bytes
+from autotune.device._allocator_trace import RequestLog, reserved_beyond
+from autotune.device._backend import Backend, RequestBox, backend_for, pinned_bytes
 from autotune.device._catalog import (
     CONTEXT_BYTES,
     DEVICES,
@@ -46,6 +50,8 @@ __all__ = [
     "Backend",
     "CpuClock",
     "DeviceSpec",
+    "RequestBox",
+    "RequestLog",
     "Target",
     "backend_for",
     "budget_bytes",
@@ -60,5 +66,6 @@ __all__ = [
     "is_host_storage",
     "mark_host",
     "pinned_bytes",
+    "reserved_beyond",
     "resolve_device",
 ]

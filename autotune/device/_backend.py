@@ -19,8 +19,16 @@ from typing import Any
 import torch
 
 from autotune._format import GIB
+from autotune.device._allocator_trace import RequestLog, recorded, request_log
 
-__all__ = ["Backend", "CudaBackend", "backend_for", "context_bytes", "pinned_bytes"]
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "RequestBox",
+    "backend_for",
+    "context_bytes",
+    "pinned_bytes",
+]
 
 
 class Backend:
@@ -145,6 +153,18 @@ class Backend:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """Keep ``tensor``'s memory from reuse until ``stream``'s queued work is done."""
 
+    @contextlib.contextmanager
+    def requests(self) -> Iterator[RequestBox]:
+        """The caching allocator's requests in the block (its ``log``, once the block is
+        over; ``None`` without a caching allocator, or where it cannot be recorded)."""
+        yield RequestBox()
+
+
+class RequestBox:
+    """Filled in when :meth:`Backend.requests` is over."""
+
+    log: RequestLog | None = None
+
 
 class CudaBackend(Backend):
     """The CUDA caching allocator and streams, through ``torch.cuda``."""
@@ -204,6 +224,14 @@ class CudaBackend(Backend):
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def requests(self) -> Iterator[RequestBox]:
+        box = RequestBox()
+        with recorded(self.device) as out:
+            yield box
+        if out.trace is not None:
+            box.log = request_log(out.trace)
 
     def reserved(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from autotune._profile_data import (
     OptimizerProfile,
     Phase,
     PrecisionProfile,
+    Requests,
 )
 from autotune._spelling import option
 from autotune.config import (
@@ -39,7 +41,7 @@ from autotune.config import (
     timeline_level,
     timeline_parts,
 )
-from autotune.device import backend_for
+from autotune.device import RequestLog, backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
 from autotune.measure._roofline import simulated_now
@@ -238,6 +240,7 @@ class Profiler:
         # What the allocator reserves beyond the live bytes: rounding and segments (a
         # constant) and fragmentation that grows with the activations (the slope).
         reserve = tuple(Line.rising(beyond.get(v, beyond[KEEP])) for v in indices if beyond)
+        requests = _requests(tracked.requests, b1, b2, indices, self.foreign_bytes)
         return PrecisionProfile(
             precision,
             base - state,
@@ -246,6 +249,7 @@ class Profiler:
             moved=lines,
             copies=sizes,
             selective=SELECTIVE in variants,
+            requests=requests,
         )
 
     def _tracked(
@@ -276,9 +280,12 @@ class Profiler:
             for b in at:
                 if self.backend.caching:  # start from no cached blocks, as verify does
                     self.backend.empty_cache()
-                out.runs[b, variant] = records = tracked_step(
-                    runner, resize(self.sample, b), modules
-                )
+                with self.backend.requests() as requested:
+                    out.runs[b, variant] = records = tracked_step(
+                        runner, resize(self.sample, b), modules
+                    )
+                if requested.log is not None:
+                    out.requests[b, variant] = (requested.log, records[0].entry)
                 if variant == OFFLOAD:
                     out.moved[b] = [runner.offloader.moved_bytes.get(n, 0) for n in self.blocks]
                     out.copies[b] = [runner.offloader.copies.get(n, []) for n in self.blocks]
@@ -440,6 +447,42 @@ def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
     return dataclasses.replace(phase, delta=own(phase.delta), peak=own(phase.peak))
 
 
+def _requests(
+    logs: dict[tuple[int, int], tuple[RequestLog, int]],
+    b1: int,
+    b2: int,
+    variants: Sequence[int],
+    foreign: int,
+) -> tuple[Requests | None, ...]:
+    """Each variant's requests against the micro-batch size (empty: none recorded)."""
+    out = tuple(_variant_requests(logs, b1, b2, v, foreign) for v in variants)
+    return out if any(out) else ()
+
+
+def _variant_requests(
+    logs: dict[tuple[int, int], tuple[RequestLog, int]], b1: int, b2: int, v: int, foreign: int
+) -> Requests | None:
+    """A variant's requests against the micro-batch size, from its steps at ``b1`` and
+    ``b2`` (``None`` where not recorded, or where the two steps asked differently)."""
+    if (b1, v) not in logs or (b2, v) not in logs:
+        return None
+    (one, _), (two, held) = logs[b1, v], logs[b2, v]
+    if one.order != two.order or [s for _, s in one.allocations] != [s for _, s in two.allocations]:
+        return None
+    return Requests(
+        settings=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        start=tuple(two.start),
+        sizes=tuple(
+            Line.through(b1, n1, b2, n2)
+            for (n1, _), (n2, _) in zip(one.allocations, two.allocations, strict=True)
+        ),
+        streams=tuple(s for _, s in two.allocations),
+        order=tuple(two.order),
+        held=held,
+        foreign=foreign,
+    )
+
+
 @dataclasses.dataclass
 class _Tracked:
     """One precision's tracked steps: the phase records of each (size, variant); per
@@ -450,3 +493,8 @@ class _Tracked:
     moved: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     copies: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)
     beyond: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    requests: dict[tuple[int, int], tuple[RequestLog, int]] = dataclasses.field(
+        default_factory=dict
+    )
+    """The allocator's requests in each (size, variant)'s step, and the live bytes it
+    began with (a caching device where they can be recorded)."""

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from autotune._profile_data import Line, profile_from_json, profile_to_json
+from autotune._profile_data import Line, Requests, profile_from_json, profile_to_json
 
 
 def test_a_rising_line_fits_the_points_least_squares() -> None:
@@ -24,8 +24,13 @@ def test_a_falling_fit_becomes_the_largest_value_so_larger_sizes_stay_covered() 
 
 
 def test_the_profile_survives_json_with_its_reserve_lines(gpt_profile) -> None:
+    # An allocator's requests: a segment with a block in use and a free one, two requests.
+    start = ((1 << 32, 0, True, False, ((512, True), (2**21 - 512, False))),)
+    requests = Requests("expandable_segments:True", start, (Line(8.0, 4.0),), (0,), (0, -1), 9, 2)
     fp32 = dataclasses.replace(
-        gpt_profile.precisions["fp32"], reserve=(Line(1.0, 2.0), Line(3.0, 0.0))
+        gpt_profile.precisions["fp32"],
+        reserve=(Line(1.0, 2.0), Line(3.0, 0.0)),
+        requests=(requests, None),
     )
     profile = dataclasses.replace(gpt_profile, precisions={"fp32": fp32}, untrainable=(1, 3))
     assert profile_from_json(profile_to_json(profile)) == profile

@@ -1,0 +1,275 @@
+"""Traces of the CUDA caching allocator: what it did in a stretch of a run, kept small.
+
+A trace holds the allocator's segments (and their blocks) when the stretch began, every
+action it took in between (``alloc``, ``free_completed``, ``segment_alloc``,
+``segment_free``, ``segment_map``, ``segment_unmap``, ...: torch's memory-history
+records, without their stack frames), its segments when the stretch ended and its
+``PYTORCH_CUDA_ALLOC_CONF``. :func:`recording` writes one on a GPU (gzipped JSON);
+:func:`read_trace` reads one back, for the allocator's model to replay on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune._profile_data import Requests, Segment
+from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator
+
+__all__ = [
+    "Divergence",
+    "Recorded",
+    "RequestLog",
+    "Trace",
+    "read_trace",
+    "recorded",
+    "recording",
+    "replay",
+    "request_log",
+    "reserved_beyond",
+    "restore",
+    "segment_of",
+    "snapshot_segments",
+]
+
+_SEGMENT_KEYS = ("address", "total_size", "stream", "segment_type", "is_expandable")
+_BLOCK_KEYS = ("address", "size", "requested_size", "state")
+_ACTION_KEYS = ("action", "addr", "size", "stream")
+
+
+class Divergence(Exception):
+    """The model did not do what the recorded allocator did."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A stretch of a run as the caching allocator saw it."""
+
+    settings: str
+    """``PYTORCH_CUDA_ALLOC_CONF`` of the run."""
+    start: list[dict[str, Any]]
+    """Segments when the stretch began, each with its blocks."""
+    actions: list[dict[str, Any]]
+    """The allocator's actions, in order."""
+    end: list[dict[str, Any]]
+    """Segments when it ended."""
+    max_reserved: int
+    """``torch.cuda.max_memory_reserved`` over the stretch."""
+    about: dict[str, Any]
+    """What ran (the config, the job)."""
+
+
+@dataclass
+class Recorded:
+    """What :func:`recorded` saw, once its block is over (``None`` off CUDA)."""
+
+    trace: Trace | None = None
+
+
+@contextlib.contextmanager
+def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
+    """Record the caching allocator's actions in the block as a :class:`Trace` (its peak
+    counted from the block's start); nothing off CUDA."""
+    out = Recorded()
+    if device.type != "cuda":
+        yield out
+        return
+    memory = torch.cuda.memory
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    start = _segments(memory._snapshot(device), index)
+    memory._record_memory_history("all", context=None, device=device, clear_history=True)
+    try:
+        yield out
+        torch.cuda.synchronize(device)
+        snapshot = memory._snapshot(device)
+    finally:
+        memory._record_memory_history(None, device=device)
+    out.trace = Trace(
+        settings=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        start=start,
+        actions=[_kept(a, _ACTION_KEYS) for a in snapshot["device_traces"][index]],
+        end=_segments(snapshot, index),
+        max_reserved=int(torch.cuda.max_memory_reserved(device)),
+        about=about,
+    )
+
+
+@contextlib.contextmanager
+def recording(path: Path, device: torch.device, **about: Any) -> Iterator[None]:
+    """:func:`recorded`, written to ``path`` (gzipped JSON) once the block is over."""
+    with recorded(device, **about) as out:
+        yield
+    if out.trace is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(path, "wt") as f:
+            json.dump(vars(out.trace), f, separators=(",", ":"))
+
+
+def read_trace(path: Path) -> Trace:
+    """The :class:`Trace` :func:`recording` wrote to ``path``."""
+    with gzip.open(path, "rt") as f:
+        return Trace(**json.load(f))
+
+
+def _segments(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
+    return [
+        {**_kept(s, _SEGMENT_KEYS), "blocks": [_kept(b, _BLOCK_KEYS) for b in s["blocks"]]}
+        for s in snapshot["segments"]
+        if s.get("device", device) == device
+    ]
+
+
+def _kept(record: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: record[k] for k in keys if k in record}
+
+
+_SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
+
+
+def replay(trace: Trace) -> CachingAllocator:
+    """The allocator's model, started from the trace's first segments and fed its requests
+    and frees: each request must land where the recorded allocator put it, and each
+    segment the model takes or gives back must be the recorded one (new segments take
+    the recorded addresses, the driver's choice). The model is returned as it ends, to
+    compare with :attr:`Trace.end` and :attr:`Trace.max_reserved`.
+
+    Raises:
+        Divergence: at the first action where the model and the trace part.
+    """
+    recorded = [a for a in trace.actions if a["action"] in _SEGMENT_ACTIONS]
+
+    def address(size: int) -> int:  # the next segment action the model is about to take
+        taken = len(model.events)
+        if taken >= len(recorded):
+            raise Divergence(f"the model takes a segment of {size} bytes the trace never took")
+        return int(recorded[taken]["addr"])
+
+    model = CachingAllocator(AllocatorSettings.parse(trace.settings), segment_address=address)
+    restore(model, [segment_of(s) for s in trace.start])
+    checked = 0
+    for i, action in enumerate(trace.actions):
+        kind = action["action"]
+        if kind == "alloc":
+            block = model.malloc(action["size"], action["stream"])
+            if block.address != action["addr"]:
+                raise Divergence(
+                    f"action {i}: {action['size']} bytes placed at {block.address}, "
+                    f"recorded at {action['addr']}"
+                )
+        elif kind == "free_completed":
+            model.free(action["addr"])
+        elif kind == "oom":
+            raise Divergence(f"action {i}: the recorded run ran out of memory")
+        checked = _check_segments(model, recorded, checked, i)
+    if checked < len(recorded):
+        raise Divergence(f"the trace did {recorded[checked]['action']} the model never did")
+    return model
+
+
+def _check_segments(
+    model: CachingAllocator, recorded: list[dict[str, Any]], checked: int, i: int
+) -> int:
+    """Check the model's segment actions from ``checked`` on against the recorded ones;
+    how many are checked now."""
+    for taken, (action, address, size) in enumerate(model.events[checked:], checked):
+        if taken >= len(recorded):
+            raise Divergence(f"action {i}: the model did {action} the trace never did")
+        r = recorded[taken]
+        if (r["action"], r["addr"], r["size"]) != (action, address, size):
+            raise Divergence(
+                f"action {i}: the model did {action} of {size} bytes at {address}, the "
+                f"allocator {r['action']} of {r['size']} bytes at {r['addr']}"
+            )
+    return len(model.events)
+
+
+def snapshot_segments(
+    trace_segments: list[dict[str, Any]],
+) -> list[tuple[int, list[tuple[int, bool]]]]:
+    """A trace's segments as :meth:`CachingAllocator.segment_list` gives the model's."""
+    return sorted(
+        (s["address"], [(b["size"], b["state"] != "inactive") for b in s["blocks"]])
+        for s in trace_segments
+    )
+
+
+@dataclass
+class RequestLog:
+    """A stretch's requests to the caching allocator: the segments it began with, each
+    allocation's (bytes, stream), and the order of allocations and frees (``i``: made,
+    ``-1 - i``: freed)."""
+
+    start: list[Segment] = field(default_factory=list)
+    allocations: list[tuple[int, int]] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+
+
+def request_log(trace: Trace) -> RequestLog:
+    """The requests of a recorded trace (its allocations and completed frees)."""
+    log = RequestLog(start=[segment_of(s) for s in trace.start])
+    live: dict[int, int] = {}  # address -> allocation
+    for action in trace.actions:
+        if action["action"] == "alloc":
+            live[action["addr"]] = len(log.allocations)
+            log.order.append(len(log.allocations))
+            log.allocations.append((action["size"], action["stream"]))
+        elif action["action"] == "free_completed" and action["addr"] in live:
+            log.order.append(-1 - live.pop(action["addr"]))
+    return log
+
+
+def segment_of(segment: dict[str, Any]) -> Segment:
+    """A snapshot's segment as a profile keeps it."""
+    blocks = tuple((b["size"], b["state"] != "inactive") for b in segment["blocks"])
+    small = segment["segment_type"] == "small"
+    return (
+        segment["address"],
+        segment["stream"],
+        small,
+        bool(segment.get("is_expandable")),
+        blocks,
+    )
+
+
+def reserved_beyond(requests: Requests, b: int) -> int:
+    """What the caching allocator reserves for the run beyond its live bytes, at the most
+    of each, in a step of ``requests`` at micro-batch ``b``: the allocator's model fed
+    the step's requests at that size from the segments the step began with."""
+    model = CachingAllocator(AllocatorSettings.parse(requests.settings))
+    restore(model, requests.start)
+    live = peak = 0
+    made: dict[int, tuple[int, int]] = {}  # allocation -> (address, bytes)
+    for i in requests.order:
+        if i >= 0:
+            n = max(math.ceil(requests.sizes[i](b)), 1)
+            made[i] = (model.malloc(n, requests.streams[i]).address, n)
+            live += n
+            peak = max(peak, live)
+        elif -1 - i in made:
+            address, n = made.pop(-1 - i)
+            model.free(address)
+            live -= n
+    return model.max_reserved - requests.foreign - (requests.held + peak)
+
+
+def restore(model: CachingAllocator, segments: Iterable[Segment]) -> None:
+    """Put ``segments`` in the model as the allocator held them."""
+    expandable: dict[tuple[bool, int], list[tuple[int, list[tuple[int, bool]]]]] = {}
+    for address, stream, small, grows, blocks in segments:
+        if grows:
+            expandable.setdefault((small, stream), []).append((address, list(blocks)))
+        else:
+            model.restore(address, list(blocks), small=small, stream=stream)
+    for (small, stream), stretches in expandable.items():
+        model.restore_expandable(stretches, small=small, stream=stream)
