@@ -21,14 +21,14 @@ from torch.utils._pytree import tree_flatten
 
 from autotune.device._allocator_trace import RequestLog
 from autotune.device._backend import Backend, RequestBox
-from autotune.device._caching_allocator import CachingAllocator, OutOfMemory
+from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator, OutOfMemory
 from autotune.device._host import in_host_memory, is_host_storage
 
 
 class SimulatedAllocator(TorchDispatchMode):
     """Sees every CPU storage allocated while it is active and keeps CUDA-like statistics."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, settings: str = "") -> None:
         super().__init__()
         self.total = total
         self.cap: int | None = None
@@ -40,7 +40,7 @@ class SimulatedAllocator(TorchDispatchMode):
         self.context = 0
         """Device memory outside the allocator, as a test sets it (kernels load lazily)."""
         """The most ever reserved (``peak`` is reset by measurements, this never is)."""
-        self.model = CachingAllocator()
+        self.model = CachingAllocator(AllocatorSettings.parse(settings))
         """The allocator's rules, fed the CPU's real requests and frees."""
         self.log: RequestLog | None = None
         """The requests being recorded (see :meth:`SimulatedCuda.requests`)."""

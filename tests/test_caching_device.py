@@ -271,6 +271,41 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
     assert fit_error < live_error / 2  # the fit, not the live bytes, makes the prediction
 
 
+def test_the_other_expandable_segments_setting_is_predicted_as_it_runs(
+    simulated_cuda, monkeypatch
+) -> None:
+    """Tuned with the allocator as it is, the model predicts the winner's peak with
+    ``expandable_segments`` too; a stand-in whose allocator has it on runs that config."""
+    import functools
+
+    from simulated_cuda import SimulatedAllocator, SimulatedCuda
+
+    from autotune.config import TrainConfig
+    from autotune.cost._memory_model import MemoryModel
+    from autotune.device import _backend
+    from autotune.verify._verifier import Verifier
+
+    model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)
+    sample = gpt_batch(model.config, 4)
+    blocks = tuple(f"blocks.{i}" for i in range(4))
+    profiler = Profiler(copy.deepcopy(model), sample, blocks, device=CPU, loss_fn=None)
+    profile, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
+    del profiler
+    config = TrainConfig(micro_batch_size=8)
+    other, _, predicted = MemoryModel(profile).other_allocator_mode(config)
+    assert other == "expandable_segments:True"
+    expandable = SimulatedAllocator(total=8 * 2**30, settings=other)
+    monkeypatch.setitem(
+        _backend._BACKENDS, "cpu", functools.partial(SimulatedCuda, allocator=expandable)
+    )
+    with expandable:
+        work = copy.deepcopy(model)  # the copy on the expandable allocator
+        verifier = Verifier(work, sample, device=CPU, budget_bytes=2**30, loss_fn=None)
+        measured, error = verifier.run(config)
+    assert error is None and measured is not None
+    assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+
+
 def test_a_gpu_is_discovered_through_its_backend(simulated_cuda, monkeypatch) -> None:
     from autotune.device import _backend
     from autotune.device._target import discover

@@ -13,10 +13,18 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from autotune._profile_data import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, Line, Phase, Profile
+from autotune._profile_data import (
+    CHECKPOINT,
+    KEEP,
+    OFFLOAD,
+    SELECTIVE,
+    Line,
+    Phase,
+    Profile,
+)
 from autotune.config import TrainConfig
 from autotune.cost._knobs import Knobs, Mask
-from autotune.device import pinned_bytes, reserved_beyond
+from autotune.device import AllocatorSettings, pinned_bytes, reserved_beyond
 from autotune.result import Breakdown, Costs
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
@@ -208,6 +216,34 @@ class MemoryModel(ProfileView):
             if share:
                 beyond += share * (self._beyond(precision, v, b) - self._beyond(precision, KEEP, b))
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
+
+    def other_allocator_mode(self, config: TrainConfig) -> tuple[str, int, int] | None:
+        """The other ``expandable_segments`` setting than the profile ran with, and the
+        peak device bytes of ``config`` the allocator's model predicts with the profiled
+        setting and with that one (``None``: no requests were recorded)."""
+        knobs = self.knobs(config)
+        prec = self.profile.precisions[knobs.precision]
+        requests = [r for r in prec.requests if r is not None]
+        if not requests:
+            return None
+        settings = AllocatorSettings.parse(requests[0].settings)
+        other = "expandable_segments:" + ("False" if settings.expandable_segments else "True")
+        now = self.peaks_of(knobs)[0]
+        flipped = MemoryModel(self._with_settings(knobs.precision, other))
+        return other, now, flipped.peaks_of(knobs)[0]
+
+    def _with_settings(self, precision: str, settings: str) -> Profile:
+        """The profile with ``precision``'s requests replayed under ``settings`` (the
+        allocator's other keys kept)."""
+        prec = self.profile.precisions[precision]
+        requests = tuple(
+            None if r is None else dataclasses.replace(r, settings=f"{r.settings},{settings}")
+            for r in prec.requests
+        )
+        changed = dataclasses.replace(prec, requests=requests)
+        return dataclasses.replace(
+            self.profile, precisions={**self.profile.precisions, precision: changed}
+        )
 
     def _beyond(self, precision: str, v: int, b: int) -> float:
         """What the allocator reserves beyond the live bytes in a step of variant ``v`` at

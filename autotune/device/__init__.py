@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from autotune.device._allocator_trace import RequestLog, reserved_beyond
 from autotune.device._backend import Backend, RequestBox, backend_for, pinned_bytes
+from autotune.device._caching_allocator import AllocatorSettings
 from autotune.device._catalog import (
     CONTEXT_BYTES,
     DEVICES,
@@ -47,6 +48,7 @@ __all__ = [
     "MATMUL_EFFICIENCY",
     "MEMORY_EFFICIENCY",
     "RESERVE_SHARE",
+    "AllocatorSettings",
     "Backend",
     "CpuClock",
     "DeviceSpec",

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune._format import format_bytes
 from autotune._plain_data import from_plain, to_plain
 from autotune._profile_data import Profile, profile_from_json, profile_to_json
 from autotune._version import __version__
 from autotune.config import TrainConfig
-from autotune.cost import Planner, planner_of
+from autotune.cost import CostModel, Planner, planner_of
 from autotune.device import CpuClock, backend_for, busy, busy_note
 from autotune.jobs import (
     Codec,
@@ -286,6 +287,7 @@ def _result(
     chosen = verified.chosen
     assert chosen.measured is not None
     prediction = planner.cost.predict(chosen.config)
+    _allocator_note(planner.cost, chosen.config)
     tied, noise = tied_with(chosen, _predictable(verified.records, [planner]), verified.noise)
     return TuneResult(
         config=chosen.config,
@@ -301,6 +303,23 @@ def _result(
         noise=noise,
         expert=verified.expert,
     )
+
+
+def _allocator_note(cost: CostModel, config: TrainConfig) -> None:
+    """Say so where the caching allocator's other ``expandable_segments`` setting would
+    hold the winner in 1% less, as the allocator's model predicts it."""
+    modes = cost.other_allocator_mode(config) if config.parallel == "none" else None
+    if modes is None:
+        return
+    other, now, then = modes
+    if then < 0.99 * now:
+        log.info(
+            "the allocator's model predicts this config's peak at %s with "
+            "PYTORCH_CUDA_ALLOC_CONF=%s (set before CUDA starts), against %s as tuned",
+            format_bytes(then),
+            other,
+            format_bytes(now),
+        )
 
 
 def _predictable(records: list[TrialRecord], found: Sequence[Planner]) -> list[TrialRecord]:
