@@ -221,6 +221,9 @@ class Requests:
     """Live bytes of the run as the step began (the tracker's count)."""
     foreign: int = 0
     """Reserved bytes not the run's (the user's own model on the device)."""
+    cuts: tuple[int, ...] = ()
+    """Where the first micro-batch, the second and the optimizer step begin in
+    :attr:`order` (empty: not cut)."""
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Requests:
@@ -236,6 +239,7 @@ class Requests:
             tuple(d["order"]),
             d.get("held", 0),
             d.get("foreign", 0),
+            tuple(d.get("cuts", ())),
         )
 
 

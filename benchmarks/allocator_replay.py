@@ -4,7 +4,8 @@ through the allocator's model, so the reserve follows the allocator's rules on r
 request sequences).
 
 A GPT is profiled at micro-batch 2 and 4 (every block kept, and checkpointed) and
-verified at 8 and 32. Predicted: the live peak plus what the allocator reserves beyond
+verified at 8 and 32 (and at 8 with 4 micro-batches a step, and with 2 of the 4
+blocks checkpointed). Predicted: the live peak plus what the allocator reserves beyond
 it, (a) by the line fitted over the profiled sizes, (b) by the allocator's model fed the
 profiled step's requests at the config's size. Deterministic, no timing.
 
@@ -63,20 +64,27 @@ def main() -> None:
         verifier = Verifier(
             work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
         )
-        for checkpoint in ((), blocks):
-            for b in (8, 32):
-                config = TrainConfig(micro_batch_size=b, checkpoint=checkpoint)
-                measured, error = verifier.run(config)
-                assert error is None and measured is not None, error
-                row = {"config": config.describe(), "measured": measured.peak_bytes}
-                for name, memory in (("fitted", fitted), ("replayed", replayed)):
-                    predicted = memory.memory(config)[0]
-                    row[name] = predicted
-                    row[f"{name}_error_percent"] = round(
-                        100 * (predicted - measured.peak_bytes) / measured.peak_bytes, 2
-                    )
-                rows.append(row)
-                print(row, flush=True)
+        configs = [
+            TrainConfig(micro_batch_size=b, checkpoint=checkpoint)
+            for checkpoint in ((), blocks)
+            for b in (8, 32)
+        ]
+        configs += [  # several micro-batches a step; two blocks of four checkpointed
+            TrainConfig(micro_batch_size=8, grad_accum_steps=4),
+            TrainConfig(micro_batch_size=8, checkpoint=blocks[:2]),
+        ]
+        for config in configs:
+            measured, error = verifier.run(config)
+            assert error is None and measured is not None, error
+            row = {"config": config.describe(), "measured": measured.peak_bytes}
+            for name, memory in (("fitted", fitted), ("replayed", replayed)):
+                predicted = memory.memory(config)[0]
+                row[name] = predicted
+                row[f"{name}_error_percent"] = round(
+                    100 * (predicted - measured.peak_bytes) / measured.peak_bytes, 2
+                )
+            rows.append(row)
+            print(row, flush=True)
     write_results(args.out, rows)
 
 

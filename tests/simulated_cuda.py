@@ -187,12 +187,15 @@ class SimulatedCuda(Backend):
 
     @contextlib.contextmanager
     def requests(self) -> Iterator[RequestBox]:
-        box, allocator = RequestBox(), self.allocator
-        allocator.log, allocator._made = RequestLog(start=allocator.model.snapshot()), {}
+        allocator = self.allocator
+        log = RequestLog(start=allocator.model.snapshot())
+        allocator.log, allocator._made = log, {}
+        box = RequestBox(lambda: len(log.order))
         try:
             yield box
         finally:
-            box.log, allocator.log = allocator.log, None
+            allocator.log = None
+            log.cuts, box.log = box.cuts, log
 
     def empty_host_cache(self) -> None:
         self.allocator.host_cache_releases += 1

@@ -24,7 +24,7 @@ from autotune._profile_data import (
 )
 from autotune.config import TrainConfig
 from autotune.cost._knobs import Knobs, Mask
-from autotune.device import AllocatorSettings, pinned_bytes, reserved_beyond
+from autotune.device import AllocatorSettings, pinned_bytes, relaid, reserved_beyond
 from autotune.result import Breakdown, Costs
 
 __all__ = ["CHECKPOINT", "KEEP", "OFFLOAD", "SELECTIVE", "Mask", "MemoryModel", "ProfileView"]
@@ -68,7 +68,7 @@ class MemoryModel(ProfileView):
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
-        self._replayed: dict[tuple[str, int, int], int] = {}
+        self._replayed: dict[tuple[str, int, int, int], int] = {}
         self._micro = {
             name: (
                 tuple(ph for ph in prec.phases if ph.key.micro == 1),
@@ -159,7 +159,8 @@ class MemoryModel(ProfileView):
         if start + batch > peak:
             peak, grads = start + batch, 0
         live_peak = math.ceil(max(peak, start))
-        return self.device_bytes(live_peak, precision, micro_batch, shares), live_peak, grads
+        device = self.device_bytes(live_peak, precision, micro_batch, shares, accum)
+        return device, live_peak, grads
 
     def variant_shares(self, mask: Mask) -> tuple[float, ...]:
         """Parameter shares of the blocks of each choice of :data:`WRAPPED` (checkpointed,
@@ -203,18 +204,25 @@ class MemoryModel(ProfileView):
         return peak, live, grads
 
     def device_bytes(
-        self, live_bytes: int, precision: str, b: int, shares: tuple[float, ...]
+        self,
+        live_bytes: int,
+        precision: str,
+        b: int,
+        shares: tuple[float, ...],
+        accum: int = 2,
     ) -> int:
         """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
-        beyond them at micro-batch ``b`` (each variant's, weighted by the ``shares`` of
-        :meth:`variant_shares` as between blocks), and the context."""
+        beyond them at micro-batch ``b`` with ``accum`` micro-batches a step (each
+        variant's, weighted by the ``shares`` of :meth:`variant_shares` as between
+        blocks), and the context."""
         prec = self.profile.precisions[precision]
         if not prec.reserve and not prec.requests:
             return live_bytes + self.profile.context_bytes
-        beyond = self._beyond(precision, KEEP, b)
+        kept = self._beyond(precision, KEEP, b, accum)
+        beyond = kept
         for share, v in zip(shares, WRAPPED, strict=True):
             if share:
-                beyond += share * (self._beyond(precision, v, b) - self._beyond(precision, KEEP, b))
+                beyond += share * (self._beyond(precision, v, b, accum) - kept)
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
 
     def other_allocator_mode(self, config: TrainConfig) -> tuple[str, int, int] | None:
@@ -234,10 +242,16 @@ class MemoryModel(ProfileView):
 
     def _with_settings(self, precision: str, settings: str) -> Profile:
         """The profile with ``precision``'s requests replayed under ``settings`` (the
-        allocator's other keys kept)."""
+        allocator's other keys kept), the run's lasting tensors laid out under them."""
         prec = self.profile.precisions[precision]
         requests = tuple(
-            None if r is None else dataclasses.replace(r, settings=f"{r.settings},{settings}")
+            None
+            if r is None
+            else dataclasses.replace(
+                r,
+                settings=f"{r.settings},{settings}",
+                start=tuple(relaid(r.start, f"{r.settings},{settings}")),
+            )
             for r in prec.requests
         )
         changed = dataclasses.replace(prec, requests=requests)
@@ -245,19 +259,19 @@ class MemoryModel(ProfileView):
             self.profile, precisions={**self.profile.precisions, precision: changed}
         )
 
-    def _beyond(self, precision: str, v: int, b: int) -> float:
+    def _beyond(self, precision: str, v: int, b: int, accum: int) -> float:
         """What the allocator reserves beyond the live bytes in a step of variant ``v`` at
-        micro-batch ``b``: its model fed the step's requests where they were recorded (the
-        allocator's rules at this very size), else the line fitted over the profiled sizes
-        (a variant not profiled: the kept run's)."""
+        micro-batch ``b`` with ``accum`` micro-batches: its model fed the step's requests
+        where they were recorded (the allocator's rules at this very size), else the line
+        fitted over the profiled sizes (a variant not profiled: the kept run's)."""
         prec = self.profile.precisions[precision]
         requests = prec.requests[v] if v < len(prec.requests) else None
         if requests is None and prec.requests:
             requests = prec.requests[KEEP]
         if requests is not None:
-            key = (precision, v, b)
+            key = (precision, v, b, min(accum, 3))  # steady from the third micro-batch
             if key not in self._replayed:
-                self._replayed[key] = reserved_beyond(requests, b)
+                self._replayed[key] = reserved_beyond(requests, b, accum)
             return self._replayed[key]
         reserve = prec.reserve
         return reserve[v](b) if v < len(reserve) else reserve[KEEP](b)

@@ -79,7 +79,9 @@ def per_rank_peak(
     peak = max(peak, live + step, batch)  # batch: a loader's next, made beside this one
     live_peak = math.ceil(start + peak)
     return (
-        model.device_bytes(live_peak, precision, micro_batch, model.variant_shares(mask)),
+        model.device_bytes(
+            live_peak, precision, micro_batch, model.variant_shares(mask), knobs.accum
+        ),
         live_peak,
         parts,
     )

@@ -17,7 +17,7 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.device._allocator_trace import RequestLog, reserved_beyond
+from autotune.device._allocator_trace import RequestLog, relaid, reserved_beyond
 from autotune.device._backend import Backend, RequestBox, backend_for, pinned_bytes
 from autotune.device._caching_allocator import AllocatorSettings
 from autotune.device._catalog import (
@@ -68,6 +68,7 @@ __all__ = [
     "is_host_storage",
     "mark_host",
     "pinned_bytes",
+    "relaid",
     "reserved_beyond",
     "resolve_device",
 ]

@@ -15,7 +15,7 @@ import gzip
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "read_trace",
     "recorded",
     "recording",
+    "relaid",
     "replay",
     "request_log",
     "reserved_beyond",
@@ -213,19 +214,29 @@ class RequestLog:
     start: list[Segment] = field(default_factory=list)
     allocations: list[tuple[int, int]] = field(default_factory=list)
     order: list[int] = field(default_factory=list)
+    cuts: list[int] = field(default_factory=list)
+    """Where stretches of the step begin, as positions in ``order``."""
 
 
-def request_log(trace: Trace) -> RequestLog:
-    """The requests of a recorded trace (its allocations and completed frees)."""
+def request_log(trace: Trace, cuts: Sequence[int] = ()) -> RequestLog:
+    """The requests of a recorded trace (its allocations and completed frees); ``cuts``:
+    where stretches begin, counted in the trace's allocations and completed frees."""
     log = RequestLog(start=[segment_of(s) for s in trace.start])
     live: dict[int, int] = {}  # address -> allocation
+    counted = 0  # allocations and completed frees so far, the cuts' unit
+    pending = list(cuts)
     for action in trace.actions:
+        while pending and counted >= pending[0]:
+            log.cuts.append(len(log.order))
+            pending.pop(0)
+        counted += action["action"] in ("alloc", "free_completed")
         if action["action"] == "alloc":
             live[action["addr"]] = len(log.allocations)
             log.order.append(len(log.allocations))
             log.allocations.append((action["size"], action["stream"]))
         elif action["action"] == "free_completed" and action["addr"] in live:
             log.order.append(-1 - live.pop(action["addr"]))
+    log.cuts.extend(len(log.order) for _ in pending)
     return log
 
 
@@ -242,15 +253,17 @@ def segment_of(segment: dict[str, Any]) -> Segment:
     )
 
 
-def reserved_beyond(requests: Requests, b: int) -> int:
+def reserved_beyond(requests: Requests, b: int, accum: int = 2) -> int:
     """What the caching allocator reserves for the run beyond its live bytes, at the most
-    of each, in a step of ``requests`` at micro-batch ``b``: the allocator's model fed
-    the step's requests at that size from the segments the step began with."""
+    of each, in a step of ``requests`` at micro-batch ``b`` with ``accum`` micro-batches:
+    the allocator's model fed the step's requests at that size from the segments the
+    step began with (the recorded second micro-batch repeated for the third on, at most
+    twice: the cache is steady by then; none with one micro-batch)."""
     model = CachingAllocator(AllocatorSettings.parse(requests.settings))
     restore(model, requests.start)
     live = peak = 0
-    made: dict[int, tuple[int, int]] = {}  # allocation -> (address, bytes)
-    for i in requests.order:
+    made: dict[int, tuple[int, int]] = {}  # allocation -> (address, bytes), the latest
+    for i in _step_order(requests, accum):
         if i >= 0:
             n = max(math.ceil(requests.sizes[i](b)), 1)
             made[i] = (model.malloc(n, requests.streams[i]).address, n)
@@ -261,6 +274,29 @@ def reserved_beyond(requests: Requests, b: int) -> int:
             model.free(address)
             live -= n
     return model.max_reserved - requests.foreign - (requests.held + peak)
+
+
+def relaid(start: Iterable[Segment], settings: str) -> list[Segment]:
+    """The segments an allocator with ``settings`` would hold for the blocks in use in
+    ``start``, had it served them one by one in address order from nothing (what the
+    run's lasting tensors take under another setting)."""
+    model = CachingAllocator(AllocatorSettings.parse(settings))
+    for _, stream, _, _, blocks in sorted(start):
+        for size, used in blocks:
+            if used:
+                model.malloc(size, stream)
+    return model.snapshot()
+
+
+def _step_order(requests: Requests, accum: int) -> list[int]:
+    """The requests of a step of ``accum`` micro-batches, from a recorded step of two
+    (cut where the first, the second and the optimizer step begin)."""
+    order = requests.order
+    if len(requests.cuts) != 3:
+        return list(order)
+    _, second, step = requests.cuts
+    repeats = min(accum - 1, 2)
+    return [*order[:second], *(order[second:step] * repeats), *order[step:]]
 
 
 def restore(model: CachingAllocator, segments: Iterable[Segment]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -161,9 +161,19 @@ class Backend:
 
 
 class RequestBox:
-    """Filled in when :meth:`Backend.requests` is over."""
+    """Filled in when :meth:`Backend.requests` is over; :meth:`cut` marks where a stretch
+    of the block begins."""
 
     log: RequestLog | None = None
+
+    def __init__(self, position: Callable[[], int] | None = None) -> None:
+        self._position = position
+        self.cuts: list[int] = []
+
+    def cut(self) -> None:
+        """Mark that a stretch begins here (a micro-batch, the optimizer step)."""
+        if self._position is not None:
+            self.cuts.append(self._position())
 
 
 class CudaBackend(Backend):
@@ -227,11 +237,16 @@ class CudaBackend(Backend):
 
     @contextlib.contextmanager
     def requests(self) -> Iterator[RequestBox]:
-        box = RequestBox()
+        def counted() -> int:  # allocations and completed frees so far
+            stats = torch.cuda.memory_stats(self.device)
+            return int(stats["allocation.all.allocated"] + stats["allocation.all.freed"])
+
         with recorded(self.device) as out:
+            begun = counted()
+            box = RequestBox(lambda: counted() - begun)
             yield box
         if out.trace is not None:
-            box.log = request_log(out.trace)
+            box.log = request_log(out.trace, box.cuts)
 
     def reserved(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))

@@ -282,7 +282,7 @@ class Profiler:
                     self.backend.empty_cache()
                 with self.backend.requests() as requested:
                     out.runs[b, variant] = records = tracked_step(
-                        runner, resize(self.sample, b), modules
+                        runner, resize(self.sample, b), modules, requested.cut
                     )
                 if requested.log is not None:
                     out.requests[b, variant] = (requested.log, records[0].entry)
@@ -480,6 +480,7 @@ def _variant_requests(
         order=tuple(two.order),
         held=held,
         foreign=foreign,
+        cuts=tuple(two.cuts),
     )
 
 

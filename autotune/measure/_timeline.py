@@ -11,7 +11,7 @@ give a cost model that replays any checkpoint mask at any micro-batch size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +79,11 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
             h.remove()
 
 
-def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[PhaseRecord]:
-    """Run two micro-batches of ``chunk`` and an optimizer step under a tracker.
+def tracked_step(
+    runner: Any, chunk: Any, blocks: Sequence[nn.Module], cut: Callable[[], None] = lambda: None
+) -> list[PhaseRecord]:
+    """Run two micro-batches of ``chunk`` and an optimizer step under a tracker; ``cut``
+    is called as each micro-batch and the optimizer step begins.
 
     The runner must have taken one step already, so that optimizer state exists and the
     step is at steady state.
@@ -96,6 +99,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
         rec.mark("start")
         for micro in (1, 2):
             rec.micro = micro
+            cut()
             rec.mark("pre")
             loss = runner.forward_loss(chunk, 0.5)
             rec.mark("head_bwd")
@@ -106,6 +110,7 @@ def tracked_step(runner: Any, chunk: Any, blocks: Sequence[nn.Module]) -> list[P
             del loss
             rec.mark("end")
         rec.micro = 3
+        cut()
         rec.mark("opt")
         runner.optimizer_step()
     return tracker.phases
