@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 
 import pytest
@@ -284,3 +285,34 @@ def test_a_step_on_cuda_reads_nothing_off_the_device_and_copies_its_batch_async(
         finally:
             torch.cuda.set_sync_debug_mode("default")
         runner.check_steps()
+
+
+@pytest.mark.parametrize("settings", ["", "expandable_segments:True"])
+def test_a_recorded_step_replays_to_the_allocator_s_segments(settings: str, tmp_path) -> None:
+    """The allocator's model, fed two training steps as recorded, ends with the segments
+    the real allocator holds and its reserved peak (the setting changed at run time, as
+    torch allows, the model told the same)."""
+    from autotune.device._allocator_trace import read_trace, recording, replay, snapshot_segments
+
+    device = torch.device("cuda")
+    torch.cuda.memory._set_allocator_settings(settings or "expandable_segments:False")
+    try:
+        model = tiny_gpt(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=512)
+        runner = autotune.prepare(model, autotune.TrainConfig(micro_batch_size=8), device=device)
+        batch = tuple(t.to(device) for t in gpt_batch(model.config, 8))
+        runner.step(batch)
+        path = tmp_path / "trace.json.gz"
+        with recording(path, device):
+            runner.step(batch)
+            runner.step(batch)
+        trace = read_trace(path)
+        if settings:  # set at run time: the environment does not say it
+            trace = dataclasses.replace(trace, settings=settings)
+        model_end = replay(trace)
+        assert model_end.segment_list() == snapshot_segments(trace.end)
+        assert model_end.max_reserved == trace.max_reserved
+        runner.close()
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        gc.collect()
+        torch.cuda.empty_cache()

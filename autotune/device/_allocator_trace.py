@@ -79,17 +79,15 @@ class Recorded:
 @contextlib.contextmanager
 def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
     """Record the caching allocator's actions in the block as a :class:`Trace` (its peak
-    counted from the block's start); nothing off CUDA."""
+    counted from the block's start); nothing off CUDA, or where this torch cannot
+    record them (the block runs all the same)."""
     out = Recorded()
-    if device.type != "cuda":
+    start = _started(device) if device.type == "cuda" else None
+    if start is None:
         yield out
         return
     memory = torch.cuda.memory
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    start = _segments(memory._snapshot(device), index)
-    memory._record_memory_history("all", context=None, device=device, clear_history=True)
     try:
         yield out
         torch.cuda.synchronize(device)
@@ -104,6 +102,21 @@ def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
         max_reserved=int(torch.cuda.max_memory_reserved(device)),
         about=about,
     )
+
+
+def _started(device: torch.device) -> list[dict[str, Any]] | None:
+    """The allocator's segments now, its history recorded from here on; ``None`` where
+    this torch cannot record it."""
+    memory = torch.cuda.memory
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        start = _segments(memory._snapshot(device), index)
+        memory._record_memory_history("all", context=None, device=device, clear_history=True)
+    except (AttributeError, RuntimeError, TypeError):  # an older torch, another backend
+        return None
+    return start
 
 
 @contextlib.contextmanager

@@ -239,7 +239,9 @@ class CudaBackend(Backend):
     def requests(self) -> Iterator[RequestBox]:
         def counted() -> int:  # allocations and completed frees so far
             stats = torch.cuda.memory_stats(self.device)
-            return int(stats["allocation.all.allocated"] + stats["allocation.all.freed"])
+            return int(
+                stats.get("allocation.all.allocated", 0) + stats.get("allocation.all.freed", 0)
+            )
 
         with recorded(self.device) as out:
             begun = counted()
