@@ -36,6 +36,19 @@ def test_sizes_round_to_512_bytes_or_to_power_of_two_divisions() -> None:
     assert listed.round_size(300 * MiB) == 300 * MiB
 
 
+def test_settings_are_read_as_the_allocator_reads_them() -> None:
+    conf = (
+        "max_split_size_mb:128, roundup_power2_divisions:[256:1,>:4],"
+        "expandable_segments:True,garbage_collection_threshold:0.6,pinned_use_host_register:True"
+    )
+    settings = AllocatorSettings.parse(conf)
+    assert settings.max_split_size == 128 * MiB
+    assert settings.expandable_segments and settings.garbage_collection_threshold == 0.6
+    assert settings.divisions[8] == 1 and settings.divisions[9] == 4
+    assert settings.native  # pinned memory's keys change nothing the device reserves
+    assert not AllocatorSettings.parse("backend:cudaMallocAsync").native
+
+
 def test_each_pool_takes_segments_of_its_own_sizes() -> None:
     settings = AllocatorSettings()
     assert settings.segment_size(MiB) == 2 * MiB  # small pool: 2 MiB segments

@@ -64,6 +64,8 @@ class AllocatorSettings:
     garbage_collection_threshold: float = 0.0
     large_segment_size: int = LARGE_BUFFER
     """The segment of a large-pool request under 10 MiB, and an expandable large page."""
+    native: bool = True
+    """Whether the allocator is the native one this models (not ``cudaMallocAsync``)."""
 
     @classmethod
     def parse(cls, conf: str) -> AllocatorSettings:
@@ -71,7 +73,7 @@ class AllocatorSettings:
         ``"max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4],expandable_segments:True"``.
 
         Raises:
-            ValueError: a key or value the allocator would refuse.
+            ValueError: a value that is no number where the allocator wants one.
         """
         values: dict[str, str] = {}
         for key, value in re.findall(r"(\w+)\s*:\s*(\[[^\]]*\]|[^,\s]+)", conf):
@@ -90,11 +92,9 @@ class AllocatorSettings:
                 out = _replace(out, garbage_collection_threshold=float(value))
             elif key == "large_segment_size_mb":
                 out = _replace(out, large_segment_size=int(value) << 20)
-            elif key not in ("backend", "release_lock_on_cudamalloc") and not key.startswith(
-                "pinned_"
-            ):
-                raise ValueError(f"unknown allocator setting {key!r}")
-        return out
+            elif key == "backend":
+                out = _replace(out, native=value == "native")
+        return out  # the other keys (pinned memory, locks) change nothing it reserves
 
     def round_size(self, n: int) -> int:
         """The bytes a request of ``n`` takes."""

@@ -41,7 +41,7 @@ from autotune.config import (
     timeline_level,
     timeline_parts,
 )
-from autotune.device import RequestLog, backend_for
+from autotune.device import AllocatorSettings, RequestLog, backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._peak import measure_peak
 from autotune.measure._roofline import simulated_now
@@ -466,17 +466,21 @@ def _variant_requests(
     ``b2`` (``None`` where not recorded, or where the two steps asked differently)."""
     if (b1, v) not in logs or (b2, v) not in logs:
         return None
-    (one, _), (two, held) = logs[b1, v], logs[b2, v]
-    if one.order != two.order or [s for _, s in one.allocations] != [s for _, s in two.allocations]:
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if not AllocatorSettings.parse(settings).native:  # cudaMallocAsync: not modelled
         return None
+    (one, _), (two, held) = logs[b1, v], logs[b2, v]
+    streams = [s for _, s in two.allocations]
+    if one.order != two.order or one.cuts != two.cuts or [s for _, s in one.allocations] != streams:
+        return None  # the two sizes asked differently: no request is one line
     return Requests(
-        settings=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        settings=settings,
         start=tuple(two.start),
         sizes=tuple(
             Line.through(b1, n1, b2, n2)
             for (n1, _), (n2, _) in zip(one.allocations, two.allocations, strict=True)
         ),
-        streams=tuple(s for _, s in two.allocations),
+        streams=tuple(streams),
         order=tuple(two.order),
         held=held,
         foreign=foreign,
