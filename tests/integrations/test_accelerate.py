@@ -73,3 +73,26 @@ def test_precision_and_offload(tuned: TuneResult) -> None:
         accelerator(offload)
     with pytest.raises(ConfigError, match="takes the TuneResult"):
         accelerator(TrainConfig())  # type: ignore[arg-type]
+
+
+def test_an_offloaded_optimizer_is_refused_and_the_advice_writes_its_config(
+    tuned: TuneResult, tmp_path
+) -> None:
+    """accelerate keeps an optimizer on the host only through DeepSpeed: the refusal's
+    advice, run as written, writes accelerate's config with DeepSpeed's offload."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    offloaded = dataclasses.replace(tuned, config=tuned.config.replace(offload_optimizer=True))
+    with pytest.raises(ConfigError, match="autotune export --to accelerate"):
+        accelerator(offloaded)
+    path = offloaded.save(tmp_path / "tuned.yaml")
+    out = tmp_path / "accelerate.yaml"
+    command = [sys.executable, "-m", "autotune.cli", "export", "--to", "accelerate", str(path)]
+    done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    written = yaml.safe_load(out.read_text())
+    assert written["distributed_type"] == "DEEPSPEED"
+    assert written["deepspeed_config"]["offload_optimizer_device"] == "cpu"

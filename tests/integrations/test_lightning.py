@@ -247,6 +247,38 @@ def test_validation_runs_at_the_tuned_batch_within_the_budget() -> None:
     assert any(f"the largest that does is {tuned}" in m for m in said)
 
 
+class LitManual(LitGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self.model(**batch).loss
+        self.manual_backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+def test_manual_optimization_is_refused_and_the_advice_trains(tuned: TuneResult) -> None:
+    module = LitManual()
+    with pytest.raises(ConfigError, match=r"autotune\.autotune\(\) and train with autotune\.apply"):
+        trainer_with(Autotune(tuned.budget_bytes / 2**30, global_batch_size=G)).fit(module)
+    # The advice as written: ``tuned`` is autotune.autotune() on this architecture; the
+    # module's model trains with apply()'s handle, under the budget.
+    loader = DataLoader(Rows(samples(STEPS * G, seed=1)), batch_size=G)
+    with (
+        autotune.apply(module.model, tuned, lr=LR, device="cpu") as handle,
+        autotune.peak_memory(handle) as reading,
+    ):
+        for batch in loader:
+            for chunk, weight in handle.micro_batches(batch):
+                handle.backward(handle.model(**chunk).loss * weight)
+            handle.optimizer_step()
+    assert 0 < reading.peak_bytes <= tuned.budget_bytes
+
+
 def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     module = LitGPT()
     del module.batch_size
