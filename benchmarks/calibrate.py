@@ -120,7 +120,9 @@ def point(
         existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        trace = Path(traces or ".") / f"{variant}-{p}-b{b}.json.gz"
+        setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(":", "-")
+        name = "-".join(x for x in (variant, p, f"b{b}", setting.replace(",", "-")) if x)
+        trace = Path(traces or ".") / f"{name}.json.gz"  # the setting in the name: one folder
         with (
             recording(trace, device, config=config.describe())
             if traces
