@@ -14,7 +14,7 @@ from autotune.device._allocator_trace import (
     Trace,
     read_trace,
     replay,
-    snapshot_segments,
+    segment_of,
 )
 from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator, OutOfMemory
 
@@ -209,7 +209,7 @@ def test_a_recorded_trace_replays_and_a_wrong_address_is_a_divergence() -> None:
     ]
     trace = Trace("", [], actions, end, 2 * MiB, {})
     model = replay(trace)
-    assert model.segment_list() == snapshot_segments(trace.end)
+    assert model.snapshot() == sorted(segment_of(s) for s in trace.end)
     assert model.max_reserved == trace.max_reserved
     wrong = [*actions[:-1], {**actions[-1], "addr": base + 5120}]
     with pytest.raises(Divergence, match="action 5"):
@@ -221,5 +221,5 @@ def test_a_recorded_trace_replays_and_a_wrong_address_is_a_divergence() -> None:
 def test_every_recorded_trace_ends_with_the_allocator_s_segments(path: Path) -> None:
     trace = read_trace(path)
     model = replay(trace)
-    assert model.segment_list() == snapshot_segments(trace.end)
+    assert model.snapshot() == sorted(segment_of(s) for s in trace.end)
     assert model.max_reserved == trace.max_reserved

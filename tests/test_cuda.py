@@ -292,7 +292,7 @@ def test_a_recorded_step_replays_to_the_allocator_s_segments(settings: str, tmp_
     """The allocator's model, fed two training steps as recorded, ends with the segments
     the real allocator holds and its reserved peak (the setting changed at run time, as
     torch allows, the model told the same)."""
-    from autotune.device._allocator_trace import read_trace, recording, replay, snapshot_segments
+    from autotune.device._allocator_trace import read_trace, recording, replay, segment_of
 
     device = torch.device("cuda")
     torch.cuda.memory._set_allocator_settings(settings or "expandable_segments:False")
@@ -309,7 +309,7 @@ def test_a_recorded_step_replays_to_the_allocator_s_segments(settings: str, tmp_
         if settings:  # set at run time: the environment does not say it
             trace = dataclasses.replace(trace, settings=settings)
         model_end = replay(trace)
-        assert model_end.segment_list() == snapshot_segments(trace.end)
+        assert model_end.snapshot() == sorted(segment_of(s) for s in trace.end)
         assert model_end.max_reserved == trace.max_reserved
         runner.close()
     finally:

@@ -39,7 +39,6 @@ __all__ = [
     "reserved_beyond",
     "restore",
     "segment_of",
-    "snapshot_segments",
 ]
 
 _SEGMENT_KEYS = ("address", "total_size", "stream", "segment_type", "is_expandable")
@@ -82,12 +81,15 @@ def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
     counted from the block's start); nothing off CUDA, or where this torch cannot
     record them (the block runs all the same)."""
     out = Recorded()
-    start = _started(device) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    index = (
+        (device.index if device.index is not None else torch.cuda.current_device()) if cuda else 0
+    )
+    start = _started(device, index) if cuda else None
     if start is None:
         yield out
         return
     memory = torch.cuda.memory
-    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         yield out
         torch.cuda.synchronize(device)
@@ -104,13 +106,12 @@ def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
     )
 
 
-def _started(device: torch.device) -> list[dict[str, Any]] | None:
-    """The allocator's segments now, its history recorded from here on; ``None`` where
-    this torch cannot record it."""
+def _started(device: torch.device, index: int) -> list[dict[str, Any]] | None:
+    """The allocator's segments on device ``index`` now, its history recorded from here
+    on; ``None`` where this torch cannot record it."""
     memory = torch.cuda.memory
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         start = _segments(memory._snapshot(device), index)
         memory._record_memory_history("all", context=None, device=device, clear_history=True)
@@ -156,7 +157,8 @@ def replay(trace: Trace) -> CachingAllocator:
     and frees: each request must land where the recorded allocator put it, and each
     segment the model takes or gives back must be the recorded one (new segments take
     the recorded addresses, the driver's choice). The model is returned as it ends, to
-    compare with :attr:`Trace.end` and :attr:`Trace.max_reserved`.
+    compare with :attr:`Trace.end` (its :meth:`~CachingAllocator.snapshot` with each
+    segment's :func:`segment_of`) and :attr:`Trace.max_reserved`.
 
     Raises:
         Divergence: at the first action where the model and the trace part.
@@ -206,16 +208,6 @@ def _check_segments(
                 f"allocator {r['action']} of {r['size']} bytes at {r['addr']}"
             )
     return len(model.events)
-
-
-def snapshot_segments(
-    trace_segments: list[dict[str, Any]],
-) -> list[tuple[int, list[tuple[int, bool]]]]:
-    """A trace's segments as :meth:`CachingAllocator.segment_list` gives the model's."""
-    return sorted(
-        (s["address"], [(b["size"], b["state"] != "inactive") for b in s["blocks"]])
-        for s in trace_segments
-    )
 
 
 @dataclass

@@ -420,18 +420,10 @@ class CachingAllocator:
         self.max_reserved = max(self.max_reserved, self.reserved)
         self.events.append((action, address, abs(nbytes)))
 
-    def segment_list(self) -> list[tuple[int, list[tuple[int, bool]]]]:
-        """Every segment as a snapshot lists it: its address and its blocks' (size,
-        allocated), in address order; an expandable segment once per mapped stretch."""
-        out = []
-        for first in self.segments.values():
-            out.append((first.address, [(b.size, b.allocated) for b in _from(first)]))
-        for segment in self.expandable.values():
-            out.extend(_stretches(segment))
-        return sorted(out)
-
     def snapshot(self) -> list[Segment]:
-        """The segments as a profile keeps them (see :class:`~autotune._profile_data.Requests`)."""
+        """The segments as a profile keeps them (see :class:`~autotune._profile_data.Requests`),
+        in address order; an expandable segment once per mapped stretch, as torch's
+        snapshot lists it."""
         out: list[Segment] = []
         for first in self.segments.values():
             blocks = tuple((b.size, b.allocated) for b in _from(first))
@@ -443,9 +435,9 @@ class CachingAllocator:
 
     def restore(
         self, address: int, blocks: list[tuple[int, bool]], *, small: bool, stream: int
-    ) -> list[Block]:
+    ) -> None:
         """Put a segment as a snapshot lists it (blocks' size and whether allocated) in
-        the model, its free blocks cached; its blocks, in order."""
+        the model, its free blocks cached."""
         made: list[Block] = []
         at = address
         for size, allocated in blocks:
@@ -465,7 +457,6 @@ class CachingAllocator:
         self.reserved += at - address
         self._cover(address, at - address)
         self.reset_peak()
-        return made
 
     def restore_expandable(
         self, stretches: list[tuple[int, list[tuple[int, bool]]]], *, small: bool, stream: int
@@ -531,10 +522,7 @@ class _Expandable:
         )
 
     def blocks(self) -> Iterator[Block]:
-        block: Block | None = self.first
-        while block is not None:
-            yield block
-            block = block.next
+        return _from(self.first)
 
     def grow(self, owner: CachingAllocator, pool: _Pool, s: int) -> Block | None:
         """A free mapped block of at least ``s`` bytes, mapping pages where needed: from

@@ -315,7 +315,8 @@ def _allocator_note(cost: CostModel, config: TrainConfig) -> None:
     if then < 0.99 * now:
         log.info(
             "the allocator's model predicts this config's peak at %s with "
-            "PYTORCH_CUDA_ALLOC_CONF=%s (set before CUDA starts), against %s as tuned",
+            "PYTORCH_CUDA_ALLOC_CONF=%s (set before CUDA starts), against %s predicted "
+            "with the setting it was tuned with",
             format_bytes(then),
             other,
             format_bytes(now),
