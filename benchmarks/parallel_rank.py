@@ -97,14 +97,14 @@ def readings(job: dict[str, Any]) -> dict[str, Any]:
     """``autotune.autotune`` on every rank, then three readings of three steps of the
     winner, the first included: its prediction, ``autotune.peak_memory`` around the runner
     and :class:`StorageCount`, which shares nothing with autotune's tracker."""
+    model = tiny_gpt(**job["model"])
     result = autotune.autotune(
-        tiny_gpt(**job["model"]),
-        gpt_batch(tiny_gpt(**job["model"]).config, 8, seed=1),
+        model,
+        gpt_batch(model.config, 8, seed=1),
         job["budget_gb"],
         global_batch_size=job["global_batch"],
         device="cpu",
-    )
-    model = tiny_gpt(**job["model"])
+    )  # the model as it was: autotune measures copies
     local, world = result.config.effective_batch_size, dist.get_world_size()
     data = gpt_batch(model.config, local * world * 3, seed=2)
     runner = autotune.prepare(model, result.config, lr=1e-4, device="cpu")
