@@ -21,6 +21,7 @@ __all__ = [
     "OFFLOAD",
     "SELECTIVE",
     "Collectives",
+    "Crossing",
     "Line",
     "OptimizerProfile",
     "Phase",
@@ -202,6 +203,43 @@ Segment = tuple[int, int, bool, bool, tuple[tuple[int, bool], ...]]
 
 
 @dataclass(frozen=True)
+class Crossing:
+    """A tensor that a block takes as an argument and whose end can depend on other blocks'
+    choices than its maker's: a decoder's embedding output or rotary tables, a UNet's skip
+    connections. A checkpointed block holds its arguments until its backward, where a kept
+    one that saved nothing of it leaves it to Python, which may drop it between blocks. A
+    uniform run shows one of those ends; the cost model moves the tensor's free to where
+    the mask's own holders let go of it (see :meth:`MemoryModel._moved_frees`).
+
+    Per variant (indexed like :attr:`Phase.delta`), as that variant's run (every block
+    one way) showed it.
+    """
+
+    micro: int
+    """The micro-batch (1 or 2) it is made and freed in."""
+    size: Line
+    """Its bytes."""
+    ends: tuple[int, ...]
+    """The index of the phase of its micro-batch it is freed in (the number of phases:
+    not within the micro-batch)."""
+    early: tuple[bool, ...]
+    """Whether it is freed before that phase's peak."""
+    holders: tuple[tuple[int, ...], ...]
+    """The blocks holding it as their argument until their backward (checkpointed
+    variants); empty: not known but through where it is freed (kept, offloaded)."""
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Crossing:
+        return Crossing(
+            d["micro"],
+            Line(**d["size"]),
+            tuple(d["ends"]),
+            tuple(d["early"]),
+            tuple(tuple(h) for h in d["holders"]),
+        )
+
+
+@dataclass(frozen=True)
 class Requests:
     """A tracked step's requests to the caching allocator, in order, each allocation's
     bytes against the micro-batch size: the allocator's model replays them at any size
@@ -266,6 +304,8 @@ class PrecisionProfile:
     requests: tuple[Requests | None, ...] = ()
     """A caching allocator's requests in a tracked step of each variant (as a phase's
     lines; ``None`` or empty: not recorded, :attr:`reserve` stands)."""
+    crossings: tuple[Crossing, ...] = ()
+    """Tensors whose free a mixed mask moves (empty: none, or not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -365,6 +405,7 @@ def profile_from_json(text: str) -> Profile:
             tuple(lines(c) for c in p["copies"]),
             p.get("selective", False),
             tuple(None if r is None else Requests.from_dict(r) for r in p.get("requests", ())),
+            tuple(Crossing.from_dict(c) for c in p.get("crossings", ())),
         )
 
     return Profile(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autotune import TrainConfig, find_blocks
-from autotune._profile_data import Profile
+from autotune._profile_data import Profile, profile_from_json, profile_to_json
 from autotune.cost._cost_model import CostModel
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
@@ -117,6 +117,43 @@ def test_peak_prediction_on_real_models(name: str) -> None:
         err = abs(predicted - measured.peak_bytes) / measured.peak_bytes
         assert err <= 0.03, (name, config.describe(), predicted, measured.peak_bytes)
         assert min(dataclasses.astuple(parts)) >= 0  # nothing holds negative bytes
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_checkpointed_layer_holding_what_python_drops_is_predicted_exactly() -> None:
+    """LoRA on a Qwen2, its base frozen: a kept layer saves neither the embedding output
+    nor the rotary tables, which Python drops as the decoder returns; a checkpointed one
+    holds them until its backward. A mask of both kinds is predicted to the byte (issue
+    47: it missed by 0.8% either way when the free was interpolated between the runs)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    c = transformers.Qwen2Config(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=32,
+    )
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model, sample = peft.get_peft_model(transformers.Qwen2ForCausalLM(c), lora), lm_batch(96)
+    blocks = find_blocks(model)
+    measured_profile = profile(copy.deepcopy(model), sample, blocks)
+    assert measured_profile.precisions["fp32"].crossings  # what moves, kept with a study:
+    assert profile_from_json(profile_to_json(measured_profile)) == measured_profile
+    cost = CostModel(measured_profile)
+    for config in (
+        TrainConfig(micro_batch_size=4, checkpoint=blocks[:2]),
+        TrainConfig(micro_batch_size=3, grad_accum_steps=2, checkpoint=blocks[1:3]),
+    ):
+        predicted, _ = cost.memory(config)
+        verifier = Verifier(
+            copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
+        )
+        measured, error = verifier.run(config)
+        assert error is None and measured is not None
+        assert predicted == measured.peak_bytes, (config.describe(), predicted, measured)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -18,6 +18,7 @@ from autotune._profile_data import (
     KEEP,
     OFFLOAD,
     SELECTIVE,
+    Crossing,
     Line,
     Phase,
     Profile,
@@ -69,6 +70,7 @@ class MemoryModel(ProfileView):
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
         self._replayed: dict[tuple[str, int, int, int], int] = {}
+        self._moves: dict[tuple[str, int, Mask], Moves | None] = {}
         self._micro = {
             name: (
                 tuple(ph for ph in prec.phases if ph.key.micro == 1),
@@ -131,11 +133,15 @@ class MemoryModel(ProfileView):
         start += batch  # the step's batch, held through the step
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
+        moves = self._moved_frees(precision, 1, mask), self._moved_frees(precision, 2, mask)
         peak, live, grads = self._replay(
-            first, start, micro_batch, mask, shares, moved, release if accum == 1 else None
-        )
+            first, start, micro_batch, mask, shares, moved, release if accum == 1 else None,
+            moves[0],
+        )  # fmt: skip
         if accum >= 2:
-            top, end, grads2 = self._replay(later, live, micro_batch, mask, shares, moved, None)
+            top, end, grads2 = self._replay(
+                later, live, micro_batch, mask, shares, moved, None, moves[1]
+            )
             # Micro-batches 2..accum repeat micro-batch 2; a net growth would compound.
             net = end - live
             top += (accum - 2) * max(net, 0.0)
@@ -144,7 +150,7 @@ class MemoryModel(ProfileView):
             live += (accum - 2) * net
             if release is not None:  # the last micro-batch sends the gradients down
                 top, end, grads2 = self._replay(
-                    later, live, micro_batch, mask, shares, moved, release
+                    later, live, micro_batch, mask, shares, moved, release, moves[1]
                 )
                 if top > peak:
                     peak, grads = top, grads2
@@ -162,6 +168,19 @@ class MemoryModel(ProfileView):
         device = self.device_bytes(live_peak, precision, micro_batch, shares, accum)
         return device, live_peak, grads
 
+    def _moved_frees(self, precision: str, micro: int, mask: Mask) -> Moves | None:
+        """What each phase of micro-batch ``micro`` gains in (delta, rise) where ``mask``
+        frees a :class:`~autotune._profile_data.Crossing` elsewhere than the replay of
+        its phases does (each phase frees it as much as the runs it is taken from did);
+        ``None``: nothing moves."""
+        key = (precision, micro, mask)
+        if key not in self._moves:
+            phases = self._micro[precision][micro - 1]
+            every = self.profile.precisions[precision].crossings
+            crossings = [c for c in every if c.micro == micro]
+            self._moves[key] = _moves(phases, crossings, mask, self.variant_shares(mask))
+        return self._moves[key]
+
     def variant_shares(self, mask: Mask) -> tuple[float, ...]:
         """Parameter shares of the blocks of each choice of :data:`WRAPPED` (checkpointed,
         offloaded, selectively checkpointed)."""
@@ -178,11 +197,14 @@ class MemoryModel(ProfileView):
         shares: tuple[float, ...],
         moved: Sequence[Line],
         release: Sequence[int] | None,
+        moves: Moves | None = None,
     ) -> tuple[float, float, int]:
         """Replay one micro-batch from ``live`` bytes: (peak, live after, grads at peak).
 
         ``release``: gradient bytes already sent to the host as each phase begins (the
-        last micro-batch of an offloaded optimizer), or ``None``.
+        last micro-batch of an offloaded optimizer), or ``None``. ``moves``: what each
+        phase's (delta, rise) gains where the mask moves a tensor's free
+        (:meth:`_moved_frees`).
         """
         peak, grads = live, 0
         offloaded = [i for i, m in enumerate(mask) if m == OFFLOAD]
@@ -198,6 +220,8 @@ class MemoryModel(ProfileView):
                 rise, delta = ph.rise(v, b), ph.delta[v](b)
             else:  # between blocks: in proportion to each choice's share of the blocks
                 rise, delta = between(ph, b, shares)
+            if moves is not None:
+                rise, delta = rise + moves[j][1](b), delta + moves[j][0](b)
             if live + rise > peak:
                 peak, grads = live + rise, ph.grads - freed
             live += delta
@@ -326,7 +350,8 @@ class MemoryModel(ProfileView):
         first, _ = self._micro[knobs.precision]
         shares = self.variant_shares(knobs.mask)
         moved = self.profile.precisions[knobs.precision].moved
-        peak, _, grads = self._replay(first, 0.0, b, knobs.mask, shares, moved, None)
+        moves = self._moved_frees(knobs.precision, 1, knobs.mask)
+        peak, _, grads = self._replay(first, 0.0, b, knobs.mask, shares, moved, None, moves)
         return max(math.ceil(peak - grads), 0)
 
     def memory(self, config: TrainConfig) -> tuple[int, Breakdown]:
@@ -361,6 +386,89 @@ def between(ph: Phase, b: int, shares: tuple[float, ...]) -> tuple[float, float]
             rise += share * (ph.rise(v, b) - ph.rise(KEEP, b))
             delta += share * (ph.delta[v](b) - ph.delta[KEEP](b))
     return rise, delta
+
+
+Moves = tuple[tuple[Line, Line], ...]
+"""What each phase of a micro-batch gains in (delta, rise) where a mask moves frees."""
+
+
+def _moves(
+    phases: Sequence[Phase], crossings: Sequence[Crossing], mask: Mask, shares: tuple[float, ...]
+) -> Moves | None:
+    """See :meth:`MemoryModel._moved_frees`."""
+    backward = {ph.block: j for j, ph in enumerate(phases) if ph.key.label == "bwd"}
+    if not crossings or len(backward) != sum(ph.key.label == "bwd" for ph in phases):
+        return None  # nothing to move, or a block run twice: its backward is not one phase
+    if OFFLOAD in mask:  # an offloaded block's frees are its own (see _restores)
+        return None
+    weights = [_weights(ph, mask, shares) for ph in phases]
+    delta = [Line(0.0, 0.0)] * len(phases)
+    rise = list(delta)
+    for c in crossings:
+        end = _end(c, mask, phases, backward)
+        if end is None:
+            continue
+        at, early = end
+        for x in {e for e in (*c.ends, at) if e < len(phases)}:  # elsewhere nothing moves
+            w = weights[x]
+            here = [v for v, e in enumerate(c.ends) if e == x]
+            freed = sum(w[v] for v in here)  # what the replay frees of it here
+            gain = freed - (1.0 if at == x else 0.0)
+            if at != x:  # freed before the peak where it is taken from, held in truth
+                lift = sum(w[v] for v in here if c.early[v])
+            else:
+                lift = -sum(w[v] for v in range(len(c.ends)) if v not in here) if early else 0.0
+            delta[x] = delta[x] + _scaled(c.size, gain)
+            rise[x] = rise[x] + _scaled(c.size, lift)
+    return tuple(zip(delta, rise, strict=True))
+
+
+def _weights(ph: Phase, mask: Mask, shares: tuple[float, ...]) -> list[float]:
+    """How much of each variant's run the replay takes this phase from."""
+    n = len(ph.delta)
+    if ph.block is not None:
+        return [1.0 if v == mask[ph.block] else 0.0 for v in range(n)]
+    out = [0.0] * n
+    out[KEEP] = 1.0 - sum(shares)
+    for share, v in zip(shares, WRAPPED, strict=True):
+        if v < n:
+            out[v] = share
+    return out
+
+
+def _end(
+    c: Crossing, mask: Mask, phases: Sequence[Phase], backward: dict[int | None, int]
+) -> tuple[int, bool] | None:
+    """Where ``c`` is freed under ``mask`` (the phase's index; whether before its peak):
+    where the last of the mask's blocks that hold it lets go, or where Python drops it
+    (a run in which no block held it shows where); ``None``: not known."""
+    releases = []
+    dropped = None
+    for v, at in enumerate(c.ends):
+        if v == OFFLOAD:  # frees what it saved as its forward ends, whoever holds it
+            continue
+        held = c.holders[v] or _freeing(phases, at)
+        if not held:
+            dropped = dropped or (at, c.early[v])
+            continue
+        if any(j not in backward for j in held):
+            return None
+        past = at - max(backward[j] for j in held)  # how far after the backward it goes
+        releases += [(backward[j] + past, c.early[v]) for j in held if mask[j] == v]
+    if dropped is not None:
+        releases.append(dropped)
+    return max(releases) if releases else None
+
+
+def _freeing(phases: Sequence[Phase], at: int) -> tuple[int, ...]:
+    """The block whose backward phase ``at`` is, alone (a kept block's saved tensors let
+    go there), or none."""
+    block = phases[at].block if at < len(phases) else None
+    return (block,) if block is not None and phases[at].key.label == "bwd" else ()
+
+
+def _scaled(line: Line, k: float) -> Line:
+    return Line(line.const * k, line.slope * k)
 
 
 def _released(phases: Sequence[Phase]) -> list[int]:

@@ -43,9 +43,10 @@ from autotune.config import (
 )
 from autotune.device import AllocatorSettings, RequestLog, backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
+from autotune.measure._crossings import crossings
 from autotune.measure._peak import measure_peak
 from autotune.measure._roofline import simulated_now
-from autotune.measure._timeline import fit_phases, tracked_step
+from autotune.measure._timeline import Lives, fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
 from autotune.train import (
     LossFn,
@@ -241,6 +242,7 @@ class Profiler:
         # constant) and fragmentation that grows with the activations (the slope).
         reserve = tuple(Line.rising(beyond.get(v, beyond[KEEP])) for v in indices if beyond)
         requests = _requests(tracked.requests, b1, b2, indices, self.foreign_bytes)
+        crossing = crossings(runs, tracked.lives, (b1, b2), variants)
         return PrecisionProfile(
             precision,
             base - state,
@@ -250,6 +252,7 @@ class Profiler:
             copies=sizes,
             selective=SELECTIVE in variants,
             requests=requests,
+            crossings=crossing,
         )
 
     def _tracked(
@@ -280,10 +283,13 @@ class Profiler:
             for b in at:
                 if self.backend.caching:  # start from no cached blocks, as verify does
                     self.backend.empty_cache()
+                lives = None if compiled or whole else Lives()
                 with self.backend.requests() as requested:
                     out.runs[b, variant] = records = tracked_step(
-                        runner, resize(self.sample, b), modules, requested.cut
+                        runner, resize(self.sample, b), modules, requested.cut, lives
                     )
+                if lives is not None:
+                    out.lives[b, variant] = lives
                 if requested.log is not None:
                     out.requests[b, variant] = (requested.log, records[0].entry)
                 if variant == OFFLOAD:
@@ -501,5 +507,7 @@ class _Tracked:
     requests: dict[tuple[int, int], tuple[RequestLog, int]] = dataclasses.field(
         default_factory=dict
     )
+    lives: dict[tuple[int, int], Lives] = dataclasses.field(default_factory=dict)
+    """Where each (size, variant)'s storages were made and freed (eager runs)."""
     """The allocator's requests in each (size, variant)'s step, and the live bytes it
     began with (a caching device where they can be recorded)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +21,24 @@ from torch.utils._pytree import tree_flatten
 
 from autotune._profile_data import Line, Phase, PhaseKey
 from autotune.measure._peak import measure_peak
-from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors, tracker_for
+from autotune.measure._tracker import (
+    Life,
+    LiveBytesTracker,
+    PhaseRecord,
+    state_tensors,
+    tracker_for,
+)
 
-__all__ = ["fit_phases", "tracked_step"]
+__all__ = ["Lives", "fit_phases", "occurrences", "tracked_step"]
+
+
+@dataclass
+class Lives:
+    """Where a tracked step's storages were made and freed, and which blocks took each
+    one as an argument (by :attr:`Life.born`)."""
+
+    lives: list[Life] = field(default_factory=list)
+    arguments: dict[tuple[int, int], set[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -32,6 +47,18 @@ class _Recorder:
     model: nn.Module
     micro: int = 0
     in_backward: bool = False
+    lives: Lives | None = None
+
+    def takes(self, block: int, arguments: Any) -> None:
+        """Note the storages ``block`` is called with (recording lives)."""
+        born = self.tracker.born
+        if self.lives is None or born is None:
+            return
+        for t in tree_flatten(arguments)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                where = born.get(id(t.untyped_storage()))
+                if where is not None:
+                    self.lives.arguments.setdefault(where, set()).add(block)
 
     def mark(self, label: str, block: int | None = None) -> None:
         grads = sum(
@@ -45,9 +72,10 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
     handles: list[Any] = []
 
     def pre(i: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not rec.in_backward:
                 rec.mark("fwd", i)
+                rec.takes(i, (args, kwargs))
 
         return hook
 
@@ -70,7 +98,7 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
         return hook
 
     for i, module in enumerate(blocks):
-        handles.append(module.register_forward_pre_hook(pre(i)))
+        handles.append(module.register_forward_pre_hook(pre(i), with_kwargs=True))
         handles.append(module.register_forward_hook(post(i)))
     try:
         yield
@@ -80,10 +108,15 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def tracked_step(
-    runner: Any, chunk: Any, blocks: Sequence[nn.Module], cut: Callable[[], None] = lambda: None
+    runner: Any,
+    chunk: Any,
+    blocks: Sequence[nn.Module],
+    cut: Callable[[], None] = lambda: None,
+    lives: Lives | None = None,
 ) -> list[PhaseRecord]:
     """Run two micro-batches of ``chunk`` and an optimizer step under a tracker; ``cut``
-    is called as each micro-batch and the optimizer step begins.
+    is called as each micro-batch and the optimizer step begins; ``lives``, where given,
+    is filled with where each storage was made and freed, and the blocks' arguments.
 
     The runner must have taken one step already, so that optimizer state exists and the
     step is at steady state.
@@ -92,11 +125,13 @@ def tracked_step(
         The phase records; micro-batches are ``micro`` 1 and 2, the optimizer step 3.
     """
     tracker = tracker_for(runner.config.compile_level != "none", runner.device.type)
-    rec = _Recorder(tracker, runner.model)
+    rec = _Recorder(tracker, runner.model, lives=lives)
     existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
     with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
         total = torch.zeros((), device=runner.device)  # the runner's running loss, as in a step
         rec.mark("start")
+        if lives is not None:
+            tracker.record_lives()
         for micro in (1, 2):
             rec.micro = micro
             cut()
@@ -113,6 +148,8 @@ def tracked_step(
         cut()
         rec.mark("opt")
         runner.optimizer_step()
+        if lives is not None:
+            lives.lives = tracker.lives()
     return tracker.phases
 
 
@@ -141,13 +178,13 @@ def fit_phases(
     base = reference[0].entry
 
     def table(records: list[PhaseRecord]) -> dict[tuple[PhaseKey, int], PhaseRecord]:
-        return dict(zip(_occurrences(records), records, strict=True))
+        return dict(zip(occurrences(records), records, strict=True))
 
     variants = range(len(runs1))
     tables = [[table(runs1[v]), table(runs2[v])] for v in variants]
     thirds = [table(runs) for runs in runs3]
     phases = []
-    for r, key in zip(reference, _occurrences(reference), strict=True):
+    for r, key in zip(reference, occurrences(reference), strict=True):
         lines_delta, lines_peak, floor = [], [], []
         for v in variants:
             a = tables[v][0].get(key) or tables[0][0][key]
@@ -167,8 +204,9 @@ def fit_phases(
     return base, phases
 
 
-def _occurrences(records: Sequence[PhaseRecord]) -> list[tuple[PhaseKey, int]]:
-    """Each record's key and how many records before it had the same key."""
+def occurrences(records: Sequence[PhaseRecord]) -> list[tuple[PhaseKey, int]]:
+    """Each record's key and how many records before it had the same key (a phase's
+    name, the same in every run of the step)."""
     seen: dict[PhaseKey, int] = {}
     out = []
     for r in records:

@@ -37,6 +37,7 @@ from autotune.train import counted_allocations, quantization_state
 
 __all__ = [
     "CompiledBytesTracker",
+    "Life",
     "LiveBytesTracker",
     "PhaseRecord",
     "state_tensors",
@@ -54,6 +55,21 @@ class PhaseRecord:
     exit: int = 0
     grads: int = 0
     """Gradient bytes alive when the phase began."""
+    peak_at: int = 0
+    """When (the tracker's count of changes) the peak was first reached."""
+
+
+@dataclass(frozen=True)
+class Life:
+    """A storage an op made while lives were recorded (:meth:`LiveBytesTracker.record_lives`)."""
+
+    born: tuple[int, int]
+    """The index of the phase it was made in, and how many storages that phase made before."""
+    nbytes: int
+    end: int | None
+    """The index of the phase it was freed in (``None``: alive when recording stopped)."""
+    early: bool
+    """Whether it was freed before that phase's peak."""
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -75,6 +91,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self.phases: list[PhaseRecord] = []
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
         self._watched: dict[int, torch.UntypedStorage] = {}  # id(storage) -> storage
+        self._clock = 0  # changes of the live bytes so far
+        self.born: dict[int, tuple[int, int]] | None = None
+        """id(storage) -> :attr:`Life.born` of each storage alive, while lives are recorded."""
+        self._freed: list[tuple[tuple[int, int], int, int, int]] = []
+        self._made = 0  # storages the current phase has made
 
     supports_higher_order_operators = True
     """Higher-order operators (compiled code's ``run_and_save_rng_state``, which a block
@@ -106,11 +127,26 @@ class LiveBytesTracker(TorchDispatchMode):
                 self._watched[id(storage)] = storage
                 self._resized(storage, check_budget=False)
 
+    def record_lives(self) -> None:
+        """From now on, note when each storage an op makes is made and freed (:meth:`lives`)."""
+        self.born = {}
+
+    def lives(self) -> list[Life]:
+        """Each storage made by an op since :meth:`record_lives`: where it was made and
+        freed, by phase."""
+        out = [
+            Life(born, n, end, clock < self.phases[end].peak_at)
+            for born, n, end, clock in self._freed
+        ]
+        alive = ((born, self._sizes[key]) for key, born in (self.born or {}).items())
+        return out + [Life(born, n, None, False) for born, n in alive]
+
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
         """Close the current phase and open one labelled ``key`` at the current live bytes."""
         if self.phases:
             self.phases[-1].exit = self.live
-        self.phases.append(PhaseRecord(key, self.live, self.live, grads=grads))
+        self.phases.append(PhaseRecord(key, self.live, self.live, grads=grads, peak_at=self._clock))
+        self._made = 0
 
     def close(self) -> None:
         """Close the last phase (call once the measured region is over)."""
@@ -144,7 +180,11 @@ class LiveBytesTracker(TorchDispatchMode):
                 if id(storage) not in inputs:
                     wide = i in widened and isinstance(t, FakeTensor) and t.element_size() < 4
                     nbytes = t.numel() * 4 if wide else None
+                    new = id(storage) not in self._sizes
                     self._add(storage, _device_type(t), check_budget=True, nbytes=nbytes)
+                    if new and self.born is not None and id(storage) in self._sizes:
+                        self.born[id(storage)] = (len(self.phases) - 1, self._made)
+                        self._made += 1
         return out
 
     def _resized(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
@@ -179,10 +219,12 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _grow(self, nbytes: int, *, check_budget: bool) -> None:
         self.live += nbytes
+        self._clock += 1
         if self.live > self.peak:
             self.peak = self.live
         if self.phases and self.live > self.phases[-1].peak:
             self.phases[-1].peak = self.live
+            self.phases[-1].peak_at = self._clock
         if check_budget and self.budget_bytes is not None and self.live > self.budget_bytes:
             # Worded like torch's own (and its CPU allocator's), so that tools which
             # recognise OOMs by message (accelerate, Lightning, Hugging Face) react as to
@@ -197,7 +239,11 @@ class LiveBytesTracker(TorchDispatchMode):
             )
 
     def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        nbytes = self._sizes.pop(key, 0)
+        self.live -= nbytes
+        self._clock += 1
+        if self.born is not None and key in self.born:
+            self._freed.append((self.born.pop(key), nbytes, len(self.phases) - 1, self._clock))
 
 
 class CompiledBytesTracker(LiveBytesTracker):

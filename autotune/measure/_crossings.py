@@ -1,0 +1,128 @@
+"""The tensors a block takes as an argument whose free a mixed mask can move, from the
+uniform runs' lives (see :class:`~autotune._profile_data.Crossing`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, Crossing, Line, PhaseKey
+from autotune.measure._timeline import Lives, occurrences
+from autotune.measure._tracker import Life, PhaseRecord
+
+__all__ = ["crossings"]
+
+_HOLDING = (CHECKPOINT, SELECTIVE)
+"""The variants that hold a block's arguments until its backward."""
+
+_Born = tuple[tuple[PhaseKey, int], int]
+"""Where a storage was made, the same in every run: its phase by key and occurrence,
+and how many storages that phase had made before."""
+
+
+def crossings(
+    runs: Mapping[tuple[int, int], list[PhaseRecord]],
+    lives: Mapping[tuple[int, int], Lives],
+    sizes: tuple[int, int],
+    variants: Sequence[int],
+) -> tuple[Crossing, ...]:
+    """The tensors some block takes as an argument that the variants' runs (every block
+    kept, every block checkpointed, ...) free in different phases, at micro-batch sizes
+    ``sizes``; a variant not run reads as the kept run. Tensors that do not match across
+    the runs (by where they were made, and their bytes) are left out."""
+    b1, b2 = sizes
+    if any((b, v) not in lives for b in sizes for v in variants):
+        return ()
+    index = _phase_index(runs[b1, KEEP])
+    ends = {(b, v): _ends(runs[b, v], lives[b, v].lives, index) for b in sizes for v in variants}
+    taken = {
+        (b, v): _keyed(runs[b, v], lives[b, v].arguments)
+        for b in sizes
+        for v in variants
+        if v in _HOLDING
+    }
+    every = {born for arguments in taken.values() for born in arguments}
+    out = []
+    for born in sorted(every, key=repr):
+        both = {v: (ends[b1, v].get(born), ends[b2, v].get(born)) for v in variants}
+        holders = {v: tuple(sorted(taken[b2, v].get(born, ()))) for v in variants if v in _HOLDING}
+        crossing = _crossing(born, sizes, both, holders)
+        if crossing is not None:
+            out.append(crossing)
+    return tuple(out)
+
+
+_End = tuple[int, int, bool]
+"""Where a storage was freed (a phase's index in its micro-batch), its bytes, and
+whether it was freed before that phase's peak."""
+
+
+def _crossing(
+    born: _Born,
+    sizes: tuple[int, int],
+    ends: dict[int, tuple[_End | None, _End | None]],
+    holders: dict[int, tuple[int, ...]],
+) -> Crossing | None:
+    """The crossing made at ``born`` from its ``ends`` at both sizes in each variant's
+    run; ``None`` where it is not the same tensor in every run, or every run frees it in
+    the same phase (nothing moves)."""
+    seen = {v: (one, two) for v, (one, two) in ends.items() if one is not None and two is not None}
+    if len(seen) != len(ends):
+        return None
+    if any(len({pair[i][1] for pair in seen.values()}) != 1 for i in (0, 1)):
+        return None  # not the same tensor in every run
+    where = {pair[0][0] for pair in seen.values()}
+    if any(one[0] != two[0] for one, two in seen.values()) or len(where) == 1:
+        return None
+    n = max(seen) + 1
+    chosen = [seen.get(v, seen[KEEP])[1] for v in range(n)]
+    (b1, b2), (one, two) = sizes, seen[KEEP]
+    return Crossing(
+        micro=born[0][0].micro,
+        size=Line.through(b1, one[1], b2, two[1]),
+        ends=tuple(e[0] for e in chosen),
+        early=tuple(e[2] for e in chosen),
+        holders=tuple(holders.get(v, ()) for v in range(n)),
+    )
+
+
+def _phase_index(reference: list[PhaseRecord]) -> dict[tuple[PhaseKey, int], int]:
+    """Each phase of micro-batches 1 and 2 (by key and occurrence) to its index among
+    its micro-batch's phases."""
+    out = {}
+    counts: dict[int, int] = {}
+    for key in occurrences(reference):
+        micro = key[0].micro
+        if micro in (1, 2):
+            out[key] = counts.get(micro, 0)
+            counts[micro] = out[key] + 1
+    out.update({(PhaseKey(m, "after the micro-batch"), 0): n for m, n in counts.items()})
+    return out
+
+
+def _ends(
+    records: list[PhaseRecord], lives: list[Life], index: dict[tuple[PhaseKey, int], int]
+) -> dict[_Born, _End]:
+    """Each storage made in micro-batch 1 or 2 of a run, where it ended (a phase not
+    within its micro-batch: the number of phases)."""
+    keys = occurrences(records)
+    out = {}
+    for life in lives:
+        made = keys[life.born[0]]
+        if made not in index:
+            continue
+        micro = made[0].micro
+        end = keys[life.end] if life.end is not None else None
+        past = index[PhaseKey(micro, "after the micro-batch"), 0]
+        if end is None or end[0].micro != micro or end not in index:
+            out[made, life.born[1]] = (past, life.nbytes, False)
+        else:
+            out[made, life.born[1]] = (index[end], life.nbytes, life.early)
+    return out
+
+
+def _keyed(
+    records: list[PhaseRecord], arguments: dict[tuple[int, int], set[int]]
+) -> dict[_Born, set[int]]:
+    """The blocks' arguments keyed by where they were made, the same in every run."""
+    keys = occurrences(records)
+    return {(keys[phase], n): blocks for (phase, n), blocks in arguments.items()}
