@@ -4,6 +4,7 @@ through the checks of ``tests/models/matrix_checks.py``, as a markdown table.
     python benchmarks/matrix.py                          # every case, ~1.5 min on 2 cores
     python benchmarks/matrix.py --cases t5 resnet bert   # only these
     python benchmarks/matrix.py --out /tmp/matrix.json   # also every problem, as JSON
+    python benchmarks/matrix.py --tuned                  # tune the cases marked tuned, ~10 min
 
 Per case: the blocks ``find_blocks`` returns (right: the layers the case expects, run in
 that order), whether one micro-batch's gradients (and loss) with every block checkpointed,
@@ -46,8 +47,9 @@ from matrix_checks import (  # noqa: E402
     SELECTIVE,
     Outcome,
     run_case,
+    tuned_end_to_end,
 )
-from zoo import CASES  # noqa: E402
+from zoo import CASES, Case  # noqa: E402
 
 _COLUMNS = (
     (BLOCKS, "blocks ok"),
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="*", help="only these case names")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (tiny models)")
     parser.add_argument("--out", type=Path, help="write every outcome to this JSON file")
+    parser.add_argument(
+        "--tuned", action="store_true", help="tune the cases marked tuned end to end instead"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     unknown = set(args.cases or ()) - {c.name for c in CASES}
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         transformers.logging.set_verbosity_error()
     except ImportError:
         pass
+    if args.tuned:
+        return tune_each([c for c in cases if c.tuned])
     started = time.perf_counter()
     outcomes = []
     for case in cases:
@@ -138,6 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(outcomes) - failed} of {len(outcomes)} cases pass; {seconds:.0f} s in all")
     if args.out:
         args.out.write_text(json.dumps(as_json(outcomes, seconds), indent=2))
+    return 1 if failed else 0
+
+
+def tune_each(cases: list[Case]) -> int:
+    """Tune each case end to end (:func:`matrix_checks.tuned_end_to_end`), one line each."""
+    failed = 0
+    for case in cases:
+        if missing := case.missing():
+            print(f"{case.name}: skipped, needs {', '.join(missing)}", flush=True)
+            continue
+        started = time.perf_counter()
+        found = tuned_end_to_end(case)
+        failed += bool(found)
+        status = "ok" if not found else "FAILED: " + "; ".join(found)
+        print(f"{case.name}: {status} ({time.perf_counter() - started:.0f} s)", flush=True)
     return 1 if failed else 0
 
 

@@ -8,7 +8,6 @@ import pytest
 from ranks import run
 
 CASES = [
-    {"model": "mlp", "parallel": "fsdp", "micro": 8, "accum": 2},
     {
         "model": "mlp",
         "parallel": "fsdp",
@@ -17,14 +16,9 @@ CASES = [
         "checkpoint": ["1.1"],
         "keep": ["1.2"],
     },
-    {"model": "mlp", "parallel": "fsdp", "micro": 32, "accum": 2, "precision": "bf16"},
-    {"model": "mlp", "parallel": "ddp", "micro": 32, "accum": 2},
     {"model": "mlp-frozen", "parallel": "fsdp", "micro": 16, "accum": 2},
     {"model": "mlp", "parallel": "fsdp", "micro": 16, "accum": 1, "offload": True},
-    {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 2},
-    {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 1, "checkpoint": ["blocks.1"]},
     {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 2, "selective": ["blocks.0"]},
-    {"model": "gpt", "parallel": "fsdp", "micro": 4, "accum": 1, "selective": ["blocks.1"]},
     {
         "model": "gpt",
         "parallel": "fsdp",
@@ -35,13 +29,16 @@ CASES = [
         "selective": ["blocks.1"],
     },
 ]
+"""One case of each kind (FSDP2 with blocks checkpointed and kept gathered, a frozen
+part, the optimizer offloaded, DDP with selective checkpointing, bf16 with every block
+choice); ``benchmarks/parallel.py`` predicts more configs and shapes at 1, 2 and 4 ranks."""
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_within_3_percent_and_same_losses_as_one_process(world: int) -> None:
     # At 4 ranks FSDP2's cases (its shards change with the world size; DDP's ranks hold
     # the whole model at any size, checked at 2).
-    cases = CASES if world == 2 else [c for c in CASES if c["parallel"] == "fsdp"]
+    cases = CASES if world == 2 else [CASES[0], CASES[-1]]
     results = run(world, {"cases": cases, "trace": True})
     traced = []  # (traced, its least measured step), of the first and the last rank
     for i, spec in enumerate(cases):
