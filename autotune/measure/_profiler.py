@@ -507,7 +507,7 @@ class _Tracked:
     requests: dict[tuple[int, int], tuple[RequestLog, int]] = dataclasses.field(
         default_factory=dict
     )
-    lives: dict[tuple[int, int], Lives] = dataclasses.field(default_factory=dict)
-    """Where each (size, variant)'s storages were made and freed (eager runs)."""
     """The allocator's requests in each (size, variant)'s step, and the live bytes it
     began with (a caching device where they can be recorded)."""
+    lives: dict[tuple[int, int], Lives] = dataclasses.field(default_factory=dict)
+    """Where each (size, variant)'s storages were made and freed (eager runs)."""
