@@ -242,7 +242,6 @@ class Profiler:
         # constant) and fragmentation that grows with the activations (the slope).
         reserve = tuple(Line.rising(beyond.get(v, beyond[KEEP])) for v in indices if beyond)
         requests = _requests(tracked.requests, b1, b2, indices, self.foreign_bytes)
-        crossing = crossings(runs, tracked.lives, (b1, b2), variants)
         return PrecisionProfile(
             precision,
             base - state,
@@ -252,7 +251,7 @@ class Profiler:
             copies=sizes,
             selective=SELECTIVE in variants,
             requests=requests,
-            crossings=crossing,
+            crossings=crossings(runs, tracked.lives, (b1, b2), variants),
         )
 
     def _tracked(

@@ -264,11 +264,10 @@ def test_the_jobs_of_a_64_block_config_fit_the_database(kind: str, tmp_path) -> 
 
     blocks = tuple(f"model.transformer.h.{i}" for i in range(64))
     deep = TrainConfig(checkpoint=blocks[::2], selective_checkpoint=blocks[1::2])
-    storage = fresh(kind, tmp_path, "deep")
-    store = StudyStore(resolve_storage(storage), "deep", {"blocks": list(blocks)})
-    for job in (job_key("verify", deep), job_key("settle", deep, deep.replace(checkpoint=()))):
-        assert store.once(job, deep.describe, "verifying") == deep.describe()
-    with opened(storage) as db:
+    with opened(fresh(kind, tmp_path, "deep")) as db:  # its connections closed after
+        store = StudyStore(db, "deep", {"blocks": list(blocks)})
+        for job in (job_key("verify", deep), job_key("settle", deep, deep.replace(checkpoint=()))):
+            assert store.once(job, deep.describe, "verifying") == deep.describe()
         for name in optuna.get_all_study_names(db):
             assert len(name) < 100
             study = optuna.load_study(study_name=name, storage=db)
