@@ -132,3 +132,42 @@ def test_a_trainer_given_a_table_per_length_trains_the_longest_row_and_says_so()
     result = dataclasses.replace(result_for(long), by_length=rows)
     with pytest.warns(AutotuneWarning, match="the longest row's"):
         assert per_process(result, "the Trainer") == long
+
+
+def test_the_one_process_refusal_s_advice_gives_a_result_torchrun_launches(
+    tmp_path: Path, capsys
+) -> None:
+    """`--to torchrun` of a one-process result says to plan with --world-size: planned so,
+    the result exports to the launch of its ranks."""
+    from autotune.cli._main import main
+
+    with pytest.raises(ConfigError, match=r"planned with --world-size"):
+        to_torchrun(result_for(TrainConfig()))
+    planned = tmp_path / "planned.yaml"
+    code = main(
+        ["plan", "autotune.models:tiny_gpt", "--batch", "autotune.models:example_batch",
+         "--device", "A100-40GB", "--budget-gb", "1.0", "--global-batch", "16",
+         "--world-size", "2", "--precisions", "bf16", "--no-selective-checkpointing",
+         "--micro-batch-sizes", "4,8", "-o", str(planned)]
+    )  # fmt: skip
+    assert code == 0
+    capsys.readouterr()
+    assert main(["export", str(planned), "--to", "torchrun"]) == 0
+    assert "torchrun --nproc-per-node 2 train.py" in capsys.readouterr().out
+
+
+def test_the_fsdp2_refusal_s_export_advice_works(tmp_path: Path, capsys) -> None:
+    """A trainer with its own data parallelism refuses an FSDP2 result, advising
+    `autotune export --to accelerate` (or prepare under torchrun, which the per-rank tests
+    run): that command writes accelerate's FSDP2 config of the result."""
+    from autotune.cli._main import main
+    from autotune.integrations._one_process import per_process
+
+    with pytest.raises(ConfigError, match=r"autotune export --to accelerate"):
+        per_process(result_for(FSDP), "Lightning")
+    saved = tmp_path / "fsdp-8.yaml"
+    result_for(FSDP).save(saved)
+    assert main(["export", str(saved), "--to", "accelerate"]) == 0
+    printed = capsys.readouterr().out
+    assert "distributed_type: FSDP" in printed and "fsdp_version: 2" in printed
+    assert "num_processes: 8" in printed

@@ -279,6 +279,25 @@ def test_manual_optimization_is_refused_and_the_advice_trains(tuned: TuneResult)
     assert 0 < reading.peak_bytes <= tuned.budget_bytes
 
 
+def test_a_train_loader_other_than_one_dataloader_is_refused_and_the_advice_trains(
+    tuned: TuneResult,
+) -> None:
+    module = LitGPT(batch_size=MICRO)
+    rows = DataLoader(Rows(samples(4 * MICRO)), batch_size=MICRO)
+    module.train_dataloader = lambda: {"a": rows, "b": rows}  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"got dict\. Tune with autotune\.autotune"):
+        trainer_with(Autotune(tuned.budget_bytes / 2**30, global_batch_size=G)).fit(module)
+    # The advice as written: ``tuned`` is autotune.autotune() on this architecture; the
+    # module's model trains as tuned through prepare(), on one of its loaders' batches.
+    with (
+        autotune.prepare(module.model, tuned, lr=LR, device="cpu") as runner,
+        autotune.peak_memory(runner) as reading,
+    ):
+        for batch in DataLoader(Rows(samples(STEPS * G, seed=1)), batch_size=G):
+            runner.step(batch)
+    assert 0 < reading.peak_bytes <= tuned.budget_bytes
+
+
 def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     module = LitGPT()
     del module.batch_size
