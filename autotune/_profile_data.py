@@ -227,6 +227,9 @@ class Crossing:
     holders: tuple[tuple[int, ...], ...]
     """The blocks holding it as their argument until their backward (checkpointed
     variants); empty: not known but through where it is freed (kept, offloaded)."""
+    dropped: int | None = None
+    """The index of the phase in which Python let go of it, in the kept run (the number
+    of phases: not within the micro-batch; ``None``: not recorded)."""
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Crossing:
@@ -236,6 +239,7 @@ class Crossing:
             tuple(d["ends"]),
             tuple(d["early"]),
             tuple(tuple(h) for h in d["holders"]),
+            d.get("dropped"),
         )
 
 

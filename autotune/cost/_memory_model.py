@@ -441,7 +441,8 @@ def _end(
 ) -> tuple[int, bool] | None:
     """Where ``c`` is freed under ``mask`` (the phase's index; whether before its peak):
     where the last of the mask's blocks that hold it lets go, or where Python drops it
-    (a run in which no block held it shows where); ``None``: not known."""
+    (a run in which no block held it shows where, else the kept run's record of where
+    Python let go of it); ``None``: not known."""
     releases = []
     dropped = None
     for v, at in enumerate(c.ends):
@@ -455,6 +456,8 @@ def _end(
             return None
         past = at - max(backward[j] for j in held)  # how far after the backward it goes
         releases += [(backward[j] + past, c.early[v]) for j in held if mask[j] == v]
+    if dropped is None and c.dropped is not None:  # where Python let go, no run freeing it there
+        dropped = (c.dropped, True)
     if dropped is not None:
         releases.append(dropped)
     return max(releases) if releases else None

@@ -51,9 +51,9 @@ def crossings(
     return tuple(out)
 
 
-_End = tuple[int, int, bool]
-"""Where a storage was freed (a phase's index in its micro-batch), its bytes, and
-whether it was freed before that phase's peak."""
+_End = tuple[int, int, bool, int]
+"""Where a storage was freed (a phase's index in its micro-batch), its bytes, whether it
+was freed before that phase's peak, and where Python let go of it."""
 
 
 def _crossing(
@@ -82,6 +82,7 @@ def _crossing(
         ends=tuple(e[0] for e in chosen),
         early=tuple(e[2] for e in chosen),
         holders=tuple(holders.get(v, ()) for v in range(n)),
+        dropped=two[3],
     )
 
 
@@ -111,13 +112,25 @@ def _ends(
         if made not in index:
             continue
         micro = made[0].micro
-        end = keys[life.end] if life.end is not None else None
-        past = index[PhaseKey(micro, "after the micro-batch"), 0]
-        if end is None or end[0].micro != micro or end not in index:
-            out[made, life.born[1]] = (past, life.nbytes, False)
-        else:
-            out[made, life.born[1]] = (index[end], life.nbytes, life.early)
+        end = _within(keys, index, micro, life.end)
+        dropped = _within(keys, index, micro, life.dropped)
+        early = life.early and end != _within(keys, index, micro, None)
+        out[made, life.born[1]] = (end, life.nbytes, early, dropped)
     return out
+
+
+def _within(
+    keys: list[tuple[PhaseKey, int]],
+    index: dict[tuple[PhaseKey, int], int],
+    micro: int,
+    at: int | None,
+) -> int:
+    """The index of record ``at`` among micro-batch ``micro``'s phases (the number of
+    phases where it is another's, or ``None``)."""
+    key = keys[at] if at is not None else None
+    if key is not None and key[0].micro == micro and key in index:
+        return index[key]
+    return index[PhaseKey(micro, "after the micro-batch"), 0]
 
 
 def _keyed(

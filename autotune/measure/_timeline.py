@@ -127,7 +127,18 @@ def tracked_step(
     tracker = tracker_for(runner.config.compile_level != "none", runner.device.type)
     rec = _Recorder(tracker, runner.model, lives=lives)
     existing = state_tensors(runner.model, runner.optimizer, runner.scaler)
-    with _block_hooks(rec, blocks), measure_peak(runner.device, existing=existing, tracker=tracker):
+    # Recording lives, autograd saves an alias of each tensor (the same storage, the same
+    # bytes): the tensor an op returned is then dropped where Python lets go of it.
+    aliased = (
+        contextlib.nullcontext()
+        if lives is None
+        else torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _same)
+    )
+    with (
+        _block_hooks(rec, blocks),
+        measure_peak(runner.device, existing=existing, tracker=tracker),
+        aliased,
+    ):
         total = torch.zeros((), device=runner.device)  # the runner's running loss, as in a step
         rec.mark("start")
         if lives is not None:
@@ -151,6 +162,10 @@ def tracked_step(
         if lives is not None:
             lives.lives = tracker.lives()
     return tracker.phases
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def fit_phases(

@@ -70,6 +70,10 @@ class Life:
     """The index of the phase it was freed in (``None``: alive when recording stopped)."""
     early: bool
     """Whether it was freed before that phase's peak."""
+    dropped: int | None = None
+    """The index of the phase in which the tensor the op returned was dropped (``None``:
+    not while recording): where Python let go of it, where autograd saves an alias of it
+    (see :func:`~autotune.measure._timeline.tracked_step`)."""
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -96,6 +100,7 @@ class LiveBytesTracker(TorchDispatchMode):
         """id(storage) -> :attr:`Life.born` of each storage alive, while lives are recorded."""
         self._freed: list[tuple[tuple[int, int], int, int, int]] = []
         self._made = 0  # storages the current phase has made
+        self._dropped: dict[tuple[int, int], int] = {}  # Life.born -> Life.dropped
 
     supports_higher_order_operators = True
     """Higher-order operators (compiled code's ``run_and_save_rng_state``, which a block
@@ -134,12 +139,13 @@ class LiveBytesTracker(TorchDispatchMode):
     def lives(self) -> list[Life]:
         """Each storage made by an op since :meth:`record_lives`: where it was made and
         freed, by phase."""
+        drop = self._dropped.get
         out = [
-            Life(born, n, end, clock < self.phases[end].peak_at)
+            Life(born, n, end, clock < self.phases[end].peak_at, drop(born))
             for born, n, end, clock in self._freed
         ]
         alive = ((born, self._sizes[key]) for key, born in (self.born or {}).items())
-        return out + [Life(born, n, None, False) for born, n in alive]
+        return out + [Life(born, n, None, False, drop(born)) for born, n in alive]
 
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
         """Close the current phase and open one labelled ``key`` at the current live bytes."""
@@ -183,9 +189,18 @@ class LiveBytesTracker(TorchDispatchMode):
                     new = id(storage) not in self._sizes
                     self._add(storage, _device_type(t), check_budget=True, nbytes=nbytes)
                     if new and self.born is not None and id(storage) in self._sizes:
-                        self.born[id(storage)] = (len(self.phases) - 1, self._made)
-                        self._made += 1
+                        self._note_birth(storage, t)
         return out
+
+    def _note_birth(self, storage: torch.UntypedStorage, t: torch.Tensor) -> None:
+        """Note where ``storage`` (``t``'s, which an op returned) is made, and watch ``t``."""
+        assert self.born is not None
+        born = self.born[id(storage)] = (len(self.phases) - 1, self._made)
+        self._made += 1
+        weakref.finalize(t, self._drop, born)
+
+    def _drop(self, born: tuple[int, int]) -> None:
+        self._dropped[born] = len(self.phases) - 1
 
     def _resized(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key = id(storage)
