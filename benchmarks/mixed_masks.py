@@ -55,10 +55,19 @@ def _cases(blocks: tuple[str, ...], name: str) -> list[autotune.TrainConfig]:
             config(micro_batch_size=4, selective_checkpoint=blocks[:1]),
             config(micro_batch_size=4, selective_checkpoint=blocks[1:2]),
             config(micro_batch_size=4, checkpoint=blocks[:1]),
+            config(
+                micro_batch_size=2, grad_accum_steps=2, checkpoint=blocks[:2], eval_batch_size=8
+            ),
         ]
     return [
         config(micro_batch_size=4, checkpoint=blocks[:2]),
         config(micro_batch_size=4, checkpoint=blocks[1:3]),
+        config(
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            selective_checkpoint=blocks[1:2],
+            eval_batch_size=16,
+        ),
         config(micro_batch_size=4),
     ]
 

@@ -144,7 +144,7 @@ def test_a_checkpointed_layer_holding_what_python_drops_is_predicted_exactly() -
     assert profile_from_json(profile_to_json(measured_profile)) == measured_profile
     cost = CostModel(measured_profile)
     for config in (
-        TrainConfig(micro_batch_size=4, checkpoint=blocks[:2]),
+        TrainConfig(micro_batch_size=4, checkpoint=blocks[:2], eval_batch_size=8),
         TrainConfig(micro_batch_size=3, grad_accum_steps=2, checkpoint=blocks[1:3]),
     ):
         predicted, _ = cost.memory(config)
