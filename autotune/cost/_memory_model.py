@@ -409,6 +409,8 @@ def _moves(
         if end is None:
             continue
         at, early = end
+        if at >= len(phases) > min(c.ends):
+            continue  # past the micro-batch, where a run freed it within: not one tensor
         for x in {e for e in (*c.ends, at) if e < len(phases)}:  # elsewhere nothing moves
             w = weights[x]
             here = [v for v, e in enumerate(c.ends) if e == x]
