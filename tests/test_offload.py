@@ -22,6 +22,7 @@ from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
 from autotune.cost._knapsack import min_cost_choice as _min_cost_choice
+from autotune.cost._knobs import Knobs
 from autotune.cost._planner import Planner
 from autotune.cost._shortfall import too_small
 from autotune.device._target import discover
@@ -367,11 +368,13 @@ def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
     timed = dataclasses.replace(offload_profile, precisions=precisions)
     fast = CostModel(timed)
     mask = (OFFLOAD,) * 3
-    plain = fast.step_s("fp32", "adamw", 8, 1, (KEEP,) * 3)
-    assert fast.step_s("fp32", "adamw", 8, 1, mask) == pytest.approx(plain, rel=1e-4)
+    plain = fast.step_s_of(Knobs.given("fp32", "adamw", 8, 1, (KEEP,) * 3))
+    assert fast.step_s_of(Knobs.given("fp32", "adamw", 8, 1, mask)) == pytest.approx(
+        plain, rel=1e-4
+    )
     moved = sum(line(8) for line in timed.precisions["fp32"].moved)
     slow = CostModel(dataclasses.replace(timed, transfer=Transfer(1e6, 1e6, 2**40)))
-    stall = slow.step_s("fp32", "adamw", 8, 1, mask) - plain
+    stall = slow.step_s_of(Knobs.given("fp32", "adamw", 8, 1, mask)) - plain
     # Every byte goes down and comes back at 1 MB/s; little of it hides behind compute.
     assert 2 * moved / 1e6 - 0.1 <= stall <= 2 * moved / 1e6
 
@@ -418,7 +421,7 @@ def study(profile, limit: int, *, offload: bool) -> Planner:
 
 def test_offload_lets_the_search_fit_a_budget_nothing_else_fits(offload_profile) -> None:
     cost = CostModel(offload_profile)
-    full = cost.peak("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3)
+    full = cost.peak_of(Knobs.given("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3))
     limit = full - 1  # below the most frugal config without offload
     assert study(offload_profile, limit, offload=False).config("fp32", "adamw", 1) is None
     s = study(offload_profile, limit, offload=True)
@@ -433,7 +436,10 @@ def test_host_memory_limits_offload(offload_profile) -> None:
     import dataclasses
 
     tiny_host = dataclasses.replace(offload_profile, transfer=Transfer(1e12, 1e12, 1024))
-    limit = CostModel(offload_profile).peak("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3) - 1
+    limit = (
+        CostModel(offload_profile).peak_of(Knobs.given("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3))
+        - 1
+    )
     s = study(tiny_host, limit, offload=True)
     assert all(s.config("fp32", "adamw", b, h) is None for b in s.sizes for h in (False, True))
 
@@ -466,7 +472,7 @@ def test_tune_with_offload_on_a_separate_host_verifies_what_it_picks(model, samp
             context_bytes=0,
         )[0]
     )
-    frugal = cost.peak("fp32", "adamw", 1, 8, (CHECKPOINT,) * 3)
+    frugal = cost.peak_of(Knobs.given("fp32", "adamw", 1, 8, (CHECKPOINT,) * 3))
     budget_gb = frugal * 0.97 / 2**30
     space = SearchSpace(precisions=("fp32",), offload_optimizer=True, offload_activations=True)
     result = autotune.autotune(

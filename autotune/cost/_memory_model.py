@@ -79,36 +79,9 @@ class MemoryModel(ProfileView):
             for name, prec in profile.precisions.items()
         }
 
-    def peak(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        mask: Mask,
-        *,
-        offload_optimizer: bool = False,
-    ) -> int:
-        """Predicted peak device bytes: :meth:`peak_of` the knobs given one by one."""
-        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
-        return self.peak_of(knobs)
-
     def peak_of(self, knobs: Knobs) -> int:
         """Predicted peak device bytes of ``knobs``."""
         return self.peaks_of(knobs)[0]
-
-    def simulate(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        mask: Mask,
-        offload_optimizer: bool = False,
-    ) -> tuple[int, int, int]:
-        """:meth:`peaks_of` the knobs given one by one."""
-        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
-        return self.peaks_of(knobs)
 
     def peaks_of(self, knobs: Knobs) -> tuple[int, int, int]:
         """(device peak bytes, live peak bytes, gradient bytes at the peak) of ``knobs``."""

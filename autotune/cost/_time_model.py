@@ -8,7 +8,7 @@ arithmetic over the profile.
 
 from __future__ import annotations
 
-from autotune.cost._knobs import Knobs, Mask
+from autotune.cost._knobs import Knobs
 from autotune.cost._memory_model import CHECKPOINT, OFFLOAD, SELECTIVE, ProfileView
 
 __all__ = ["TimeModel"]
@@ -16,21 +16,6 @@ __all__ = ["TimeModel"]
 
 class TimeModel(ProfileView):
     """Predicts seconds per optimizer step from a profile."""
-
-    def step_s(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        mask: Mask,
-        *,
-        offload_optimizer: bool = False,
-    ) -> float:
-        """Predicted seconds of one optimizer step: :meth:`step_s_of` the knobs given one
-        by one."""
-        knobs = Knobs.given(precision, optimizer, b, accum, mask, offload_optimizer)
-        return self.step_s_of(knobs)
 
     def step_s_of(self, knobs: Knobs) -> float:
         """Predicted seconds of one optimizer step of ``knobs``."""

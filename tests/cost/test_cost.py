@@ -81,28 +81,28 @@ def test_predicted_peak_matches_measured(
 
 def test_checkpointing_lowers_the_predicted_peak(gpt_profile):
     cost = CostModel(gpt_profile)
-    none = cost.peak("fp32", "adamw", 16, 1, (False,) * 3)
-    some = cost.peak("fp32", "adamw", 16, 1, (True, False, False))
-    full = cost.peak("fp32", "adamw", 16, 1, (True,) * 3)
+    none = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (False,) * 3))
+    some = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (True, False, False)))
+    full = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (True,) * 3))
     assert none > some > full
     # Keeping the matrix products' outputs costs memory that full checkpointing saves.
-    selective = cost.peak("fp32", "adamw", 16, 1, (SELECTIVE,) * 3)
+    selective = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (SELECTIVE,) * 3))
     assert none > selective > full
 
 
 def test_plan_finds_the_cheapest_fitting_mask(gpt_profile):
     cost = CostModel(gpt_profile)
-    none = cost.peak("fp32", "adamw", 16, 1, (False,) * 3)
-    full = cost.peak("fp32", "adamw", 16, 1, (True,) * 3)
+    none = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (False,) * 3))
+    full = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (True,) * 3))
     assert cost.plan("fp32", "adamw", 16, 1, none) == (False,) * 3
     assert cost.plan("fp32", "adamw", 16, 1, full - 1) is None
     limit = (none + full) // 2
     mask = cost.plan("fp32", "adamw", 16, 1, limit)
     assert mask is not None
-    assert cost.peak("fp32", "adamw", 16, 1, mask) <= limit
+    assert cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, mask)) <= limit
     # Identical blocks: no fitting mask checkpoints fewer blocks.
     fewer = [m for m in _all_masks(3) if sum(m) < sum(mask)]
-    assert all(cost.peak("fp32", "adamw", 16, 1, m) > limit for m in fewer)
+    assert all(cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, m)) > limit for m in fewer)
 
 
 def _all_masks(n: int) -> list[tuple[bool, ...]]:
@@ -199,6 +199,6 @@ def test_knobs_are_what_the_cost_model_reads_of_a_config(gpt_profile) -> None:
     mask = (CHECKPOINT, KEEP, SELECTIVE)
     assert knobs == Knobs(precision="bf16", optimizer="sgd", micro_batch=6, accum=3, mask=mask)
     assert knobs.config(gpt_profile.blocks) == config
-    assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peak("bf16", "sgd", 6, 3, mask)
-    assert cost.peaks_of(knobs) == cost.simulate("bf16", "sgd", 6, 3, mask)
+    assert Knobs.given("bf16", "sgd", 6, 3, mask) == knobs
+    assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peaks_of(knobs)[0]
     assert cost.plan_of(knobs, 2**40) == cost.plan("bf16", "sgd", 6, 3, 2**40) == (KEEP,) * 3

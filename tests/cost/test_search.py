@@ -10,6 +10,7 @@ import pytest
 from autotune._profile_data import Profile, TimeCurve
 from autotune.cost._candidates import best_config, enumerate_candidates, largest_fitting
 from autotune.cost._cost_model import CostModel
+from autotune.cost._knobs import Knobs
 from autotune.cost._planner import Planner
 from autotune.cost._search import search
 
@@ -29,7 +30,7 @@ def cost(gpt_profile: Profile) -> CostModel:
 def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Planner:
     sizes = [b for b in range(1, 65) if global_batch is None or global_batch % b == 0]
     none = (False,) * cost.n_blocks
-    top = cost.peak("fp32", "adamw", 64, 1, none)
+    top = cost.peak_of(Knobs.given("fp32", "adamw", 64, 1, none))
     return Planner(
         cost=cost,
         sizes=sizes,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from autotune.cost._cost_model import SELECTIVE, CostModel
+from autotune.cost._knobs import Knobs
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 
@@ -42,7 +43,9 @@ def test_blocks_that_change_a_kept_output_leave_selective_checkpointing_out_with
     ), notes
     # The other choices were measured: checkpointing the blocks still saves memory.
     cost = CostModel(profile)
-    assert cost.peak("fp32", "adamw", 8, 1, (1, 1)) < cost.peak("fp32", "adamw", 8, 1, (0, 0))
+    assert cost.peak_of(Knobs.given("fp32", "adamw", 8, 1, (1, 1))) < cost.peak_of(
+        Knobs.given("fp32", "adamw", 8, 1, (0, 0))
+    )
     assert not cost.can_select("fp32")
     assert SELECTIVE not in (cost.plan("fp32", "adamw", 8, 1, 2**40) or ())
 
