@@ -99,7 +99,7 @@ def ahead(a: Sequence[float], b: Sequence[float], sigma: float) -> bool:
     return lead(a, b) > CONFIDENCE * error
 
 
-def noise(raced: Sequence[Sequence[float]], model: Noise = QUIET) -> float:
+def noise(raced: Sequence[Sequence[float]], machine: Noise = QUIET) -> float:
     """The relative noise of one timing, from the configurations timed more than once.
 
     Each is compared round by round with the one timed most often (the leader, in every
@@ -121,8 +121,8 @@ def noise(raced: Sequence[Sequence[float]], model: Noise = QUIET) -> float:
             squares /= 2  # a ratio of two timings: twice the variance of one
         else:
             squares, freedom = _spread([[math.log(x) for x in reference]])
-    variance = (squares + PRIOR_WEIGHT * model.prior**2) / (freedom + PRIOR_WEIGHT)
-    return min(max(math.sqrt(variance), LEAST_NOISE), model.most)
+    variance = (squares + PRIOR_WEIGHT * machine.prior**2) / (freedom + PRIOR_WEIGHT)
+    return min(max(math.sqrt(variance), LEAST_NOISE), machine.most)
 
 
 def _spread(groups: Sequence[Sequence[float]]) -> tuple[float, int]:

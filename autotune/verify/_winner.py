@@ -134,7 +134,7 @@ def _alike(a: TrainConfig, b: TrainConfig) -> bool:
     return idea(a) == idea(b) and large < 1.5 * small
 
 
-def fastest(records: list[TrialRecord], model: Noise = QUIET) -> TrialRecord:
+def fastest(records: list[TrialRecord], machine: Noise = QUIET) -> TrialRecord:
     """The record with the highest measured throughput; among those it is not known to
     beat (:func:`known_ahead`, by more than the run-to-run drift), the simplest (fewest
     wrapped or offloaded blocks, then fp32 before mixed precision, then the least
@@ -150,7 +150,7 @@ def fastest(records: list[TrialRecord], model: Noise = QUIET) -> TrialRecord:
             "raise the budget a little or narrow the search space.",
             attempts=tuple(f"{r.config.describe()}: {r.error}" for r in records),
         )
-    best, tied, sigma = _ties(passed, model)
+    best, tied, sigma = _ties(passed, machine)
     chosen = min(tied, key=_simplicity)
     if chosen is not best:
         log.info(
@@ -165,7 +165,7 @@ def fastest(records: list[TrialRecord], model: Noise = QUIET) -> TrialRecord:
 
 
 def tied_with(
-    chosen: TrialRecord, records: list[TrialRecord], model: Noise = QUIET
+    chosen: TrialRecord, records: list[TrialRecord], machine: Noise = QUIET
 ) -> tuple[list[TrainConfig], float]:
     """The configs of ``records`` that ``chosen`` (the winner of :func:`fastest`) is tied
     with: the fastest is not known to be ahead of them (nor of ``chosen``); and the noise
@@ -173,22 +173,24 @@ def tied_with(
     passed = [r for r in records if r.measured is not None]
     if not passed:
         return [], 0.0
-    _, tied, sigma = _ties(passed, model)
+    _, tied, sigma = _ties(passed, machine)
     return [r.config for r in tied if r.config != chosen.config], sigma
 
 
-def _ties(passed: list[TrialRecord], model: Noise) -> tuple[TrialRecord, list[TrialRecord], float]:
+def _ties(
+    passed: list[TrialRecord], machine: Noise
+) -> tuple[TrialRecord, list[TrialRecord], float]:
     """The fastest of ``passed``, those it is not known to be ahead of (itself among them),
     and the noise of one timing."""
     best = max(passed, key=_measured_speed)
-    sigma = noise(passed, model)
-    return best, [r for r in passed if not known_ahead(best, r, sigma, model.drift)], sigma
+    sigma = noise(passed, machine)
+    return best, [r for r in passed if not known_ahead(best, r, sigma, machine.drift)], sigma
 
 
-def noise(records: list[TrialRecord], model: Noise = QUIET) -> float:
+def noise(records: list[TrialRecord], machine: Noise = QUIET) -> float:
     """The relative noise of one timing, from the records timed more than once (see
     :func:`autotune.verify._noise.noise`)."""
-    return _noise.noise([speeds(r) for r in records if r.measured is not None], model)
+    return _noise.noise([speeds(r) for r in records if r.measured is not None], machine)
 
 
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float, drift: float = 0.0) -> bool:
@@ -231,14 +233,14 @@ def _simplicity_of(c: TrainConfig) -> tuple[int, int, int]:
 
 
 def settle(
-    verifier: Verifier, records: list[TrialRecord], model: Noise = QUIET
+    verifier: Verifier, records: list[TrialRecord], machine: Noise = QUIET
 ) -> list[TrialRecord]:
     """Time the contenders again, interleaved, until their order is known or they tie.
 
     One timing per candidate is at the mercy of whatever else the machine does for those
     seconds. A contender the leader is not known to beat (:func:`known_ahead`, at the
     noise assumed before any re-timing) races it: both are timed again, one after the
-    other, up to ``model.rounds`` more times (``model``: the machine's noise, quiet or
+    other, up to ``machine.rounds`` more times (``machine``: the machine's noise, quiet or
     busy), so that a slow spell hits a round's timings alike
     and comparing them round by round takes it out. After each round the noise is
     estimated from the rounds, the leader is the best median, and a contender whose order
@@ -258,14 +260,14 @@ def settle(
         return statistics.median(rate(c))
 
     leader = max(times, key=median)
-    sigma, rounds = model.prior, model.rounds
+    sigma, rounds = machine.prior, machine.rounds
     racing = [c for c in times if c != leader and not ahead(rate(leader), rate(c), sigma)]
     for _ in range(rounds):
         if not racing:
             break
         for c in (leader, *racing):
             times[c].append(verifier.retime(c))
-        sigma = _noise.noise([rate(c) for c in times], model)
+        sigma = _noise.noise([rate(c) for c in times], machine)
         timed = (leader, *racing)
         leader = max(timed, key=median)
         racing = [c for c in timed if c != leader and not ahead(rate(leader), rate(c), sigma)]
