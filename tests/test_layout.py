@@ -242,6 +242,41 @@ def test_no_function_over_60_lines() -> None:
     assert not long, long
 
 
+ONE_MEANING = {
+    "rank": "autotune.train._parallel",  # this process's rank in its group
+    "run": "autotune.tuning._pipeline",  # one tuning run: problem, profile, search, verify
+    "plan": "autotune.cli._plan",  # the command that plans for a GPU not here
+}
+"""Words that once named several things (issue 49), and the module whose function is
+the one thing each names."""
+
+
+def test_each_overloaded_word_names_one_function_and_is_imported_as_itself() -> None:
+    """No module-level function, class or variable of another module takes the word, and
+    no import renames a name to it or it to another name."""
+    misuses = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.col_offset == 0:
+                names = [node.name]
+            elif isinstance(node, ast.Assign) and node.col_offset == 0:
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                renamed = [a for a in node.names if a.asname and a.asname != a.name]
+                misuses += [
+                    f"{module}: {a.name} as {a.asname}"
+                    for a in renamed
+                    if {a.name.split(".")[-1], a.asname} & set(ONE_MEANING)
+                ]
+                continue
+            else:
+                continue
+            misuses += [
+                f"{module}: {name}" for name in names if ONE_MEANING.get(name, module) != module
+            ]
+    assert misuses == []
+
+
 def test_the_package_itself_imports_only_the_base() -> None:
     eager = {d for d in imports("autotune") if d != "autotune"}
     assert eager <= BASE, eager - BASE

@@ -32,16 +32,15 @@ def tune(args: argparse.Namespace) -> int:
     if args.budget_gb is None and plan is None:
         raise ConfigError("tune needs --budget-gb (e.g. --budget-gb 24), or --from a plan.")
     model, batch, loss = inputs(args)  # a module that is not there: said before torch loads
-    from autotune.tuning import progress
-    from autotune.tuning import tune as run
+    from autotune import tuning
 
     lengths = args.sequence_lengths
     options = _options(
         args, loss, _integers(lengths, "--sequence-lengths") if lengths else None, plan
     )
     first, joined = join_torchrun(args.device)
-    with progress(quiet=args.quiet or not first), leave_group(joined):
-        result = run(model, batch, options)
+    with tuning.progress(quiet=args.quiet or not first), leave_group(joined):
+        result = tuning.tune(model, batch, options)
     if not first:  # every rank has the same result; rank 0 writes and prints it
         return 0
     path = result.save(args.output)

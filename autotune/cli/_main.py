@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from autotune._spelling import spelled_as
 from autotune.cli import _commands as commands
 from autotune.cli._flag_spelling import FLAGS
-from autotune.cli._plan import plan as run_plan
+from autotune.cli._plan import plan
 from autotune.cli._types import gib, positive_int, seconds
 from autotune.cli._verify import verify
 from autotune.config import PARALLEL, PRECISIONS
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("default", module=r"autotune(\.|$)")
         warnings.showwarning = _show_warning
         try:
-            return int(args.run(args))
+            return int(args.handler(args))
         except KeyboardInterrupt:
             print("autotune: interrupted", file=sys.stderr)
             return 130
@@ -204,16 +204,16 @@ def _add_tune(sub: Any) -> None:
     tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
     tune.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    tune.set_defaults(run=commands.tune)
+    tune.set_defaults(handler=commands.tune)
 
     show = sub.add_parser("show", help="print a tuned YAML file for people")
     show.add_argument("path", help="a tuned YAML file")
     show.add_argument("--json", action="store_true", help="print as JSON")
-    show.set_defaults(run=commands.show)
+    show.set_defaults(handler=commands.show)
 
 
 def _add_plan(sub: Any) -> None:
-    plan = sub.add_parser(
+    plan_parser = sub.add_parser(
         "plan",
         help="plan a model for a GPU and ranks that are not here (no GPU needed)",
         description="Build the model on fake tensors (no memory), trace its training "
@@ -221,32 +221,42 @@ def _add_plan(sub: Any) -> None:
         "fastest predicted first, their peak per rank, and a YAML marked planned. "
         "Time is a roofline on the GPU's datasheet: NOT VERIFIED. Exit 1 if nothing fits.",
     )
-    plan.add_argument(
+    plan_parser.add_argument(
         "model", nargs="?", metavar="MODEL", help="module:attr of a zero-argument model factory"
     )
-    plan.add_argument("--batch", help="module:attr of a sample batch, or of a factory of one")
-    plan.add_argument("--loss", help="module:attr of loss_fn(output, batch) -> scalar")
-    plan.add_argument("--hf-config", help="a Hugging Face config.json: the model, no weights")
-    plan.add_argument("--seq-len", type=positive_int, help="tokens per sample (--hf-config)")
-    plan.add_argument(
+    plan_parser.add_argument(
+        "--batch", help="module:attr of a sample batch, or of a factory of one"
+    )
+    plan_parser.add_argument("--loss", help="module:attr of loss_fn(output, batch) -> scalar")
+    plan_parser.add_argument(
+        "--hf-config", help="a Hugging Face config.json: the model, no weights"
+    )
+    plan_parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (--hf-config)")
+    plan_parser.add_argument(
         "--device", default="H100-80GB", help="the GPU by name (default H100-80GB; --list-devices)"
     )
-    plan.add_argument("--list-devices", action="store_true", help="the table of GPUs, and exit")
-    plan.add_argument("--budget-gb", type=gib, help="memory per rank (default: the GPU's)")
-    plan.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
-    plan.add_argument("--world-size", type=positive_int, help="ranks: DDP or FSDP2 (default 1)")
-    plan.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
-    plan.add_argument(
+    plan_parser.add_argument(
+        "--list-devices", action="store_true", help="the table of GPUs, and exit"
+    )
+    plan_parser.add_argument("--budget-gb", type=gib, help="memory per rank (default: the GPU's)")
+    plan_parser.add_argument("--global-batch", type=positive_int, help="samples per optimizer step")
+    plan_parser.add_argument(
+        "--world-size", type=positive_int, help="ranks: DDP or FSDP2 (default 1)"
+    )
+    plan_parser.add_argument("--seed", type=int, default=0, help="seed of the search (default 0)")
+    plan_parser.add_argument(
         "--trace-rank",
         action="store_true",
         help="an FSDP2 plan: trace its rank 0 with FSDP2 itself, for the exact peak per rank "
         "(a traced step of the whole model: a minute for an 8B)",
     )
-    _add_space(plan, gpu_knobs=False)
-    plan.add_argument("-o", "--output", default="planned.yaml", help="result file (planned.yaml)")
-    plan.add_argument("--json", action="store_true", help="print the result as JSON")
-    plan.set_defaults(
-        run=run_plan, offload="off", compile="off", compile_model="off", chunked_loss="off"
+    _add_space(plan_parser, gpu_knobs=False)
+    plan_parser.add_argument(
+        "-o", "--output", default="planned.yaml", help="result file (planned.yaml)"
+    )
+    plan_parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    plan_parser.set_defaults(
+        handler=plan, offload="off", compile="off", compile_model="off", chunked_loss="off"
     )
 
 
@@ -325,18 +335,18 @@ def _add_checks(sub: Any) -> None:
         help="the optimizer factory a config was tuned with (its path is in the file)",
     )
     ver.add_argument("--json", action="store_true", help="print as JSON")
-    ver.set_defaults(run=verify)
+    ver.set_defaults(handler=verify)
 
     exp = sub.add_parser("export", help="a tuned config as another trainer's settings")
     exp.add_argument("path", help="a tuned YAML file")
     exp.add_argument("--to", required=True, choices=TARGETS)
     exp.add_argument("-o", "--output", help="file to write (default: stdout)")
-    exp.set_defaults(run=commands.export_command)
+    exp.set_defaults(handler=commands.export_command)
 
     rep = sub.add_parser("report", help="an HTML page (or PNG) of the trials and the memory")
     rep.add_argument("path", help="a tuned YAML file")
     rep.add_argument("-o", "--output", default="report.html", help="*.html or *.png")
-    rep.set_defaults(run=commands.report)
+    rep.set_defaults(handler=commands.report)
 
 
 def _add_estimate(sub: Any) -> None:
@@ -391,7 +401,7 @@ def _add_estimate(sub: Any) -> None:
         "--keep-gathered", help="FSDP units not resharded after forward: all, none or a list"
     )
     est.add_argument("--json", action="store_true", help="print as JSON")
-    est.set_defaults(run=commands.estimate_command)
+    est.set_defaults(handler=commands.estimate_command)
 
 
 def _add_inputs(parser: argparse.ArgumentParser, *, device_help: str | None = None) -> None:

@@ -69,24 +69,6 @@ class CostModel(MemoryModel, TimeModel):
         sharded = self.profile.sharded.get(precision) if self.layout.parallel == "fsdp" else None
         return prof.selective and timed and (sharded is None or sharded.selective)
 
-    def plan(
-        self,
-        precision: str,
-        optimizer: str,
-        b: int,
-        accum: int,
-        limit: int,
-        *,
-        offload_optimizer: bool = False,
-        offload_activations: bool = False,
-        selective: bool = True,
-    ) -> Mask | None:
-        """:meth:`plan_of` the knobs given one by one (no block choices: what it solves)."""
-        knobs = Knobs.given(precision, optimizer, b, accum, (), offload_optimizer)
-        return self.plan_of(
-            knobs, limit, offload_activations=offload_activations, selective=selective
-        )
-
     def plan_of(
         self,
         knobs: Knobs,

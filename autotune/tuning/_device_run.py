@@ -52,8 +52,7 @@ from autotune.train import (
 from autotune.tuning._data_parallel import planned_result
 from autotune.tuning._evaluation import with_eval_batches
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._pipeline import Ranked, run
-from autotune.tuning._pipeline import rank as ranked
+from autotune.tuning._pipeline import Ranked, ranked, run
 from autotune.tuning._problem import Problem, make_problem
 from autotune.tuning._profiling import budget_cap, profile_model
 from autotune.tuning._stopwatch import Stopwatch

@@ -108,13 +108,13 @@ def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneRes
     started = time.perf_counter()
     rows: list[LengthRow] = []
     results: list[TuneResult] = []
-    run = options.replace(sequence_lengths=None, global_batch_tokens=None)
+    row = options.replace(sequence_lengths=None, global_batch_tokens=None)
     for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
         log.info("tuning at sequence length %d (%d samples per step)", length, samples)
-        run = run.replace(global_batch_size=samples)
-        result = tune_attentions(model, truncate(sample, length), run)
+        row = row.replace(global_batch_size=samples)
+        result = tune_attentions(model, truncate(sample, length), row)
         if not results:  # the longest fixes the math of every row, and where the state lives
-            run = run.replace(space=_as_tuned(run.space, result.config))
+            row = row.replace(space=_as_tuned(row.space, result.config))
         results.append(result)
         rows.insert(
             0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)

@@ -10,7 +10,7 @@ They differ only in their :class:`Stages`:
 * **problem**: the inputs checked and set up on the target (a context: a traced run
   holds its fake-tensor mode open while it profiles);
 * **profile**: what the model costs (measured, traced, or one config's memory);
-* **search**: the cost model's ranking (:func:`rank`: every layout's planner searched;
+* **search**: the cost model's ranking (:func:`ranked`: every layout's planner searched;
   an estimate predicts its one config);
 * **verify**: the result from the ranking (candidates run on the device; a plan's
   winner, or its rank traced; the estimate as predicted).
@@ -36,7 +36,7 @@ from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 from autotune.tuning._stopwatch import Stopwatch
 
-__all__ = ["Ranked", "Stages", "rank", "run"]
+__all__ = ["Ranked", "Stages", "ranked", "run"]
 
 S = TypeVar("S")
 R = TypeVar("R", covariant=True)
@@ -71,7 +71,7 @@ class Ranked:
     candidates: list[Candidate]
 
 
-def rank(profile: Profile, problem: Problem, options: TuneOptions, jobs: JobStore) -> Ranked:
+def ranked(profile: Profile, problem: Problem, options: TuneOptions, jobs: JobStore) -> Ranked:
     """The search stage of a tuning run and a plan: a planner per layout of the problem's
     ranks, and the candidates of each searched once among ``jobs``' processes."""
     found = planners(profile, problem, problem.world)

@@ -47,7 +47,7 @@ from autotune.train import LossFn, map_tensors
 from autotune.tuning._data_parallel import planned_result
 from autotune.tuning._device_run import model_info
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._pipeline import Ranked, rank, run
+from autotune.tuning._pipeline import Ranked, ranked, run
 from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, twinned, world_of
 from autotune.tuning._profiling import profile_model
 from autotune.tuning._rank_check import rank_checked
@@ -177,7 +177,7 @@ class TracedRun:
         return on_the_gpu(self.traced, self.spec, problem.world)
 
     def search(self, profile: Profile, problem: Problem) -> Ranked:
-        return rank(profile, problem, self.options, LocalJobs())
+        return ranked(profile, problem, self.options, LocalJobs())
 
     def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
         """The fastest plan, and the next ones ranked (none run)."""

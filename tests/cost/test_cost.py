@@ -94,10 +94,10 @@ def test_plan_finds_the_cheapest_fitting_mask(gpt_profile):
     cost = CostModel(gpt_profile)
     none = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (False,) * 3))
     full = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (True,) * 3))
-    assert cost.plan("fp32", "adamw", 16, 1, none) == (False,) * 3
-    assert cost.plan("fp32", "adamw", 16, 1, full - 1) is None
+    assert cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), none) == (False,) * 3
+    assert cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), full - 1) is None
     limit = (none + full) // 2
-    mask = cost.plan("fp32", "adamw", 16, 1, limit)
+    mask = cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), limit)
     assert mask is not None
     assert cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, mask)) <= limit
     # Identical blocks: no fitting mask checkpoints fewer blocks.
@@ -201,4 +201,8 @@ def test_knobs_are_what_the_cost_model_reads_of_a_config(gpt_profile) -> None:
     assert knobs.config(gpt_profile.blocks) == config
     assert Knobs.given("bf16", "sgd", 6, 3, mask) == knobs
     assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peaks_of(knobs)[0]
-    assert cost.plan_of(knobs, 2**40) == cost.plan("bf16", "sgd", 6, 3, 2**40) == (KEEP,) * 3
+    assert (
+        cost.plan_of(knobs, 2**40)
+        == cost.plan_of(Knobs.given("bf16", "sgd", 6, 3), 2**40)
+        == (KEEP,) * 3
+    )
