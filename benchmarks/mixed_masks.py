@@ -12,7 +12,6 @@ config on the CPU, whose tracker is exact. Deterministic, no timing.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from collections.abc import Callable
@@ -27,9 +26,9 @@ from torchvision_ops import declare_torchvision_ops  # noqa: E402
 declare_torchvision_ops()  # transformers imports torchvision: see tests/torchvision_ops.py
 import torch  # noqa: E402
 import zoo  # noqa: E402
+from matrix_checks import measured_peak  # noqa: E402
 
 import autotune  # noqa: E402
-from autotune.verify._verifier import Verifier  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
 
 Built = tuple[torch.nn.Module, Any, Any]
@@ -75,16 +74,6 @@ def _cases(blocks: tuple[str, ...], name: str) -> list[autotune.TrainConfig]:
 MODELS: dict[str, Callable[[], Built]] = {"unet": zoo.unet, "lora-qwen2": lora_qwen2}
 
 
-def measured(model: torch.nn.Module, batch: Any, config: autotune.TrainConfig, loss: Any) -> int:
-    verifier = Verifier(
-        copy.deepcopy(model), batch, device=torch.device("cpu"), budget_bytes=2**40,
-        loss_fn=loss, steps=1,
-    )  # fmt: skip
-    reading, error = verifier.run(config)
-    assert error is None and reading is not None, error
-    return reading.peak_bytes
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("mixed-masks.json"))
@@ -97,7 +86,7 @@ def main() -> None:
         blocks = autotune.find_blocks(model)
         for config in _cases(blocks, name):
             predicted, _ = autotune.estimate(model, batch, config, device="cpu", loss_fn=loss)
-            peak = measured(model, batch, config, loss)
+            peak = measured_peak(model, batch, config, loss)
             row = {
                 "model": name,
                 "config": config.describe(),

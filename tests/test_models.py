@@ -93,6 +93,16 @@ def profile(model: nn.Module, sample: object, blocks: tuple[str, ...]) -> Profil
     return profile
 
 
+def measured_peak(model: nn.Module, sample: object, config: TrainConfig) -> int:
+    """The peak of one verified step of ``config`` on a copy of ``model``."""
+    verifier = Verifier(
+        copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
+    )
+    measured, error = verifier.run(config)
+    assert error is None and measured is not None, error
+    return measured.peak_bytes
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_peak_prediction_on_real_models(name: str) -> None:
@@ -109,13 +119,9 @@ def test_peak_prediction_on_real_models(name: str) -> None:
     ]
     for config in configs:
         predicted, parts = cost.memory(config)
-        verifier = Verifier(
-            copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
-        )
-        measured, error = verifier.run(config)
-        assert error is None and measured is not None
-        err = abs(predicted - measured.peak_bytes) / measured.peak_bytes
-        assert err <= 0.03, (name, config.describe(), predicted, measured.peak_bytes)
+        measured = measured_peak(model, sample, config)
+        err = abs(predicted - measured) / measured
+        assert err <= 0.03, (name, config.describe(), predicted, measured)
         assert min(dataclasses.astuple(parts)) >= 0  # nothing holds negative bytes
 
 
@@ -148,12 +154,8 @@ def test_a_checkpointed_layer_holding_what_python_drops_is_predicted_exactly() -
         TrainConfig(micro_batch_size=3, grad_accum_steps=2, checkpoint=blocks[1:3]),
     ):
         predicted, _ = cost.memory(config)
-        verifier = Verifier(
-            copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
-        )
-        measured, error = verifier.run(config)
-        assert error is None and measured is not None
-        assert predicted == measured.peak_bytes, (config.describe(), predicted, measured)
+        measured = measured_peak(model, sample, config)
+        assert predicted == measured, (config.describe(), predicted, measured)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

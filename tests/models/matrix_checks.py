@@ -396,3 +396,17 @@ def tuned_end_to_end(case: Case) -> list[str]:
     if not _same_tensors(before, _state(model)):
         problems.append("the user's model changed")
     return problems
+
+
+def measured_peak(model: nn.Module, batch: Any, config: Any, loss_fn: LossFn | None) -> int:
+    """The peak of one verified step of ``config`` on a copy of ``model`` (the CPU's
+    tracker: exact)."""
+    from autotune.verify._verifier import Verifier
+
+    verifier = Verifier(
+        copy.deepcopy(model), batch, device=torch.device("cpu"), budget_bytes=2**40,
+        loss_fn=loss_fn, steps=1,
+    )  # fmt: skip
+    reading, error = verifier.run(config)
+    assert error is None and reading is not None, error
+    return reading.peak_bytes
