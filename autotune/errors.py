@@ -8,6 +8,10 @@ so one ``except torch.OutOfMemoryError`` catches a real and a simulated one alik
 
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
+
 __all__ = [
     "AutotuneError",
     "AutotuneWarning",
@@ -21,6 +25,7 @@ __all__ = [
     "NonFiniteError",
     "ProfileError",
     "VerificationError",
+    "warn",
 ]
 
 
@@ -96,6 +101,20 @@ class VerificationError(AutotuneError):
 
 class AutotuneWarning(UserWarning):
     """Something the user should know, e.g. a fallback config taking over after an OOM."""
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def warn(message: str, category: type[Warning] = AutotuneWarning) -> None:
+    """Warn at the line that called into autotune: the caller of the outermost autotune
+    frame on the stack (the user's line, or a trainer's hook), however deep the call."""
+    frame, level, outermost = sys._getframe(1), 1, 1
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PACKAGE):
+            outermost = level
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=outermost + 2)
 
 
 def _rebuild(cls: type[AutotuneError], message: str, attrs: dict[str, object]) -> AutotuneError:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +15,7 @@ from autotune._format import GIB
 from autotune._spelling import option
 from autotune.device._backend import backend_for
 from autotune.device._resolve import resolve_device
-from autotune.errors import BudgetError
+from autotune.errors import BudgetError, warn
 from autotune.result import TargetInfo
 
 __all__ = ["Target", "budget_bytes", "discover", "host_peak_bytes"]
@@ -87,10 +86,10 @@ def budget_bytes(budget_gb: float, target: Target) -> int:
         )
     budget = int(budget_gb * GIB)
     if budget > target.total_bytes:
-        warnings.warn(
+        warn(
             f"budget {budget_gb} GiB exceeds {target.name}'s {target.total_bytes / GIB:.1f} "
             "GiB; configurations are still capped by the device.",
-            stacklevel=3,
+            UserWarning,
         )
     return budget
 

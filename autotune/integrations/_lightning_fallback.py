@@ -15,7 +15,6 @@ error is logged again.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from autotune.config import TrainConfig
-from autotune.errors import AutotuneWarning
+from autotune.errors import warn
 from autotune.integrations._export import LIGHTNING_PRECISION
 from autotune.integrations._lightning_tuning import step_loss
 from autotune.train import Applied
@@ -139,11 +138,9 @@ class Ladder:
         vars(module).pop("training_step", None)
         if config.micro_batch_size < m:
             module.__dict__["training_step"] = _split(module, handle)
-        warnings.warn(
+        warn(
             f"out of memory with {previous.describe()} ({reason}); the step's "
             f"{len(self.window)} batches run again with fallback {config.describe()}.",
-            AutotuneWarning,
-            stacklevel=2,
         )
 
 

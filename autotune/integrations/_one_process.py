@@ -4,10 +4,8 @@ process; FSDP2's sharding it would have to do as tuned, which it cannot be told.
 
 from __future__ import annotations
 
-import warnings
-
 from autotune.config import TrainConfig
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 
 __all__ = ["per_process"]
@@ -29,11 +27,9 @@ def per_process(result: TuneResult, trainer: str) -> TrainConfig:
             "peak."
         )
     if result.by_length:
-        warnings.warn(
+        warn(
             f"{trainer} trains every batch with one config: the longest row's of this table "
             "per sequence length (it holds every batch, at the speed of the longest); to "
             "train each length with its row, use autotune.prepare or autotune.apply.",
-            AutotuneWarning,
-            stacklevel=3,
         )
     return c.replace(parallel="none", world_size=1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +28,7 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import ConfigError, warn
 from autotune.integrations._lightning_fallback import Ladder, precision_plugin
 from autotune.integrations._lightning_tuning import (
     as_a_model,
@@ -225,12 +224,10 @@ class Autotune(pl.Callback):
         loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
         asked = max((getattr(d, "batch_size", None) or 0 for d in loaders), default=0)
         if fits is not None and asked > fits:
-            warnings.warn(
+            warn(
                 f"the validation DataLoader's batch_size={asked} does not fit the budget "
                 f"beside the training state; the largest that does is {fits}: build it with "
                 "that, or pass Autotune(eval_batch_arg_name=...) to have it set.",
-                AutotuneWarning,
-                stacklevel=2,
             )
 
     def on_before_optimizer_step(

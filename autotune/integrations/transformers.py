@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from autotune.config import PAGED_OPTIMIZERS, is_factory
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import ConfigError, warn
 from autotune.integrations._export import hf_settings
 from autotune.integrations._export_file import HF_OPTIM_TUNED
 from autotune.integrations._one_process import per_process
@@ -59,16 +58,14 @@ def training_arguments(
     _check_result(result, "training_arguments")
     settings, unsaid = hf_settings(result)
     for message in unsaid:
-        warnings.warn(message, AutotuneWarning, stacklevel=2)
+        warn(message)
     # An evaluation batch other than the tuned one: the callback lowers one too large.
     tuned = {k: v for k, v in settings.items() if k != "per_device_eval_batch_size"}
     changed = sorted(k for k in overrides if k in tuned and overrides[k] != tuned[k])
     if changed:
-        warnings.warn(
+        warn(
             f"overrides change tuned settings ({', '.join(changed)}): the peak memory and "
             "throughput autotune measured no longer hold.",
-            AutotuneWarning,
-            stacklevel=2,
         )
     # The callback applies the tuned per-block mask: not every layer (TRL's SFTConfig
     # checkpoints every layer unless told not to).
@@ -152,11 +149,9 @@ def _fit_evaluation(args: TrainingArguments, fits: int | None) -> None:
     asked = args.per_device_eval_batch_size
     if fits is None or asked <= fits:
         return
-    warnings.warn(
+    warn(
         f"per_device_eval_batch_size={asked} does not fit the budget beside the training "
         f"state; evaluating with {fits}, the largest that does.",
-        AutotuneWarning,
-        stacklevel=3,
     )
     args.per_device_eval_batch_size = fits
 
@@ -192,9 +187,7 @@ def _check_args(args: TrainingArguments, result: TuneResult) -> None:
     if result.config.compile_model and getattr(args, "torch_compile", False):
         differ.append("torch_compile is on (the callback compiles the model as tuned)")
     if differ:
-        warnings.warn(
+        warn(
             "the Trainer's arguments are not the tuned ones: " + "; ".join(differ) + ". Build "
             "them with autotune.integrations.transformers.training_arguments(result, ...).",
-            AutotuneWarning,
-            stacklevel=2,
         )

@@ -13,7 +13,6 @@ handle's model and optimizer alive); switching a config itself is the handle's
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from autotune.config import TrainConfig
 from autotune.device import Backend
-from autotune.errors import AutotuneWarning
+from autotune.errors import warn
 from autotune.result import LengthRow
 from autotune.train._lengths import Row, Rows
 
@@ -122,11 +121,9 @@ class Ladder:
             owner.switch(self.fallbacks.pop(0))
             if self.row is not None:  # the row trains with its fallback from now on
                 self.row.config = owner.config
-            warnings.warn(
+            warn(
                 f"out of memory with {previous.describe()} ({reason}); the same batch runs "
                 f"again with fallback {owner.config.describe()}.",
-                AutotuneWarning,
-                stacklevel=4,
             )
 
     def select(self, owner: Owner, batch: Any) -> None:

@@ -4,7 +4,6 @@ trains as tuned, or into a handle for a loop of one's own."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 
 from autotune.config import TrainConfig, is_factory
 from autotune.device import backend_for, resolve_device
-from autotune.errors import AutotuneWarning, ConfigError
+from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._batch_layout import layouts_of_model
@@ -135,11 +134,9 @@ def apply(
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
     if config.chunked_loss:
-        warnings.warn(
+        warn(
             "this config chunks the loss, which your loop takes: take it as "
             "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
-            AutotuneWarning,
-            stacklevel=2,
         )
     handle = Applied(
         model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
@@ -239,7 +236,7 @@ def _setup(
         message = "this config may not fit here: " + "; ".join(found) + ". Tune again here."
         if strict:
             raise ConfigError(message)
-        warnings.warn(message, AutotuneWarning, stacklevel=3)
+        warn(message)
     foreign = _foreign_bytes(model, target) if result is not None else 0
     # fully_shard puts each rank's shards on the device. A model already there is left be:
     # a model of fake tensors (traced, never materialised) cannot be moved at all.

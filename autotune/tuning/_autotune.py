@@ -146,7 +146,7 @@ def autotune(
 def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResult:
     """:func:`autotune` with its options in one record (what the Lightning callback and
     the command line call)."""
-    model = uncompiled(model, stacklevel=4)
+    model = uncompiled(model)
     options = started_from(options, model)
     with progress(quiet=not shown(options.progress)):
         if options.table:

@@ -5,11 +5,10 @@ its own batch size, on the device the training state fills)."""
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 
 from autotune.config import TrainConfig
-from autotune.errors import AutotuneWarning
+from autotune.errors import warn
 from autotune.verify import Verifier
 
 __all__ = ["with_eval_batches"]
@@ -42,12 +41,10 @@ def with_eval_batches(
             sizes[key] = size = verifier.eval_batch(c, wanted, bound)
             log.info("evaluation batch beside %s: %s", c.describe(), size)
             if wanted is not None and size != wanted:
-                warnings.warn(
+                warn(
                     f"an evaluation batch of {wanted} does not fit the budget beside the "
                     f"training state of {c.describe()}; the largest that does is {size or 0}. "
                     "Evaluate with that (the exports set it), or raise the budget.",
-                    AutotuneWarning,
-                    stacklevel=2,
                 )
         out.append(c.replace(eval_batch_size=sizes[key]))
     return out

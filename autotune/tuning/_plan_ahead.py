@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +37,7 @@ from autotune.device import (
     device_spec,
     host_peak_bytes,
 )
-from autotune.errors import AutotuneError, AutotuneWarning, ConfigError, ProfileError
+from autotune.errors import AutotuneError, ConfigError, ProfileError, warn
 from autotune.jobs import LocalJobs
 from autotune.measure import TRACED_ASSUMPTIONS, Roofline, is_traced, traced
 from autotune.result import PLANNED, TrialRecord, TuneResult
@@ -237,12 +236,10 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ProfileError(f"build() must return a torch.nn.Module, got {type(model)}.")
     if (grown := host_peak_bytes() - before) > _REAL_BYTES:
-        warnings.warn(
+        warn(
             f"building the model took {grown / 2**30:.1f} GiB of this machine's memory for "
             "real (weights loaded, or arrays made outside torch): the plan is right, but a "
             "builder that makes the model with torch's constructors plans without memory.",
-            AutotuneWarning,
-            stacklevel=7,  # _built, problem, its __enter__, run, plan_with, plan_ahead
         )
     return model
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from autotune._spelling import option
 from autotune.config import FUSED_OPTIMIZERS, PAGED_OPTIMIZERS
 from autotune.cost import micro_batch_candidates
 from autotune.device import Target, backend_for, budget_bytes, discover
-from autotune.errors import AutotuneWarning, BudgetError, ConfigError, ProfileError
+from autotune.errors import BudgetError, ConfigError, ProfileError, warn
 from autotune.space import SearchSpace
 from autotune.train import (
     LossFn,
@@ -129,7 +128,7 @@ class Problem:
         return self.target.device.type
 
 
-def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
+def uncompiled(model: nn.Module) -> nn.Module:
     """The model to measure: ``model``, or the module a ``torch.compile`` wrapper holds.
 
     autotune measures a model as the user passed it uncompiled (compiling its blocks is
@@ -142,14 +141,12 @@ def uncompiled(model: nn.Module, *, stacklevel: int = 3) -> nn.Module:
         where = (
             "the model is" if "" in parts else f"{len(parts)} of its modules ({parts[0]}, ...) are"
         )
-        warnings.warn(
+        warn(
             f"{where} compiled with torch.compile: autotune measures and tunes it without "
             "compilation, so the peak it predicts is the eager model's. Compiled, a model "
             "can hold less or more (0.64-1.10x the eager peak on autotune's CPU benchmark): "
             f"pass the model uncompiled with {option('SearchSpace(compile_blocks=True)')} to "
             "have its blocks compiled and measured, or train it as tuned, uncompiled.",
-            AutotuneWarning,
-            stacklevel=stacklevel,
         )
     return eager_module(model) if isinstance(model, nn.Module) else model
 
@@ -169,11 +166,9 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
     budget = budget_bytes(options.budget_gb, target)
     space = _fused_where_it_runs(_unpaged_off_cuda(space, target), target)
     if backend_for(target.device).host_is_device and any(space.offloads(target.device.type)):
-        warnings.warn(
+        warn(
             f"offload saves nothing on {target.device}, where host memory is device memory; "
             "it is not searched.",
-            AutotuneWarning,
-            stacklevel=3,
         )
         space = dataclasses.replace(space, offload_optimizer=False, offload_activations=False)
     batch_size(sample_batch)
@@ -241,11 +236,9 @@ def _unpaged_off_cuda(space: SearchSpace, target: Target) -> SearchSpace:
     if not paged or target.device.type == "cuda":
         return space
     twins = ", ".join(f"{o} as {PAGED_OPTIMIZERS[o]}" for o in paged)
-    warnings.warn(
+    warn(
         f"paged optimizers page their state through CUDA unified memory; on "
         f"{target.device} bitsandbytes runs them unpaged: tuning {twins}.",
-        AutotuneWarning,
-        stacklevel=4,
     )
     return dataclasses.replace(space, optimizers=twinned(space.optimizers, PAGED_OPTIMIZERS))
 
