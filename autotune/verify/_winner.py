@@ -63,44 +63,66 @@ def choose_winner(
     Returns:
         The verification records, rejected ones included; the caller picks the winner.
     """
-    records: list[TrialRecord] = []
-    fitted: list[TrainConfig] = []
-    calibration: list[float] = []  # measured / predicted speed of each fitted candidate
-    best, hopeless = 0.0, 0
-    tried: set[TrainConfig] = set()
-    plainest = [c for c in candidates if _plain(c.config)][:1]
-    for i, cand in enumerate([*_tie_frugal(candidates), *plainest]):
-        if i < len(candidates) and (len(fitted) >= top or len(records) >= 3 * top):
-            continue  # past the top: only the plainest is left to try
-        if i == len(candidates) and any(_plain(f) for f in fitted):
-            break  # a plain config fitted already
-        if any(_alike(cand.config, f) for f in fitted) or cand.config in tried:
-            continue
+    race = _Race(measure, slack)
+    for cand in _tie_frugal(candidates):
+        if len(race.fitted) >= top or len(race.records) >= 3 * top:
+            break
+        race.attempt(cand)
+    plainest = next((c for c in candidates if _plain(c.config)), None)
+    if plainest is not None and not any(_plain(f) for f in race.fitted):
+        race.attempt(plainest)
+    if race.hopeless:
+        log.info(
+            "not verified: %d candidates that could not beat %.1f samples/s",
+            race.hopeless,
+            race.best,
+        )
+    return race.records
+
+
+@dataclasses.dataclass
+class _Race:
+    """The candidates verified so far, and what they say of the rest."""
+
+    measure: Measure
+    slack: float
+    records: list[TrialRecord] = dataclasses.field(default_factory=list)
+    fitted: list[TrainConfig] = dataclasses.field(default_factory=list)
+    calibration: list[float] = dataclasses.field(default_factory=list)
+    """Measured / predicted speed of each fitted candidate."""
+    tried: set[TrainConfig] = dataclasses.field(default_factory=set)
+    best: float = 0.0
+    hopeless: int = 0
+
+    def attempt(self, cand: Candidate) -> None:
+        """Verify ``cand``, unless it is too like one that fitted, or cannot win."""
+        if any(_alike(cand.config, f) for f in self.fitted) or cand.config in self.tried:
+            return
         predicted = cand.prediction.measurement.samples_per_s
-        if len(calibration) >= 2 and predicted * max(calibration) * (1 + slack) < best:
-            hopeless += 1  # it cannot beat what was measured
-            continue
+        if (
+            len(self.calibration) >= 2
+            and predicted * max(self.calibration) * (1 + self.slack) < self.best
+        ):
+            self.hopeless += 1  # it cannot beat what was measured
+            return
         log.info("verifying %s", cand.config.describe())
-        tried.add(cand.config)
-        record = measure(cand.config, cand.prediction.measurement)
+        self.tried.add(cand.config)
+        record = self.measure(cand.config, cand.prediction.measurement)
         if record is None:
             log.info("  another process is verifying it")
-            continue
-        records.append(record)
+            return
+        self.records.append(record)
         if record.measured is None:
             log.info("  rejected: %s", record.error)
-            continue
-        fitted.append(cand.config)
-        calibration.append(record.measured.samples_per_s / max(predicted, 1e-9))
-        best = max(best, record.measured.samples_per_s)
+            return
+        self.fitted.append(cand.config)
+        self.calibration.append(record.measured.samples_per_s / max(predicted, 1e-9))
+        self.best = max(self.best, record.measured.samples_per_s)
         log.info(
             "  measured %.1f samples/s, peak %s",
             record.measured.samples_per_s,
             format_bytes(record.measured.peak_bytes),
         )
-    if hopeless:
-        log.info("not verified: %d candidates that could not beat %.1f samples/s", hopeless, best)
-    return records
 
 
 def _plain(c: TrainConfig) -> bool:
