@@ -2,7 +2,7 @@
 
 The profiler (:mod:`autotune.measure._profiler`) fills these records; the cost model
 (:mod:`autotune.cost._cost_model`) reads them. This module imports no training code, so the
-planner can read a profile without loading the runtime.
+cost model can read a profile without loading the runtime.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from types import FrameType
 
 __all__ = [
     "AutotuneError",
@@ -109,7 +110,8 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 def warn(message: str, category: type[Warning] = AutotuneWarning) -> None:
     """Warn at the line that called into autotune: the caller of the outermost autotune
     frame on the stack (the user's line, or a trainer's hook), however deep the call."""
-    frame, level, outermost = sys._getframe(1), 1, 1
+    frame: FrameType | None = sys._getframe(1)
+    level, outermost = 1, 1
     while frame is not None:
         if frame.f_code.co_filename.startswith(_PACKAGE):
             outermost = level

@@ -4,7 +4,7 @@ not change them (a refactor): deterministic, no timing.
 ``autotune.estimate`` (the tuner's memory profile and cost model) for every micro-batch
 of 1, 4 and 16 (accumulated to 32), fp32 and bf16, no, half or every block checkpointed,
 AdamW and SGD, on each CPU case: 144 peaks and their breakdowns. And ``plan_ahead`` (the
-traced profile, the GPU's translation, the planners' search) of a 6-block GPT for an
+traced profile, the GPU's translation, the cost model's search) of a 6-block GPT for an
 RTX 4090 at 1.5 and 6 GiB, on 1 and 4 ranks: each winner and its ranked plans.
 
     python benchmarks/peaks.py --out before.json      # on the old code

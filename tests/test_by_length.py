@@ -182,13 +182,13 @@ def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer(monkeypatc
     fake = TuneResult(config, m, m, 1, discover("cpu").info(), ModelInfo("GPT", "", 0, ()),
                       Breakdown(0, 0, 0, 0, 1))  # fmt: skip
 
-    def tune(model: Any, sample: Any, options: TuneOptions) -> Any:
+    def tune(model: Any, problem: Any, options: TuneOptions) -> Any:
         assert not options.table  # each run is one length's
-        calls.append((sample[0].shape[1], options.global_batch_size, options.space))
+        calls.append((problem.sample[0].shape[1], options.global_batch_size, options.space))
         return fake
 
     monkeypatch.setattr("autotune.tuning._length_table.tune_attentions", tune)
-    options = TuneOptions(sequence_lengths=[16, 64], global_batch_size=8)
+    options = TuneOptions(sequence_lengths=[16, 64], global_batch_size=8, budget_gb=1.0)
     out = tune_lengths(gpt, gpt_batch(gpt.config, 4), options)
     assert [(n, b) for n, b, _ in calls] == [(64, 8), (16, 8)]
     assert calls[0][2] == SearchSpace()

@@ -14,8 +14,8 @@ from torch import nn
 
 import autotune
 from autotune import ConfigError, SearchSpace, TrainConfig
+from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
-from autotune.cost._planner import Planner
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.train._compiled import is_compiled, measured_compiling
@@ -84,7 +84,7 @@ def test_a_compiled_configs_peak_is_predicted_to_the_byte(
 
 
 def test_the_compiled_timeline_is_planned_beside_the_eager_one() -> None:
-    """One memory profile holds both timelines; the planner's compiled configs compile
+    """One memory profile holds both timelines; the chooser's compiled configs compile
     every block, never checkpoint one selectively, and hold less than eager here."""
     profiler = Profiler(model(), torch.randn(8, 16, 32), BLOCKS, device=torch.device("cpu"),
                         loss_fn=loss)  # fmt: skip
@@ -98,13 +98,13 @@ def test_the_compiled_timeline_is_planned_beside_the_eager_one() -> None:
         profile.precisions["fp32"].selective and not profile.precisions["fp32+compiled"].selective
     )
     cost = CostModel(profile)
-    planner = Planner(
+    chooser = Chooser(
         cost=cost, sizes=(1, 2, 4, 8, 16), precisions=tuple(profile.precisions),
         optimizers=("adamw",), global_batch_size=16, limit=2**30,
     )  # fmt: skip
     eager, compiled = (
-        planner.config("fp32", "adamw", 16),
-        planner.config("fp32+compiled", "adamw", 16),
+        chooser.config("fp32", "adamw", 16),
+        chooser.config("fp32+compiled", "adamw", 16),
     )
     assert eager is not None and compiled is not None
     assert compiled.compile_blocks == BLOCKS and compiled.precision == "fp32"
@@ -112,7 +112,7 @@ def test_the_compiled_timeline_is_planned_beside_the_eager_one() -> None:
     assert cost.memory(compiled)[0] < cost.memory(eager)[0]
     # Tight: the compiled config checkpoints whole blocks, never selectively.
     limit = (cost.memory(compiled)[0] + cost.memory(compiled.replace(checkpoint=BLOCKS))[0]) // 2
-    tight = Planner(
+    tight = Chooser(
         cost=cost, sizes=(16,), precisions=("fp32+compiled",), optimizers=("adamw",),
         global_batch_size=16, limit=limit,
     )  # fmt: skip
@@ -190,17 +190,17 @@ def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte()
             whole=("fp32",),
         )  # fmt: skip
     assert set(profile.precisions) == {"fp32", "fp32+model"} and not notes
-    planner = Planner(
+    chooser = Chooser(
         cost=CostModel(profile), sizes=(MICRO,), precisions=("fp32+model",),
         optimizers=("adamw_fused",), global_batch_size=2 * MICRO, limit=2**30,
     )  # fmt: skip
-    config = planner.config("fp32+model", "adamw_fused", MICRO)
+    config = chooser.config("fp32+model", "adamw_fused", MICRO)
     assert config is not None and config.compile_model and not config.compile_blocks
     verifier = Verifier(gpt2(), sample, device=torch.device("cpu"), budget_bytes=2**30,
                         loss_fn=None, blocks=())  # fmt: skip
     with measured_compiling():
         measured, error = verifier.run(config)
     assert error is None and measured is not None
-    assert planner.cost.memory(config)[0] == measured.peak_bytes
-    eager, _ = planner.cost.memory(config.replace(compile_model=False))
+    assert chooser.cost.memory(config)[0] == measured.peak_bytes
+    eager, _ = chooser.cost.memory(config.replace(compile_model=False))
     assert measured.peak_bytes < eager  # the loss inside the graph holds less

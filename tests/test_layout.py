@@ -142,7 +142,7 @@ def test_imports_point_down(module: str) -> None:
     assert not up, f"{module} ({mine}) reaches up to {up}"
 
 
-def test_the_planner_reads_profiles_without_the_training_code() -> None:
+def test_the_chooser_reads_profiles_without_the_training_code() -> None:
     for module in (m for m in MODULES if layer(m) == "cost"):
         assert not any(layer(d) == "train" for d in closure(module)), module
 
@@ -240,6 +240,39 @@ def test_no_function_over_60_lines() -> None:
                 if lines > 60:
                     long.append(f"{module}.{node.name}: {lines}")
     assert not long, long
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    """A module's private names (``_MARGIN``) are its own: a sibling that needs one gets a
+    public name for it (a private module of the same package may be imported whole)."""
+    reaching = [
+        f"{module} <- {node.module}.{a.name}"
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autotune")
+        for a in node.names
+        if a.name.startswith("_")
+        and not a.name.startswith("__")
+        and f"{node.module}.{a.name}" not in MODULES
+    ]
+    assert reaching == []
+
+
+def test_every_kind_of_run_makes_its_problem_with_one_function() -> None:
+    """A tuning run, a plan and an estimate build their ``Problem`` with ``make_problem``:
+    no other module calls the class itself."""
+    from autotune.tuning import _autotune, _estimate, _length_table, _plan_ahead, _problem
+
+    runs = (_autotune, _length_table, _plan_ahead, _estimate)
+    assert all(run.make_problem is _problem.make_problem for run in runs)
+    built = [
+        f"{module}:{node.lineno}"
+        for module, path in MODULES.items()
+        if module != "autotune.tuning._problem"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Problem"
+    ]
+    assert built == []
 
 
 ONE_MEANING = {

@@ -20,10 +20,10 @@ import torch
 import autotune
 from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig
+from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
 from autotune.cost._knapsack import min_cost_choice as _min_cost_choice
 from autotune.cost._knobs import Knobs
-from autotune.cost._planner import Planner
 from autotune.cost._shortfall import too_small
 from autotune.device._target import discover
 from autotune.measure._memory_profile import memory_profile
@@ -406,8 +406,8 @@ def test_multiple_choice_knapsack_is_exact() -> None:
         assert cost == pytest.approx(best)
 
 
-def study(profile, limit: int, *, offload: bool) -> Planner:
-    return Planner(
+def study(profile, limit: int, *, offload: bool) -> Chooser:
+    return Chooser(
         cost=CostModel(profile),
         sizes=(1, 2, 4, 8, 16),
         precisions=("fp32",),

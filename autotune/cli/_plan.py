@@ -90,7 +90,7 @@ def check_hint(result: TuneResult, path: str) -> str:
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(a factory of the model, a sample batch or its factory, the loss) the flags name;
-    the factories are called under tracing, by the planner."""
+    the factories are called under tracing, by the plan."""
     loss = resolve(args.loss, "--loss", call=False) if args.loss else None
     if args.hf_config:
         if args.model or args.batch:

@@ -6,8 +6,8 @@
   each unit's bytes).
 * ``_time_model``: seconds per step, offload copies included; ``_comm``: collectives'.
 * ``_cost_model``: ``CostModel``, both together, and the exact per-block knapsack (``_knapsack``).
-* ``_planner``: ``Planner``, the knobs a search may turn and the cheapest config that fits;
-  ``_bounds``: a run's planners, one per layout.
+* ``_chooser``: ``Chooser``, the knobs a search may turn and the cheapest config that fits;
+  ``_bounds``: a run's choosers, one per layout.
 * ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,
   exhaustive best, fallback candidates); ``_expert``: the expert's recipe, the config to
   beat; ``_shortfall``: the error when nothing fits.
@@ -18,24 +18,24 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.cost._bounds import planner_of, planners
+from autotune.cost._bounds import chooser_of, choosers
 from autotune.cost._candidates import fallback_candidates, largest_fitting, micro_batch_candidates
+from autotune.cost._chooser import Candidate, Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.cost._expert import expert_candidates
-from autotune.cost._planner import Candidate, Planner
 from autotune.cost._search import search
 from autotune.cost._shortfall import too_small
 
 __all__ = [
     "Candidate",
+    "Chooser",
     "CostModel",
-    "Planner",
+    "chooser_of",
+    "choosers",
     "expert_candidates",
     "fallback_candidates",
     "largest_fitting",
     "micro_batch_candidates",
-    "planner_of",
-    "planners",
     "search",
     "too_small",
 ]

@@ -1,4 +1,4 @@
-"""The planners of a tuning run: one per data-parallel layout, each bounded by the run's
+"""The choosers of a tuning run: one per data-parallel layout, each bounded by the run's
 space, micro-batch sizes, global batch and memory limit."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from typing import Protocol
 
 from autotune._profile_data import Profile
 from autotune.config import BITSANDBYTES_OPTIMIZERS, TrainConfig
+from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.cost._layout import Layout
-from autotune.cost._planner import Planner
 from autotune.space import SearchSpace
 
-__all__ = ["Bounds", "layouts", "planner_of", "planners"]
+__all__ = ["Bounds", "chooser_of", "choosers", "layouts"]
 
 
 class Bounds(Protocol):
-    """What bounds a run's planners (a tuning run's ``Problem`` is one)."""
+    """What bounds a run's choosers (a tuning run's ``Problem`` is one)."""
 
     @property
     def space(self) -> SearchSpace:
@@ -54,16 +54,16 @@ def layouts(world: int, blocks: Sequence[str]) -> list[Layout]:
     return out
 
 
-def planners(profile: Profile, bounds: Bounds, world: int = 1) -> list[Planner]:
-    """A planner on ``profile`` for each layout of ``world`` ranks."""
+def choosers(profile: Profile, bounds: Bounds, world: int = 1) -> list[Chooser]:
+    """A chooser on ``profile`` for each layout of ``world`` ranks."""
     return [
-        planner(CostModel(profile, layout), tuple(profile.precisions), bounds)
+        chooser(CostModel(profile, layout), tuple(profile.precisions), bounds)
         for layout in layouts(world, profile.blocks)
     ]
 
 
-def planner(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Planner:
-    """The planner of ``bounds``' space on ``cost``; offload only where it was profiled."""
+def chooser(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Chooser:
+    """The chooser of ``bounds``' space on ``cost``; offload only where it was profiled."""
     space = bounds.space
     offload_optimizer, offload_activations = space.offloads(bounds.device_type)
     optimizers = space.optimizers
@@ -73,7 +73,7 @@ def planner(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Plann
         optimizers = optimizers or ("adamw",)
         if cost.layout.parallel == "fsdp":
             precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
-    return Planner(
+    return Chooser(
         cost=cost,
         sizes=tuple(s for s in bounds.sizes if s not in cost.profile.untrainable),
         precisions=tuple(precisions),
@@ -87,8 +87,8 @@ def planner(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Plann
     )
 
 
-def planner_of(found: Sequence[Planner], config: TrainConfig) -> Planner:
-    """The planner of ``found`` whose layout ``config`` was planned under."""
+def chooser_of(found: Sequence[Chooser], config: TrainConfig) -> Chooser:
+    """The chooser of ``found`` whose layout ``config`` was planned under."""
     for p in found:
         layout = p.cost.layout
         if (layout.parallel, layout.keep_gathered) == (config.parallel, config.keep_gathered):

@@ -8,7 +8,7 @@ import itertools
 
 from autotune._spelling import option
 from autotune.config import TrainConfig, timeline_knobs, timeline_parts
-from autotune.cost._planner import Candidate, Planner
+from autotune.cost._chooser import Candidate, Chooser
 from autotune.errors import ConfigError
 from autotune.space import SearchSpace
 
@@ -51,64 +51,64 @@ def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) ->
 
 
 def largest_fitting(
-    planner: Planner, precision: str, optimizer: str, offload: bool | None = None
+    chooser: Chooser, precision: str, optimizer: str, offload: bool | None = None
 ) -> int | None:
     """The largest allowed micro-batch size for which some configuration fits (binary search).
 
-    ``offload``: the optimizer placement; ``None``: any the planner allows.
+    ``offload``: the optimizer placement; ``None``: any the chooser allows.
     """
     if offload is None:
         found = [
-            largest_fitting(planner, precision, optimizer, h) for h in planner.offload_optimizer
+            largest_fitting(chooser, precision, optimizer, h) for h in chooser.offload_optimizer
         ]
         return max((b for b in found if b is not None), default=None)
-    sizes = list(planner.sizes)
+    sizes = list(chooser.sizes)
     lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if planner.config(precision, optimizer, sizes[mid], offload) is not None:
+        if chooser.config(precision, optimizer, sizes[mid], offload) is not None:
             best, lo = sizes[mid], mid + 1
         else:
             hi = mid - 1
     return best
 
 
-def space_points(planner: Planner) -> list[tuple[int, str, str, bool]]:
+def space_points(chooser: Chooser) -> list[tuple[int, str, str, bool]]:
     """Every setting of the searched knobs that can fit: ``(micro-batch, precision,
     optimizer, optimizer offload)``, the micro-batch no larger than the largest that fits
     with those other knobs (found by binary search; a larger one cannot fit)."""
     points = []
     for p, o, h in itertools.product(
-        planner.precisions, planner.optimizers, planner.offload_optimizer
+        chooser.precisions, chooser.optimizers, chooser.offload_optimizer
     ):
-        top = largest_fitting(planner, p, o, h)
+        top = largest_fitting(chooser, p, o, h)
         if top is not None:
-            points += [(b, p, o, h) for b in planner.sizes if b <= top]
+            points += [(b, p, o, h) for b in chooser.sizes if b <= top]
     return points
 
 
 def enumerate_candidates(
-    planner: Planner, points: list[tuple[int, str, str, bool]] | None = None
+    chooser: Chooser, points: list[tuple[int, str, str, bool]] | None = None
 ) -> list[Candidate]:
     """The cheapest fitting configuration of every point of the space (``points``:
     :func:`space_points`), fastest predicted first (ties: smaller peak, then the order
     of the space): the exact answer of the search."""
     found = [
         c
-        for b, p, o, h in (space_points(planner) if points is None else points)
-        if (c := planner.candidate(p, o, b, h)) is not None
+        for b, p, o, h in (space_points(chooser) if points is None else points)
+        if (c := chooser.candidate(p, o, b, h)) is not None
     ]
     found.sort(key=Candidate.order)
     return found
 
 
-def best_config(planner: Planner) -> Candidate | None:
+def best_config(chooser: Chooser) -> Candidate | None:
     """The fastest predicted candidate by exhaustive enumeration."""
-    found = enumerate_candidates(planner)
+    found = enumerate_candidates(chooser)
     return found[0] if found else None
 
 
-def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) -> list[Candidate]:
+def fallback_candidates(chooser: Chooser, config: TrainConfig, peak_bytes: int) -> list[Candidate]:
     """Configurations to verify for the fallback ladder below ``config`` (measured at
     ``peak_bytes``): same effective batch and optimizer.
 
@@ -118,35 +118,35 @@ def fallback_candidates(planner: Planner, config: TrainConfig, peak_bytes: int) 
     eager where an eager precision is searched).
     """
     effective = config.effective_batch_size
-    sizes = [b for b in planner.sizes if effective % b == 0] or [effective]
-    ladder = Planner(
-        cost=planner.cost,
+    sizes = [b for b in chooser.sizes if effective % b == 0] or [effective]
+    ladder = Chooser(
+        cost=chooser.cost,
         sizes=sizes,
-        precisions=planner.precisions,
+        precisions=chooser.precisions,
         optimizers=(config.optimizer,),
         global_batch_size=effective,
         limit=int(peak_bytes * _LADDER_STEP),
-        checkpointing=planner.checkpointing,
-        selective=planner.selective,
-        offload_optimizer=planner.offload_optimizer,
-        offload_activations=planner.offload_activations,
+        checkpointing=chooser.checkpointing,
+        selective=chooser.selective,
+        offload_optimizer=chooser.offload_optimizer,
+        offload_activations=chooser.offload_activations,
     )
     out = [c for c in (best_config(ladder),) if c is not None]
-    cost = planner.cost
-    names = cost.profile.blocks if planner.checkpointing else ()
+    cost = chooser.cost
+    names = cost.profile.blocks if chooser.checkpointing else ()
     # The smallest micro-batch that keeps accumulation sane (at most 64 micro-batches).
     smallest = next((b for b in sizes if effective // b <= _MAX_ACCUM), sizes[-1])
     placements: list[tuple[tuple[str, ...], tuple[str, ...]]] = [(names, ())]
-    if planner.offload_activations:
+    if chooser.offload_activations:
         placements.append(((), cost.profile.blocks))
     # The last resort runs eagerly where it can: no graph of its own to compile at the
     # smallest micro-batch, mid-training, when the fallback is taken.
-    eager = [p for p in planner.precisions if not timeline_parts(p)[1]] or planner.precisions
+    eager = [p for p in chooser.precisions if not timeline_parts(p)[1]] or chooser.precisions
     frugal = [
         c
-        for p, h, (ckpt, off) in itertools.product(eager, planner.offload_optimizer, placements)
+        for p, h, (ckpt, off) in itertools.product(eager, chooser.offload_optimizer, placements)
         if not (off and timeline_parts(p)[1])  # a compiled block is never offloaded
-        and planner.host_fits(
+        and chooser.host_fits(
             c := cost.layout.apply(
                 TrainConfig(
                     micro_batch_size=smallest,

@@ -1,7 +1,7 @@
-"""``Planner``: what the search may choose, and the cheapest configuration that fits.
+"""``Chooser``: what the search may choose, and the cheapest configuration that fits.
 
 For one setting of the sampled knobs (micro-batch size, precision, optimizer, optimizer
-placement) the planner derives the rest: accumulation from the global batch, and each
+placement) the chooser derives the rest: accumulation from the global batch, and each
 block's choice (kept, checkpointed, checkpointed selectively or offloaded) solved exactly
 by the cost model's knapsack, so that a search never samples block masks.
 """
@@ -15,7 +15,7 @@ from autotune.config import TrainConfig, timeline_parts
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel, Prediction
 from autotune.cost._knobs import Knobs, Mask
 
-__all__ = ["Candidate", "Planner"]
+__all__ = ["Candidate", "Chooser"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Planner:
+class Chooser:
     """The knobs a search may turn over one cost model, and the limit they must fit."""
 
     cost: CostModel
@@ -80,9 +80,9 @@ class Planner:
 
     def mask(self, knobs: Knobs, *, acts: bool = True) -> Mask | None:
         """The cheapest fitting block choices of ``knobs`` (``acts``: offloading blocks
-        allowed where the planner allows it), or None when nothing fits."""
+        allowed where the chooser allows it), or None when nothing fits."""
         if self.checkpointing:
-            return self.cost.plan_of(
+            return self.cost.fitting_mask(
                 knobs,
                 self.limit,
                 offload_activations=acts and self.offloads_activations(knobs.precision),

@@ -38,7 +38,7 @@ class Prediction:
 class CostModel(MemoryModel, TimeModel):
     """Predicts peak bytes and step time from a :class:`~autotune._profile_data.Profile`.
 
-    With a data-parallel ``layout``, :meth:`peak_of` and :meth:`plan_of` are per rank under
+    With a data-parallel ``layout``, :meth:`peak_of` and :meth:`fitting_mask` are per rank under
     it.
     """
 
@@ -69,7 +69,7 @@ class CostModel(MemoryModel, TimeModel):
         sharded = self.profile.sharded.get(precision) if self.layout.parallel == "fsdp" else None
         return prof.selective and timed and (sharded is None or sharded.selective)
 
-    def plan_of(
+    def fitting_mask(
         self,
         knobs: Knobs,
         limit: int,
@@ -86,7 +86,7 @@ class CostModel(MemoryModel, TimeModel):
         the simulated peak and tightened until it fits.
         """
         precision = knobs.precision
-        return self._plan(
+        return self._mask(
             knobs.masked(()),  # one cache entry whatever mask they came with
             limit,
             offload_activations and self.can_offload and not timeline_parts(precision)[1],
@@ -94,7 +94,7 @@ class CostModel(MemoryModel, TimeModel):
         )
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
-    def _plan(
+    def _mask(
         self, knobs: Knobs, limit: int, offload_activations: bool, selective: bool
     ) -> Mask | None:
         def peak(mask: Mask) -> int:

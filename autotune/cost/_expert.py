@@ -18,7 +18,7 @@ from autotune.config import (
     timeline_knobs,
     timeline_parts,
 )
-from autotune.cost._planner import Candidate, Planner
+from autotune.cost._chooser import Candidate, Chooser
 
 __all__ = ["expert_candidates"]
 
@@ -26,30 +26,30 @@ _GPU_PRECISIONS = ("bf16", "fp16", "fp32")
 """A GPU expert's precision, first available first (nanoGPT: bf16 where supported)."""
 
 
-def expert_candidates(planner: Planner, device_type: str) -> list[Candidate]:
-    """The expert's recipe over ``planner``'s space: every block kept, and every block
+def expert_candidates(chooser: Chooser, device_type: str) -> list[Candidate]:
+    """The expert's recipe over ``chooser``'s space: every block kept, and every block
     checkpointed, each at the largest micro-batch that fits (none where nothing fits, or
-    where the planner's layout is data parallel: the expert's loop is one process)."""
-    if planner.cost.layout.parallel != "none":
+    where the chooser's layout is data parallel: the expert's loop is one process)."""
+    if chooser.cost.layout.parallel != "none":
         return []
-    key = _timeline(planner, device_type)
+    key = _timeline(chooser, device_type)
     if key is None:
         return []
-    blocks = planner.cost.profile.blocks
-    masks = [(), blocks] if blocks and planner.checkpointing else [()]
+    blocks = chooser.cost.profile.blocks
+    masks = [(), blocks] if blocks and chooser.checkpointing else [()]
     out = []
     for checkpoint in masks:
-        found = _largest(planner, key, checkpoint)
+        found = _largest(chooser, key, checkpoint)
         if found is not None:
             out.append(found)
     return out
 
 
-def _timeline(planner: Planner, device_type: str) -> str | None:
-    """The expert's timeline among the planner's: on a GPU the first of
+def _timeline(chooser: Chooser, device_type: str) -> str | None:
+    """The expert's timeline among the chooser's: on a GPU the first of
     :data:`_GPU_PRECISIONS`, the whole model compiled where that was profiled; on a CPU the
     eager precision predicted fastest at the smallest micro-batch."""
-    keys = list(planner.precisions)
+    keys = list(chooser.precisions)
     eager = [k for k in keys if not timeline_parts(k)[1] and not timeline_chunked(k)]
     if not eager:
         return None
@@ -57,7 +57,7 @@ def _timeline(planner: Planner, device_type: str) -> str | None:
         precision = next((p for p in _GPU_PRECISIONS if p in eager), eager[0])
         whole = timeline_key(precision, "model")
         return whole if whole in keys else precision
-    profile, b = planner.cost.profile, planner.sizes[0]
+    profile, b = chooser.cost.profile, chooser.sizes[0]
 
     def seconds(key: str) -> float:
         curve = profile.precisions[key].time
@@ -66,19 +66,19 @@ def _timeline(planner: Planner, device_type: str) -> str | None:
     return min(eager, key=seconds)
 
 
-def _largest(planner: Planner, key: str, checkpoint: tuple[str, ...]) -> Candidate | None:
+def _largest(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> Candidate | None:
     """The config of timeline ``key`` with ``checkpoint`` at the largest micro-batch whose
     predicted peak fits, with the user's optimizer on the device."""
-    cost, optimizer = planner.cost, planner.optimizers[0]
-    for b in sorted(planner.sizes, reverse=True):
+    cost, optimizer = chooser.cost, chooser.optimizers[0]
+    for b in sorted(chooser.sizes, reverse=True):
         config = TrainConfig(
             micro_batch_size=b,
-            grad_accum_steps=planner.accum(b),
+            grad_accum_steps=chooser.accum(b),
             **timeline_knobs(key, cost.profile.blocks),
             checkpoint=checkpoint,
             optimizer=optimizer,
         )
         prediction = cost.predict(config)
-        if prediction.measurement.peak_bytes <= planner.limit:
+        if prediction.measurement.peak_bytes <= chooser.limit:
             return Candidate(config, prediction)
     return None

@@ -3,7 +3,7 @@
 The memory and time models read a configuration as its timeline (precision, compiled or
 not), optimizer, micro-batch size, accumulation steps, per-block choices and optimizer
 placement; a data-parallel layout is the cost model's own. A search point lacks the block
-choices until the planner solves them (:meth:`Knobs.masked` adds them).
+choices until the chooser solves them (:meth:`Knobs.masked` adds them).
 """
 
 from __future__ import annotations

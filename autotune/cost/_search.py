@@ -1,7 +1,7 @@
 """The search over the knobs: exact enumeration, or an Optuna study for a large space.
 
 A point of the space is a micro-batch size, a precision, an optimizer and whether the
-optimizer lives on the host; the :class:`~autotune.cost._planner.Planner` derives
+optimizer lives on the host; the :class:`~autotune.cost._chooser.Chooser` derives
 accumulation and solves each block's choice exactly for it (a knapsack: microseconds).
 A space of a few thousand points is therefore enumerated exactly. A larger one (many
 micro-batch sizes and no global batch) is searched by Optuna's TPE: the objective is
@@ -20,7 +20,7 @@ import optuna
 
 from autotune.config import TrainConfig
 from autotune.cost._candidates import enumerate_candidates, largest_fitting, space_points
-from autotune.cost._planner import Candidate, Planner
+from autotune.cost._chooser import Candidate, Chooser
 from autotune.jobs import quiet_optuna
 
 __all__ = ["default_trials", "search"]
@@ -36,7 +36,7 @@ _EXACT_POINTS = 4096
 
 
 def search(
-    planner: Planner,
+    chooser: Chooser,
     *,
     n_trials: int | None,
     timeout_s: float | None,
@@ -51,12 +51,12 @@ def search(
     ``timeout_s`` and ``seed`` do not apply); a larger one runs the Optuna study. A study
     kept in ``storage`` resumes: trials already done count towards ``n_trials``.
     """
-    points = space_points(planner)
+    points = space_points(chooser)
     if len(points) <= (_EXACT_POINTS if exact_limit is None else exact_limit):
         log.info("enumerating all %d settings that can fit", len(points))
-        found = enumerate_candidates(planner, points)
+        found = enumerate_candidates(chooser, points)
         if storage is not None:
-            _keep(planner, found, storage, study_name)
+            _keep(chooser, found, storage, study_name)
         return found
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, **_constraint_option())
     with quiet_optuna():
@@ -67,10 +67,10 @@ def search(
             study_name=study_name,
             load_if_exists=storage is not None,
         )
-        for params in _seeds(planner):
+        for params in _seeds(chooser):
             study.enqueue_trial(params, skip_if_exists=True)
         done = sum(t.state.is_finished() for t in study.trials)
-        remaining = max((n_trials or default_trials(planner)) - done, 0)
+        remaining = max((n_trials or default_trials(chooser)) - done, 0)
         if remaining:
             total = done + remaining
 
@@ -79,13 +79,13 @@ def search(
                 log.debug("trial %d of %d", n, total, extra={"trial": n, "n_trials": total})
 
             study.optimize(
-                _objective(planner), n_trials=remaining, timeout=timeout_s, callbacks=[report]
+                _objective(chooser), n_trials=remaining, timeout=timeout_s, callbacks=[report]
             )
-    return _candidates(planner, study.trials)
+    return _candidates(chooser, study.trials)
 
 
 def _keep(
-    planner: Planner,
+    chooser: Chooser,
     found: list[Candidate],
     storage: str | optuna.storages.BaseStorage,
     study_name: str | None,
@@ -97,7 +97,7 @@ def _keep(
         )
         if study.trials:
             return
-        distributions = _distributions(planner)
+        distributions = _distributions(chooser)
         study.add_trials(
             [
                 optuna.trial.create_trial(
@@ -115,32 +115,32 @@ def _keep(
         )
 
 
-def default_trials(planner: Planner) -> int:
+def default_trials(chooser: Chooser) -> int:
     """Trials for a space of this size: twice its settings, within 30..200."""
-    size = min(len(planner.sizes), 64) * len(planner.precisions) * len(planner.optimizers)
-    return max(30, min(200, 2 * size * len(planner.offload_optimizer)))
+    size = min(len(chooser.sizes), 64) * len(chooser.precisions) * len(chooser.optimizers)
+    return max(30, min(200, 2 * size * len(chooser.offload_optimizer)))
 
 
-def _objective(planner: Planner) -> Any:
-    sizes = list(planner.sizes)
+def _objective(chooser: Chooser) -> Any:
+    sizes = list(chooser.sizes)
 
     def objective(trial: optuna.Trial) -> float:
-        if planner.global_batch_size is None:
+        if chooser.global_batch_size is None:
             b = trial.suggest_int("micro_batch_size", sizes[0], sizes[-1], log=True)
             b = sizes[min(range(len(sizes)), key=lambda i: abs(sizes[i] - b))]
             trial.set_user_attr("micro_batch_size", b)  # the size planned, not the one drawn
         else:
             b = int(trial.suggest_categorical("micro_batch_size", sizes))
-        p = str(_choose(trial, "precision", planner.precisions))
-        o = str(_choose(trial, "optimizer", planner.optimizers))
-        h = bool(_choose(trial, "offload_optimizer", planner.offload_optimizer))
-        found = planner.candidate(p, o, b, h)
+        p = str(_choose(trial, "precision", chooser.precisions))
+        o = str(_choose(trial, "optimizer", chooser.optimizers))
+        h = bool(_choose(trial, "offload_optimizer", chooser.offload_optimizer))
+        found = chooser.candidate(p, o, b, h)
         if found is None:
-            over = planner.frugal_peak(p, o, b, h) - planner.limit
+            over = chooser.frugal_peak(p, o, b, h) - chooser.limit
             _constrain(trial, float(max(over, 1)))
             return 0.0
         m = found.prediction.measurement
-        _constrain(trial, float(m.peak_bytes - planner.limit))
+        _constrain(trial, float(m.peak_bytes - chooser.limit))
         return m.samples_per_s
 
     return objective
@@ -153,7 +153,7 @@ def _choose(trial: optuna.Trial, name: str, choices: Sequence[Any]) -> Any:
     return trial.suggest_categorical(name, list(choices))
 
 
-def _candidates(planner: Planner, trials: Sequence[optuna.trial.FrozenTrial]) -> list[Candidate]:
+def _candidates(chooser: Chooser, trials: Sequence[optuna.trial.FrozenTrial]) -> list[Candidate]:
     """The distinct feasible settings among ``trials``, each planned again, fastest first."""
     seen: dict[_Key, Candidate] = {}
     for t in trials:
@@ -164,20 +164,20 @@ def _candidates(planner: Planner, trials: Sequence[optuna.trial.FrozenTrial]) ->
             continue
         key: _Key = (
             int(t.user_attrs.get("micro_batch_size", t.params.get("micro_batch_size", 0))),
-            t.params.get("precision", planner.precisions[0]),
-            t.params.get("optimizer", planner.optimizers[0]),
-            bool(t.params.get("offload_optimizer", planner.offload_optimizer[0])),
+            t.params.get("precision", chooser.precisions[0]),
+            t.params.get("optimizer", chooser.optimizers[0]),
+            bool(t.params.get("offload_optimizer", chooser.offload_optimizer[0])),
         )
         b, p, o, h = key
         if (
-            b in planner.sizes
+            b in chooser.sizes
             # Another process sharing the study may have searched other choices
             # (e.g. it timed a precision as slow and dropped it): skip what is not ours.
-            and p in planner.precisions
-            and o in planner.optimizers
-            and h in planner.offload_optimizer
+            and p in chooser.precisions
+            and o in chooser.optimizers
+            and h in chooser.offload_optimizer
             and key not in seen
-            and (c := planner.candidate(p, o, b, h)) is not None
+            and (c := chooser.candidate(p, o, b, h)) is not None
         ):
             seen[key] = c
     return sorted(seen.values(), key=lambda c: -c.prediction.measurement.samples_per_s)
@@ -190,15 +190,15 @@ def _key(config: TrainConfig) -> _Key:
     return (config.micro_batch_size, config.timeline, config.optimizer, config.offload_optimizer)
 
 
-def _distributions(planner: Planner) -> dict[str, optuna.distributions.BaseDistribution]:
+def _distributions(chooser: Chooser) -> dict[str, optuna.distributions.BaseDistribution]:
     """The study's parameters: the knobs with more than one choice."""
     out: dict[str, optuna.distributions.BaseDistribution] = {
-        "micro_batch_size": optuna.distributions.CategoricalDistribution(list(planner.sizes))
+        "micro_batch_size": optuna.distributions.CategoricalDistribution(list(chooser.sizes))
     }
     choices: dict[str, Sequence[str | bool]] = {
-        "precision": planner.precisions,
-        "optimizer": planner.optimizers,
-        "offload_optimizer": planner.offload_optimizer,
+        "precision": chooser.precisions,
+        "optimizer": chooser.optimizers,
+        "offload_optimizer": chooser.offload_optimizer,
     }
     for name, values in choices.items():
         if len(values) > 1:
@@ -206,18 +206,18 @@ def _distributions(planner: Planner) -> dict[str, optuna.distributions.BaseDistr
     return out
 
 
-def _seeds(planner: Planner) -> Iterator[dict[str, object]]:
+def _seeds(chooser: Chooser) -> Iterator[dict[str, object]]:
     """Good starting points: per precision, the largest micro-batch that fits."""
-    for p in planner.precisions:
-        for h in planner.offload_optimizer:
-            b = largest_fitting(planner, p, planner.optimizers[0], h)
+    for p in chooser.precisions:
+        for h in chooser.offload_optimizer:
+            b = largest_fitting(chooser, p, chooser.optimizers[0], h)
             if b is not None:
                 params: dict[str, object] = {"micro_batch_size": b}
-                if len(planner.precisions) > 1:
+                if len(chooser.precisions) > 1:
                     params["precision"] = p
-                if len(planner.optimizers) > 1:
-                    params["optimizer"] = planner.optimizers[0]
-                if len(planner.offload_optimizer) > 1:
+                if len(chooser.optimizers) > 1:
+                    params["optimizer"] = chooser.optimizers[0]
+                if len(chooser.offload_optimizer) > 1:
                     params["offload_optimizer"] = h
                 yield params
 

@@ -46,7 +46,7 @@ def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dic
 def per_rank_peak(
     model: MemoryModel, layout: Layout, knobs: Knobs
 ) -> tuple[int, int, dict[str, int]]:
-    """:func:`sharded_peak` of ``knobs`` under ``layout``: what the planner asks, many
+    """:func:`sharded_peak` of ``knobs`` under ``layout``: what the chooser asks, many
     times, with no config."""
     precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
     prof = model.profile

@@ -6,7 +6,7 @@ import itertools
 
 from autotune._format import format_bytes
 from autotune._spelling import option
-from autotune.cost._planner import Planner
+from autotune.cost._chooser import Chooser
 from autotune.errors import BudgetTooSmallError
 from autotune.space import SearchSpace
 
@@ -17,19 +17,19 @@ _LIGHTER = "SearchSpace(optimizers=['adamw', 'adamw8bit'])"
 
 
 def too_small(
-    planner: Planner, space: SearchSpace, budget: int, *, offload_helps: bool = True
+    chooser: Chooser, space: SearchSpace, budget: int, *, offload_helps: bool = True
 ) -> BudgetTooSmallError:
     """The error for a budget under the cheapest configuration, with what would lower it
     (offload only where it helps: not where host memory is device memory)."""
-    cost = planner.cost
-    micro_batch = planner.sizes[0]
-    settings = itertools.product(planner.precisions, planner.optimizers, planner.offload_optimizer)
+    cost = chooser.cost
+    micro_batch = chooser.sizes[0]
+    settings = itertools.product(chooser.precisions, chooser.optimizers, chooser.offload_optimizer)
     # The first of the least (ties keep the order of the space: the user's choices first).
     peak, p, o, h = min(
-        ((planner.frugal_peak(p, o, micro_batch, h), p, o, h) for p, o, h in settings),
+        ((chooser.frugal_peak(p, o, micro_batch, h), p, o, h) for p, o, h in settings),
         key=lambda x: x[0],
     )
-    config = planner.config_of(planner.frugal(planner.knobs(p, o, micro_batch, h)))
+    config = chooser.config_of(chooser.frugal(chooser.knobs(p, o, micro_batch, h)))
     _, parts = cost.memory(config)
     hints = [f"raise {option('budget_gb')}"]
     light = [
@@ -37,9 +37,9 @@ def too_small(
     ]
     if parts.optimizer > parts.parameters / 2 and not light:
         hints.append(f"allow a lighter optimizer, e.g. {option(_LIGHTER)} or 'adafactor'")
-    if offload_helps and not h and True not in planner.offload_optimizer:
+    if offload_helps and not h and True not in chooser.offload_optimizer:
         hints.append(f"allow optimizer offload ({option('SearchSpace(offload_optimizer=True)')})")
-    if offload_helps and not planner.offload_activations and cost.n_blocks:
+    if offload_helps and not chooser.offload_activations and cost.n_blocks:
         hints.append(
             f"allow activation offload ({option('SearchSpace(offload_activations=True)')})"
         )

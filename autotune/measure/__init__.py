@@ -12,8 +12,8 @@
   ``_fake_kernels``: where torch's fake kernels refuse what the CPU runs;
   ``_rank_trace``: one rank of FSDP2 traced at any world size (a fake group).
 
-The profile's records, the planner's only input, are :mod:`autotune._profile_data`'s:
-below every layer, so that the planner reads them without the training code.
+The profile's records, the cost model's only input, are :mod:`autotune._profile_data`'s:
+below every layer, so that the cost model reads them without the training code.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).

@@ -1,7 +1,7 @@
 """One rank of an FSDP2 run traced at any world size, in this process.
 
 The per-rank plans of DDP and FSDP2 are predicted from one process's profile (the
-planners model the shards, the gathered units and the gradient buckets). This traces
+cost model counts the shards, the gathered units and the gradient buckets). This traces
 the thing itself: the model built on fake tensors (:func:`~autotune.measure._fake.traced`),
 wrapped by :func:`autotune.prepare` with FSDP2's ``fully_shard`` exactly as a rank of
 ``world`` ranks wraps it, and stepped under the live-bytes tracker, in a process

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from torch import nn
 
@@ -22,13 +21,14 @@ from autotune.result import Spent, TuneResult
 from autotune.train import set_attention
 from autotune.tuning._device_run import tune_on_device
 from autotune.tuning._options import TuneOptions
+from autotune.tuning._problem import Problem
 
 __all__ = ["tune_attentions"]
 
 log = logging.getLogger("autotune")
 
 
-def tune_attentions(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
+def tune_attentions(model: nn.Module, problem: Problem, options: TuneOptions) -> TuneResult:
     """One tuning run per implementation of ``options.space.attention`` (one with the
     model's own where it names none); the fastest verified result, with every run's
     trials and seconds.
@@ -39,14 +39,14 @@ def tune_attentions(model: nn.Module, sample: Any, options: TuneOptions) -> Tune
             implementation fits or runs (the first's error).
     """
     if not options.space.attention:
-        return tune_on_device(model, sample, options)
+        return tune_on_device(model, problem, options)
     results: list[TuneResult] = []
     failed: list[Exception] = []
     for name in options.space.attention:
         put_back = set_attention(model, name)
         try:
             log.info("tuning with attention %s", name)
-            result = tune_on_device(model, sample, options)
+            result = tune_on_device(model, problem, options)
         except (BudgetTooSmallError, BatchError, ProfileError, VerificationError) as exc:
             log.info("attention %s: %s", name, str(exc).splitlines()[0])
             failed.append(exc)

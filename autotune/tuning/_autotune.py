@@ -23,7 +23,7 @@ from autotune.train import LossFn, OptimizerFactory, factory_name
 from autotune.tuning._attention_choice import tune_attentions
 from autotune.tuning._length_table import tune_lengths
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._problem import uncompiled
+from autotune.tuning._problem import make_problem, uncompiled
 from autotune.tuning._progress import progress, shown
 from autotune.tuning._starting_point import resolved_plan, started_from
 
@@ -151,7 +151,7 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
     with progress(quiet=not shown(options.progress)):
         if options.table:
             return tune_lengths(model, sample_batch, options)
-        return tune_attentions(model, sample_batch, options)
+        return tune_attentions(model, make_problem(model, sample_batch, options), options)
 
 
 def with_optimizer(space: SearchSpace, optimizer: OptimizerFactory | str | None) -> SearchSpace:

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from autotune._plain_data import from_plain, to_plain
 from autotune._profile_data import Profile
 from autotune.config import TrainConfig
-from autotune.cost import Candidate, CostModel, Planner, search
+from autotune.cost import Candidate, Chooser, CostModel, search
 from autotune.errors import BudgetTooSmallError
 from autotune.jobs import Codec, JobStore, job_id
-from autotune.result import ModelInfo, TuneResult
+from autotune.result import TuneResult
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 
@@ -55,7 +55,6 @@ def planned_notes(config: TrainConfig, comm_measured: bool) -> tuple[str, ...]:
 
 
 def planned_result(
-    info: ModelInfo,
     problem: Problem,
     profile: Profile,
     candidates: list[Candidate],
@@ -79,31 +78,31 @@ def planned_result(
         measured=None,  # nothing ran
         budget_bytes=problem.budget,
         target=problem.target.info(),
-        model=info,
+        model=problem.model,
         breakdown=best.prediction.breakdown,
         unverified=planned_notes(best.config, profile.comm is not None),
     )
 
 
 def search_layouts(
-    planners: list[Planner], jobs: JobStore, options: TuneOptions
+    choosers: list[Chooser], jobs: JobStore, options: TuneOptions
 ) -> list[Candidate]:
     """Every layout's candidates, fastest predicted first (each layout searched once
     among the processes that share ``jobs``)."""
     n_trials, timeout_s, seed = options.n_trials, options.timeout_s, options.seed
     found = []
-    for planner in planners:
+    for chooser in choosers:
         log.info(
             "searching: %d micro-batch sizes x %s x %s%s",
-            len(planner.sizes),
-            "/".join(planner.precisions),
-            "/".join(planner.optimizers),
-            _note(planner),
+            len(chooser.sizes),
+            "/".join(chooser.precisions),
+            "/".join(chooser.optimizers),
+            _note(chooser),
         )
 
-        def run_search(planner: Planner = planner) -> list[Candidate]:
+        def run_search(chooser: Chooser = chooser) -> list[Candidate]:
             return search(
-                planner,
+                chooser,
                 n_trials=n_trials,
                 timeout_s=timeout_s,
                 seed=seed,
@@ -111,9 +110,9 @@ def search_layouts(
                 study_name=jobs.name,
             )
 
-        layout = planner.cost.layout.describe()
+        layout = chooser.cost.layout.describe()
         job = job_id("search", layout, *map(str, (n_trials, timeout_s, seed)))
-        found.append(jobs.once(job, run_search, "searching", _candidates(planner.cost)))
+        found.append(jobs.once(job, run_search, "searching", _candidates(chooser.cost)))
     return merged(found)
 
 
@@ -127,6 +126,6 @@ def _candidates(cost: CostModel) -> Codec:
     )
 
 
-def _note(planner: Planner) -> str:
-    layout = planner.cost.layout
+def _note(chooser: Chooser) -> str:
+    layout = chooser.cost.layout
     return "" if layout.parallel == "none" else f" ({layout.describe()})"

@@ -38,14 +38,14 @@ from autotune.train import (
     OptimizerFactory,
     Workload,
     available,
-    batch_size,
     factory_name,
     measured_compiling,
     not_at_hand,
 )
+from autotune.tuning._options import TuneOptions
 from autotune.tuning._pieces import Pieces
 from autotune.tuning._pipeline import run
-from autotune.tuning._problem import Problem, checked_model, uncompiled
+from autotune.tuning._problem import Problem, checked_model, make_problem, uncompiled
 from autotune.tuning._stopwatch import Stopwatch
 
 __all__ = ["Estimate", "OneConfig", "estimate"]
@@ -109,24 +109,18 @@ def estimate(
         raise not_at_hand(config.optimizer)  # a path read from a file is never imported
     model = uncompiled(model)  # a non-module passes through, for the check below
     checked_model(model)
-    batch_size(sample_batch)  # a clear BatchError before anything runs
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
-    problem = Problem(
-        sample=sample_batch,
+    options = TuneOptions(
+        budget_gb=target.total_bytes / 2**30,  # no budget: the estimate says what it takes
         loss_fn=loss_fn,
-        target=target,
-        space=SearchSpace(),  # not searched: the config is the one setting
-        blocks=names,
-        sizes=(config.micro_batch_size,),
-        precisions=(config.timeline,),
         global_batch_size=config.global_batch_size,
-        budget=target.total_bytes,
-        limit=target.total_bytes,
-        foreign_bytes=backend_for(target.device).foreign_bytes(),
-        world=config.world_size,
+        # Not searched (the config is the one setting): its blocks, and its world size.
+        space=SearchSpace(blocks=names, checkpointing=bool(names)),
+        world_size=config.world_size,
     )
+    problem = make_problem(model, sample_batch, options, target)
     return run(contextlib.nullcontext(problem), OneConfig(model, config), Stopwatch())
 
 
@@ -164,7 +158,7 @@ class OneConfig:
         context = max(target.context_bytes, backend_for(target.device).context_bytes())
         return dataclasses.replace(profile, context_bytes=context)
 
-    def search(self, profile: Profile, problem: Problem) -> CostModel:
+    def search(self, problem: Problem, profile: Profile) -> CostModel:
         return CostModel(profile)
 
     def verify(self, problem: Problem, profile: Profile, searched: CostModel) -> Estimate:

@@ -29,6 +29,7 @@ from autotune.space import SearchSpace
 from autotune.train import group_size, sequence_length, truncate
 from autotune.tuning._attention_choice import tune_attentions
 from autotune.tuning._options import TuneOptions
+from autotune.tuning._problem import make_problem
 
 __all__ = ["Lengths", "tune_lengths"]
 
@@ -112,7 +113,8 @@ def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneRes
     for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
         log.info("tuning at sequence length %d (%d samples per step)", length, samples)
         row = row.replace(global_batch_size=samples)
-        result = tune_attentions(model, truncate(sample, length), row)
+        problem = make_problem(model, truncate(sample, length), row)
+        result = tune_attentions(model, problem, row)
         if not results:  # the longest fixes the math of every row, and where the state lives
             row = row.replace(space=_as_tuned(row.space, result.config))
         results.append(result)

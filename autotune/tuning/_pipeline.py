@@ -10,7 +10,7 @@ They differ only in their :class:`Stages`:
 * **problem**: the inputs checked and set up on the target (a context: a traced run
   holds its fake-tensor mode open while it profiles);
 * **profile**: what the model costs (measured, traced, or one config's memory);
-* **search**: the cost model's ranking (:func:`ranked`: every layout's planner searched;
+* **search**: the cost model's ranking (:func:`ranked`: every layout's chooser searched;
   an estimate predicts its one config);
 * **verify**: the result from the ranking (candidates run on the device; a plan's
   winner, or its rank traced; the estimate as predicted).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from autotune._profile_data import Profile
-from autotune.cost import Candidate, Planner, planners
+from autotune.cost import Candidate, Chooser, choosers
 from autotune.jobs import JobStore
 from autotune.tuning._data_parallel import search_layouts
 from autotune.tuning._options import TuneOptions
@@ -49,7 +49,7 @@ class Stages(Protocol[S, R]):
         """What the model costs on the target."""
         ...
 
-    def search(self, profile: Profile, problem: Problem) -> S:
+    def search(self, problem: Problem, profile: Profile) -> S:
         """The cost model's ranking of what may run."""
         ...
 
@@ -64,17 +64,17 @@ class Stages(Protocol[S, R]):
 
 @dataclass(frozen=True)
 class Ranked:
-    """The search's ranking: each layout's planner, and their candidates, fastest
+    """The search's ranking: each layout's chooser, and their candidates, fastest
     predicted first."""
 
-    planners: list[Planner]
+    choosers: list[Chooser]
     candidates: list[Candidate]
 
 
-def ranked(profile: Profile, problem: Problem, options: TuneOptions, jobs: JobStore) -> Ranked:
-    """The search stage of a tuning run and a plan: a planner per layout of the problem's
+def ranked(problem: Problem, profile: Profile, options: TuneOptions, jobs: JobStore) -> Ranked:
+    """The search stage of a tuning run and a plan: a chooser per layout of the problem's
     ranks, and the candidates of each searched once among ``jobs``' processes."""
-    found = planners(profile, problem, problem.world)
+    found = choosers(profile, problem, problem.world)
     return Ranked(found, search_layouts(found, jobs, options))
 
 
@@ -88,6 +88,6 @@ def run(
         profile = stages.profile(p)
     p = p.with_context(profile.context_bytes)  # after training steps: what loaded lazily
     with watch.stage("search"):
-        searched = stages.search(profile, p)
+        searched = stages.search(p, profile)
     with watch.stage("verification"), stages.holding(p):
         return stages.verify(p, profile, searched)

@@ -7,7 +7,7 @@ CPU's kernels, byte for byte the timeline a real CPU step has, and translated to
 target GPU explicitly: the CUDA context and the caching allocator's reserve are the
 table's stated defaults (:mod:`autotune.device._catalog`). Its time profile runs on a
 roofline clock (FLOPs and bytes of each op against the GPU's datasheet), and the
-collectives of several ranks on the table's links. The cost model, planners and search
+collectives of several ranks on the table's links. The cost model, choosers and search
 are the tuner's; the result is the tuner's too, marked planned: every assumption is in
 its ``unverified``, and ``autotune tune`` on the real device verifies it.
 """
@@ -23,17 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune._blocks import resolve_blocks
 from autotune._profile_data import Collectives, Line, Profile
 from autotune.config import FUSED_OPTIMIZERS
-from autotune.cost import micro_batch_candidates
 from autotune.device import (
     CONTEXT_BYTES,
     INTER_NODE_BYTES_PER_S,
     RESERVE_SHARE,
     DeviceSpec,
     Target,
-    budget_bytes,
     device_spec,
     host_peak_bytes,
 )
@@ -44,15 +41,14 @@ from autotune.result import PLANNED, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, map_tensors
 from autotune.tuning._data_parallel import planned_result
-from autotune.tuning._device_run import model_info
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._pipeline import Ranked, ranked, run
-from autotune.tuning._problem import _MARGIN, Problem, per_rank_batch, twinned, world_of
+from autotune.tuning._problem import Problem, make_problem, twinned
 from autotune.tuning._profiling import profile_model
 from autotune.tuning._rank_check import rank_checked
 from autotune.tuning._stopwatch import Stopwatch
 
-__all__ = ["TracedRun", "plan_ahead", "plan_with"]
+__all__ = ["TracedRun", "plan_ahead", "plan_options", "plan_with", "traced_problem"]
 
 PLANS_KEPT = 10
 """Candidates a plan keeps, fastest predicted first (its ``trials``, none of them run)."""
@@ -99,7 +95,7 @@ def plan_ahead(
         seed: Seed of the search.
         trace_rank: With an FSDP2 plan, trace rank 0 of it with FSDP2 itself (a process
             group of ``world_size`` ranks that sends nothing): the per-rank peak exact
-            where the planners' is modelled; a plan it puts over the budget gives way to
+            where the choosers' is modelled; a plan it puts over the budget gives way to
             the next FSDP2 plan. Costs a traced step of the whole model (12-59 s for
             Llama 3 8B and 70B on a 2-core CPU).
 
@@ -129,11 +125,25 @@ def plan_with(
     """:func:`plan_ahead` with the tuner's options record (``options.device`` unread)."""
     watch, spec = Stopwatch(), device_spec(device)
     stages = TracedRun(build, sample_batch, options, spec, trace_rank=trace_rank)
-    result = run(stages.problem(), stages, watch)
+    result = run(traced_problem(build, sample_batch, options, spec), stages, watch)
     notes = (*planning_notes(spec), *result.unverified)
     return dataclasses.replace(
         result, tuning_s=watch.elapsed(), spent=watch.spent(), unverified=notes
     )
+
+
+@contextlib.contextmanager
+def traced_problem(
+    build: Callable[[], nn.Module], sample_batch: Any, options: TuneOptions, spec: DeviceSpec
+) -> Iterator[Problem]:
+    """A plan's problem: the model built and its sample made on fake tensors, held while
+    it is profiled, for the GPU ``spec``."""
+    with traced() as mode:
+        model = _built(build)
+        made = sample_batch() if callable(sample_batch) else sample_batch
+        sample = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
+        planned = functools.partial(on_the_gpu, spec=spec)
+        yield make_problem(model, sample, plan_options(options), _target(spec), on_target=planned)
 
 
 class TracedRun:
@@ -152,16 +162,6 @@ class TracedRun:
     ) -> None:
         self.build, self.sample_batch, self.options = build, sample_batch, options
         self.spec, self.trace_rank = spec, trace_rank
-        self.traced: Profile | None = None  # as traced, before the GPU's translation
-
-    @contextlib.contextmanager
-    def problem(self) -> Iterator[Problem]:
-        """The model built and its sample made on fake tensors, held while it is profiled."""
-        with traced() as mode:
-            self.model = _built(self.build)
-            made = self.sample_batch() if callable(self.sample_batch) else self.sample_batch
-            sample = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
-            yield _problem(self.model, sample, self.spec, self.options)
 
     def holding(self, problem: Problem) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing is on a device
@@ -171,28 +171,26 @@ class TracedRun:
 
         Deeper than 4 blocks: copies of 3 and 4 blocks, extrapolated (exact where the
         blocks are alike; a traced model costs no memory, but time per op)."""
+        assert problem.work is not None  # the traced model
         with Roofline(self.spec):
-            self.traced = profile_model(self.model, problem, whole=len(problem.blocks) <= 4)
-        return on_the_gpu(self.traced, self.spec, problem.world)
+            traced = profile_model(problem.work, problem, whole=len(problem.blocks) <= 4)
+        return on_the_gpu(traced, problem.world, self.spec)
 
-    def search(self, profile: Profile, problem: Problem) -> Ranked:
-        return ranked(profile, problem, self.options, LocalJobs())
+    def search(self, problem: Problem, profile: Profile) -> Ranked:
+        return ranked(problem, profile, self.options, LocalJobs())
 
     def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
         """The fastest plan, and the next ones ranked (none run)."""
         candidates = searched.candidates
-        info = model_info(self.model, profile.blocks)
-        result = planned_result(info, problem, profile, candidates)
+        result = planned_result(problem, profile, candidates)
         if self.trace_rank:  # the rank's trace in the place of verification
-            assert self.traced is not None
-            options = self.options
             result = rank_checked(
                 result,
                 candidates,
-                self.traced,
+                profile,
                 self.build,
                 self.sample_batch,
-                options.loss_fn,
+                self.options.loss_fn,
                 problem.limit,
             )
         ranked = tuple(
@@ -244,11 +242,9 @@ def _built(build: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptions) -> Problem:
-    """The tuner's problem on a GPU that is not here, traced on the CPU's kernels: no
-    offload (a traced step copies nothing to the host) and nothing compiled."""
-    world, _ = world_of(options.world_size)
-    global_batch_size = per_rank_batch(options.global_batch_size, world)
+def plan_options(options: TuneOptions) -> TuneOptions:
+    """``options`` as a plan searches them on a GPU that is not here, traced on the CPU's
+    kernels: no offload (a traced step copies nothing to the host) and nothing compiled."""
     space = dataclasses.replace(
         options.space,
         # fp16 runs at bf16's peak on every GPU of the table, and needs a loss scaler
@@ -260,25 +256,14 @@ def _problem(model: nn.Module, sample: Any, spec: DeviceSpec, options: TuneOptio
         compile_blocks=False,
         compile_model=False,
     )
-    target = Target(
+    return options.replace(space=space, device=None)
+
+
+def _target(spec: DeviceSpec) -> Target:
+    """The GPU ``spec`` as a plan's target: measured on the CPU's kernels, its memory
+    and context the table's."""
+    return Target(
         torch.device("cpu"), spec.name, spec.memory_bytes, spec.memory_bytes, CONTEXT_BYTES, 0
-    )
-    budget = budget_bytes(options.budget_gb, target)
-    return Problem(
-        sample=sample,
-        loss_fn=options.loss_fn,
-        target=target,
-        space=space,
-        blocks=resolve_blocks(model, space.blocks) if space.checkpointing else (),
-        sizes=micro_batch_candidates(space, global_batch_size),
-        precisions=tuple(space.precisions),
-        global_batch_size=global_batch_size,
-        budget=budget,
-        limit=int(budget * (1 - _MARGIN["cuda"])),  # the head-room the tuner keeps on CUDA
-        foreign_bytes=0,
-        world=world,
-        verifiable=False,
-        on_target=functools.partial(on_the_gpu, spec=spec, world=world),
     )
 
 
@@ -287,7 +272,7 @@ def _without_fp16(precisions: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p for p in precisions if p != "fp16" or "bf16" not in precisions)
 
 
-def on_the_gpu(profile: Profile, spec: DeviceSpec, world: int) -> Profile:
+def on_the_gpu(profile: Profile, world: int, spec: DeviceSpec) -> Profile:
     """A profile traced on the CPU's kernels, as the GPU ``spec`` holds it: its context
     and the caching allocator's reserve (the table's defaults), its host separate from
     its memory, and with several ranks, the collectives on the table's links."""

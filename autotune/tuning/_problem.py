@@ -17,12 +17,14 @@ from autotune.config import FUSED_OPTIMIZERS, PAGED_OPTIMIZERS
 from autotune.cost import micro_batch_candidates
 from autotune.device import Target, backend_for, budget_bytes, discover
 from autotune.errors import BudgetError, ConfigError, ProfileError, warn
+from autotune.result import ModelInfo
 from autotune.space import SearchSpace
 from autotune.train import (
     LossFn,
     Workload,
     batch_size,
     compiled_parts,
+    fingerprint,
     fused_runs,
     group_size,
     layouts_of_model,
@@ -36,6 +38,7 @@ __all__ = [
     "Problem",
     "checked_model",
     "make_problem",
+    "model_info",
     "per_rank_batch",
     "refuse_meta",
     "twinned",
@@ -57,6 +60,8 @@ class Problem:
     """The user's sample batch."""
     loss_fn: LossFn | None
     target: Target
+    model: ModelInfo
+    """What the result records of the model: its class, structure and blocks."""
     space: SearchSpace
     blocks: tuple[str, ...]
     """The blocks that may be checkpointed or offloaded (none without checkpointing)."""
@@ -76,9 +81,13 @@ class Problem:
     verifiable: bool = True
     """Whether those ranks are this process group's, to verify on (else the run is
     planned in one process, not run)."""
-    on_target: Callable[[Profile], Profile] | None = None
-    """How the target holds a profile measured here, where it is not here (a plan's GPU:
-    its context and allocator reserve); ``None``: as measured."""
+    work: nn.Module | None = None
+    """The module a plan profiles: the model it built on fake tensors (a run on the device
+    measures a working copy of its own, made where the problem says)."""
+    on_target: Callable[[Profile, int], Profile] | None = None
+    """How the target holds a profile measured here over the problem's ranks, where it is
+    not here (a plan's GPU: its context, allocator reserve and links); ``None``: as
+    measured."""
 
     @property
     def compile(self) -> bool:
@@ -151,19 +160,71 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return eager_module(model) if isinstance(model, nn.Module) else model
 
 
-def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> Problem:
-    """Validate the inputs (fast, before anything runs) and set the run up on the target.
+def make_problem(
+    model: nn.Module,
+    sample_batch: Any,
+    options: TuneOptions,
+    target: Target | None = None,
+    *,
+    on_target: Callable[[Profile, int], Profile] | None = None,
+) -> Problem:
+    """Validate the inputs (fast, before anything runs) and set the run up on the target:
+    the one way every kind of run (tuned, planned, estimated) makes its problem.
 
-    ``options.global_batch_size`` is the global batch; the problem's is one rank's.
+    Args:
+        model: The model (a traced one, for a plan).
+        sample_batch: Its sample batch.
+        options: The run's options; ``options.global_batch_size`` is the global batch, the
+            problem's is one rank's.
+        target: Where the run measures; default :func:`~autotune.device.discover` of
+            ``options.device``.
+        on_target: A plan's translation of what it measures to the GPU it plans for (the
+            profile and the ranks): the problem is then planned, never verified, its
+            space taken as given and its head-room a GPU's.
     """
-    world, verifiable = world_of(options.world_size)
+    world, here = world_of(options.world_size)
     if options.storage is not None and world > 1:
         raise ConfigError("storage= is not supported with data parallelism yet; leave it out.")
     global_batch_size = per_rank_batch(options.global_batch_size, world)
-    loss_fn, space = options.loss_fn, options.space
     checked_model(model)
-    target = discover(options.device)
+    batch_size(sample_batch)
+    target = target or discover(options.device)
     budget = budget_bytes(options.budget_gb, target)
+    planned = on_target is not None
+    space = options.space if planned else _as_the_device_runs(options.space, target)
+    held_on = "cuda" if planned else target.device.type  # a plan's target is a GPU
+    blocks = resolve_blocks(model, space.blocks) if space.checkpointing else ()
+    return Problem(
+        sample=sample_batch,
+        loss_fn=options.loss_fn,
+        target=target,
+        space=space,
+        blocks=blocks,
+        model=model_info(model, blocks),
+        sizes=micro_batch_candidates(space, global_batch_size),
+        precisions=space.precisions if planned else _supported_precisions(space, target),
+        global_batch_size=global_batch_size,
+        budget=budget,
+        limit=int(budget * (1 - _MARGIN.get(held_on, 0.04))),
+        # What the allocator holds for other tensors (unused cached blocks returned first).
+        foreign_bytes=0 if planned else backend_for(target.device).foreign_bytes(),
+        world=world,
+        verifiable=here and not planned,
+        work=model if planned else None,
+        on_target=on_target,
+    )
+
+
+def model_info(model: nn.Module, blocks: Sequence[str]) -> ModelInfo:
+    """What a result records of the model it was tuned for."""
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    classes = dict.fromkeys(type(model.get_submodule(b)).__name__ for b in blocks)
+    return ModelInfo(type(model).__qualname__, fingerprint(model), n, tuple(blocks), tuple(classes))
+
+
+def _as_the_device_runs(space: SearchSpace, target: Target) -> SearchSpace:
+    """``space`` as ``target`` runs it: AdamW fused where the kernel runs, paged
+    optimizers unpaged off CUDA, and no offload where the host's memory is the device's."""
     space = _fused_where_it_runs(_unpaged_off_cuda(space, target), target)
     if backend_for(target.device).host_is_device and any(space.offloads(target.device.type)):
         warn(
@@ -171,23 +232,7 @@ def make_problem(model: nn.Module, sample_batch: Any, options: TuneOptions) -> P
             "it is not searched.",
         )
         space = dataclasses.replace(space, offload_optimizer=False, offload_activations=False)
-    batch_size(sample_batch)
-    return Problem(
-        sample=sample_batch,
-        loss_fn=loss_fn,
-        target=target,
-        space=space,
-        blocks=resolve_blocks(model, space.blocks) if space.checkpointing else (),
-        sizes=micro_batch_candidates(space, global_batch_size),
-        precisions=_supported_precisions(space.precisions, target),
-        global_batch_size=global_batch_size,
-        budget=budget,
-        limit=int(budget * (1 - _MARGIN.get(target.device.type, 0.04))),
-        # What the allocator holds for other tensors (unused cached blocks returned first).
-        foreign_bytes=backend_for(target.device).foreign_bytes(),
-        world=world,
-        verifiable=verifiable,
-    )
+    return space
 
 
 def checked_model(model: Any) -> None:
@@ -221,7 +266,8 @@ def refuse_meta(model: nn.Module) -> None:
         )
 
 
-def _supported_precisions(wanted: Sequence[str], target: Target) -> tuple[str, ...]:
+def _supported_precisions(space: SearchSpace, target: Target) -> tuple[str, ...]:
+    wanted: Sequence[str] = space.precisions
     if not backend_for(target.device).supports_bf16():
         wanted = [p for p in wanted if p != "bf16"]
     if not wanted:

@@ -17,7 +17,7 @@ from torch import nn
 
 from autotune._profile_data import Profile
 from autotune.config import TrainConfig, timeline_key, timeline_parts
-from autotune.cost import CostModel, largest_fitting, planners, too_small
+from autotune.cost import CostModel, choosers, largest_fitting, too_small
 from autotune.device import backend_for
 from autotune.errors import AutotuneError
 from autotune.measure import (
@@ -223,8 +223,8 @@ def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
     Raises:
         BudgetTooSmallError: none fits.
     """
-    held = problem.on_target(draft) if problem.on_target is not None else draft
-    found = planners(held, problem, problem.world)
+    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
+    found = choosers(held, problem, problem.world)
     caps = {
         p: max(
             (

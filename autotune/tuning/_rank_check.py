@@ -1,6 +1,6 @@
 """A plan's rank traced: the FSDP2 winner of a plan run as one rank of its world size.
 
-A plan's per-rank peak comes from one process's profile, through the planners' model of
+A plan's per-rank peak comes from one process's profile, through the choosers' model of
 shards, gathered units and reduce-scatter buffers. Checking it, one rank of the plan is
 traced (:func:`autotune.measure.traced_rank_peak`: the model on fake tensors, wrapped by
 FSDP2 itself, in a process group of ``world`` ranks that sends nothing), which is what a
@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from autotune._format import format_bytes
-from autotune._profile_data import Profile
+from autotune._profile_data import PrecisionProfile, Profile
 from autotune.cost import Candidate, CostModel
 from autotune.measure import traced_rank_peak
 from autotune.result import TuneResult
@@ -33,7 +33,7 @@ RANK_TRIES = 3
 def rank_checked(
     result: TuneResult,
     candidates: list[Candidate],
-    traced_profile: Profile,
+    profile: Profile,
     build: Callable[[], nn.Module],
     sample_batch: Any,
     loss_fn: LossFn | None,
@@ -44,7 +44,7 @@ def rank_checked(
     Args:
         result: The plan.
         candidates: Its candidates, fastest predicted first (the first is the winner).
-        traced_profile: The profile as traced, before the GPU's translation.
+        profile: The plan's profile, as the GPU holds it.
         build: The model's factory (called under tracing).
         sample_batch: A sample batch, or a factory of one (called under tracing).
         loss_fn: The loss (``None``: the model's own).
@@ -53,7 +53,7 @@ def rank_checked(
     fsdp = [c for c in candidates if c.config.parallel == "fsdp"][:RANK_TRIES]
     if candidates[0].config.parallel != "fsdp":
         return result
-    live = CostModel(dataclasses.replace(traced_profile, context_bytes=0))
+    live = CostModel(_live(profile))
     for candidate in fsdp:
         config = candidate.config
         traced = traced_rank_peak(build, sample_batch, config, loss_fn=loss_fn)
@@ -76,4 +76,22 @@ def rank_checked(
         predicted=dataclasses.replace(predicted, peak_bytes=peak),
         breakdown=candidate.prediction.breakdown,
         unverified=(*result.unverified, note),
+    )
+
+
+def _live(profile: Profile) -> Profile:
+    """``profile`` as traced, before the GPU's translation: live bytes only, with no
+    context, allocator reserve or links (what a traced rank counts)."""
+
+    def unreserved(pp: PrecisionProfile) -> PrecisionProfile:
+        return dataclasses.replace(pp, reserve=())
+
+    return dataclasses.replace(
+        profile,
+        device_type="cpu",
+        host_is_device=True,
+        context_bytes=0,
+        precisions={p: unreserved(pp) for p, pp in profile.precisions.items()},
+        sharded={p: unreserved(pp) for p, pp in profile.sharded.items()},
+        comm=None,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from autotune.cost import Candidate, Planner, expert_candidates
+from autotune.cost import Candidate, Chooser, expert_candidates
 from autotune.result import TrialRecord
 from autotune.verify._winner import Measure
 
@@ -17,9 +17,9 @@ __all__ = ["baseline_candidates", "baseline_record", "verify_baseline"]
 log = logging.getLogger("autotune")
 
 
-def baseline_candidates(planners: Sequence[Planner], device_type: str) -> list[Candidate]:
-    """The expert's configs of a run's planners (the one-process layout's)."""
-    return [c for p in planners for c in expert_candidates(p, device_type)]
+def baseline_candidates(choosers: Sequence[Chooser], device_type: str) -> list[Candidate]:
+    """The expert's configs of a run's choosers (the one-process layout's)."""
+    return [c for p in choosers for c in expert_candidates(p, device_type)]
 
 
 def verify_baseline(

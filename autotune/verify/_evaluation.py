@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from autotune.config import TrainConfig
 from autotune.errors import warn
-from autotune.verify import Verifier
+from autotune.verify._verifier import Verifier
 
 __all__ = ["with_eval_batches"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from autotune.config import TrainConfig
-from autotune.cost import Planner, fallback_candidates
+from autotune.cost import Chooser, fallback_candidates
 from autotune.result import TrialRecord
 from autotune.verify._winner import Measure
 
@@ -17,7 +17,7 @@ log = logging.getLogger("autotune")
 
 
 def fallback_ladder(
-    measure: Measure, planner: Planner, winner: TrialRecord, records: list[TrialRecord]
+    measure: Measure, chooser: Chooser, winner: TrialRecord, records: list[TrialRecord]
 ) -> list[TrainConfig]:
     """Verified configs with the winner's effective batch and optimizer, fastest first,
     each with a lower measured peak than the one before.
@@ -42,7 +42,7 @@ def fallback_ladder(
             and config.can_switch_to(r.config)
         ]
 
-    for cand in fallback_candidates(planner, config, winner.measured.peak_bytes):
+    for cand in fallback_candidates(chooser, config, winner.measured.peak_bytes):
         low = cand.prediction.measurement.peak_bytes
         if any(r.config == cand.config for r in records) or any(
             r.measured is not None and r.measured.peak_bytes <= low for r in same(records)

@@ -94,10 +94,10 @@ def test_plan_finds_the_cheapest_fitting_mask(gpt_profile):
     cost = CostModel(gpt_profile)
     none = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (False,) * 3))
     full = cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, (True,) * 3))
-    assert cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), none) == (False,) * 3
-    assert cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), full - 1) is None
+    assert cost.fitting_mask(Knobs.given("fp32", "adamw", 16, 1), none) == (False,) * 3
+    assert cost.fitting_mask(Knobs.given("fp32", "adamw", 16, 1), full - 1) is None
     limit = (none + full) // 2
-    mask = cost.plan_of(Knobs.given("fp32", "adamw", 16, 1), limit)
+    mask = cost.fitting_mask(Knobs.given("fp32", "adamw", 16, 1), limit)
     assert mask is not None
     assert cost.peak_of(Knobs.given("fp32", "adamw", 16, 1, mask)) <= limit
     # Identical blocks: no fitting mask checkpoints fewer blocks.
@@ -170,14 +170,14 @@ def test_plan_with_selective_checkpointing_is_the_brute_force_optimum(gpt_profil
     every = [knobs.masked(m) for m in itertools.product((KEEP, CHECKPOINT, SELECTIVE), repeat=3)]
     chose_selective = False
     for limit in [full + (none - full) * k // 12 for k in range(1, 12)]:
-        mask = cost.plan_of(knobs, limit)
+        mask = cost.fitting_mask(knobs, limit)
         assert mask is not None
         planned = knobs.masked(mask)
         assert cost.peak_of(planned) <= limit
         best = min(cost.step_s_of(k) for k in every if cost.peak_of(k) <= limit)
         assert cost.step_s_of(planned) == pytest.approx(best)
         chose_selective |= SELECTIVE in mask
-        without = cost.plan_of(knobs, limit, selective=False)
+        without = cost.fitting_mask(knobs, limit, selective=False)
         assert without is not None and SELECTIVE not in without
         assert cost.step_s_of(planned) <= cost.step_s_of(knobs.masked(without))
     assert chose_selective  # at some budget the cheaper recomputation pays
@@ -202,7 +202,7 @@ def test_knobs_are_what_the_cost_model_reads_of_a_config(gpt_profile) -> None:
     assert Knobs.given("bf16", "sgd", 6, 3, mask) == knobs
     assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peaks_of(knobs)[0]
     assert (
-        cost.plan_of(knobs, 2**40)
-        == cost.plan_of(Knobs.given("bf16", "sgd", 6, 3), 2**40)
+        cost.fitting_mask(knobs, 2**40)
+        == cost.fitting_mask(Knobs.given("bf16", "sgd", 6, 3), 2**40)
         == (KEEP,) * 3
     )

@@ -9,9 +9,9 @@ import pytest
 
 from autotune._profile_data import Profile, TimeCurve
 from autotune.cost._candidates import best_config, enumerate_candidates, largest_fitting
+from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.cost._knobs import Knobs
-from autotune.cost._planner import Planner
 from autotune.cost._search import search
 
 # bf16 per-sample cost falls faster with size than fp32's; checkpointing costs 30%.
@@ -27,11 +27,11 @@ def cost(gpt_profile: Profile) -> CostModel:
     return CostModel(dataclasses.replace(gpt_profile, precisions=timed))
 
 
-def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Planner:
+def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64) -> Chooser:
     sizes = [b for b in range(1, 65) if global_batch is None or global_batch % b == 0]
     none = (False,) * cost.n_blocks
     top = cost.peak_of(Knobs.given("fp32", "adamw", 64, 1, none))
-    return Planner(
+    return Chooser(
         cost=cost,
         sizes=sizes,
         precisions=("fp32", "bf16"),

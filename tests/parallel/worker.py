@@ -165,9 +165,9 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
         _verifier.Verifier.run = die  # type: ignore[method-assign]
     if rank == job.get("busy_rank"):  # as if other work shared this rank's cores alone
-        from autotune.tuning import _device_run
+        from autotune.verify import _verification
 
-        _device_run.busy = lambda others: True  # type: ignore[assignment]
+        _verification.busy = lambda others: True  # type: ignore[assignment]
     deepened = []
     if job.get("shallow"):  # as if the whole model did not fit the device: copies of 3 and 4
         from autotune.measure import _depth

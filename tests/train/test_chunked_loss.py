@@ -97,7 +97,7 @@ def test_a_model_it_does_not_fit_is_refused_in_words() -> None:
 def test_at_a_binding_budget_it_plans_a_micro_batch_the_plain_loss_cannot_fit() -> None:
     """Profiled as a timeline of its own beside the plain one, the chunked loss is the
     only way to micro-batch 8 under a budget between their peaks there."""
-    from autotune.cost import CostModel, Planner
+    from autotune.cost import Chooser, CostModel
     from autotune.measure import Profiler, memory_profile
 
     profiler = Profiler(llama(), batch(8), (), device=torch.device("cpu"), loss_fn=None)
@@ -109,10 +109,10 @@ def test_at_a_binding_budget_it_plans_a_micro_batch_the_plain_loss_cannot_fit() 
     plain, chunked = (
         cost.memory(TrainConfig(micro_batch_size=8, chunked_loss=c))[0] for c in (False, True)
     )
-    planner = Planner(
+    chooser = Chooser(
         cost=cost, sizes=(1, 2, 4, 8), precisions=("fp32", "fp32+chunked"),
         optimizers=("adamw",), global_batch_size=8, limit=(plain + chunked) // 2,
     )  # fmt: skip
-    assert planner.config("fp32", "adamw", 8) is None
-    config = planner.config("fp32+chunked", "adamw", 8)
+    assert chooser.config("fp32", "adamw", 8) is None
+    config = chooser.config("fp32+chunked", "adamw", 8)
     assert config is not None and config.chunked_loss and config.micro_batch_size == 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
+from autotune.cost._chooser import Candidate
 from autotune.cost._cost_model import Prediction
-from autotune.cost._planner import Candidate
 from autotune.result import Breakdown
 from autotune.verify._noise import BUSY
 from autotune.verify._winner import (

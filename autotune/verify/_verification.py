@@ -1,0 +1,169 @@
+"""A tuning run's verification, top to bottom: the plan's config first, the best
+candidates, the expert's recipe, the contenders timed again, the winner, its fallback
+ladder and their evaluation batches.
+
+Each run of a config is a job done once among the processes that share the run's jobs (a
+kept study's, a process group's), and so is each reading of the machine's load: a run
+that resumes a study (or another process of it) decides as the first did, so it verifies
+and re-times the same configs, reading their results instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autotune._plain_data import from_plain, to_plain
+from autotune.config import TrainConfig
+from autotune.cost import Candidate, Chooser, chooser_of
+from autotune.device import CpuClock, busy
+from autotune.jobs import Codec, JobStore, job_key
+from autotune.result import Measurement, TrialRecord, TuneResult
+from autotune.train import agree_max
+from autotune.verify._baseline import baseline_candidates, baseline_record, verify_baseline
+from autotune.verify._evaluation import with_eval_batches
+from autotune.verify._fallbacks import fallback_ladder
+from autotune.verify._noise import BUSY, QUIET, Noise
+from autotune.verify._verifier import Verifier
+from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
+
+__all__ = ["VERIFY_TOP", "Verification", "predictable", "verification"]
+
+log = logging.getLogger("autotune")
+
+VERIFY_TOP = 3
+"""Candidates verified for real, fastest predicted first (more where the first fail)."""
+
+_RECORD = Codec(to_plain, functools.partial(from_plain, TrialRecord))
+"""A verification's record, kept as plain data."""
+_RECORDS = Codec(
+    lambda records: [_RECORD.encode(r) for r in records],
+    lambda plain: [_RECORD.decode(p) for p in plain],
+)
+"""The contenders' records, re-timed."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What verification decided."""
+
+    chosen: TrialRecord
+    """The winner, its config with its evaluation batch."""
+    chooser: Chooser
+    """The winner's layout's chooser (what predicts it)."""
+    records: list[TrialRecord]
+    """Every config run, rejected ones included."""
+    fallbacks: list[TrainConfig]
+    """The ladder below the winner, each with its evaluation batch."""
+    tied: list[TrainConfig]
+    """The configs the winner is not known to be ahead of."""
+    noise: float
+    """The noise of one timing that decided."""
+    expert: TrialRecord | None
+    """The expert's recipe, verified: the config to beat."""
+
+
+def verification(
+    verifier: Verifier,
+    choosers: Sequence[Chooser],
+    candidates: list[Candidate],
+    jobs: JobStore,
+    *,
+    plan: TuneResult | None,
+    started: CpuClock | None,
+    eval_batch: int | None,
+    most: int,
+) -> Verification:
+    """Run the best ``candidates`` for real (``plan``'s config first, where there is
+    one), the expert's recipe beside them, and decide.
+
+    Args:
+        verifier: Runs one config on the device, under the budget.
+        choosers: The search's choosers, one per layout.
+        candidates: Their candidates, fastest predicted first.
+        jobs: Where each run is done once.
+        plan: A plan or earlier result to verify first (its prediction kept, to compare).
+        started: The CPU's clock when the run began (how busy the machine has been).
+        eval_batch: The evaluation batch the user wants (``None``: the largest that fits).
+        most: The largest micro-batch (and evaluation batch) the space allows.
+    """
+    device = verifier.device
+    measure = _measured(verifier, jobs)
+    first = _plan_first(measure, plan)
+    if plan is not None:
+        candidates = [c for c in candidates if c.config != plan.config]
+    # Other work on the cores while profiling: the calibrated predictions are looser.
+    slack = _load("profiled", jobs, started, device).slack
+    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack)
+    experts = baseline_candidates(choosers, device.type)
+    tried += verify_baseline(measure, experts, tried)  # the config to beat, every run
+    noise = _load("verified", jobs, started, device)  # and while verifying: raced harder
+    records = jobs.once(
+        job_key("settle", *(r.config for r in tried)),
+        lambda: settle(verifier, tried, noise),
+        "re-timing the contenders",
+        _RECORDS,
+    )
+    chosen = fastest(predictable(records, choosers) or records, noise)
+    chooser = chooser_of(choosers, chosen.config)
+    # A fallback's peak is verified as any config's; one step times it, for the order.
+    ladder = fallback_ladder(_measured(verifier, jobs, timed=False), chooser, chosen, records)
+    sized = with_eval_batches(verifier, [chosen.config, *ladder], eval_batch, most)
+    chosen = dataclasses.replace(chosen, config=sized[0])
+    tied, sigma = tied_with(chosen, predictable(records, [chooser]), noise)
+    expert = baseline_record(records, experts)
+    return Verification(chosen, chooser, records, sized[1:], tied, sigma, expert)
+
+
+def predictable(records: list[TrialRecord], choosers: Sequence[Chooser]) -> list[TrialRecord]:
+    """The records whose config the profile can predict: a plan's config is verified even
+    in a precision the profile dropped (measured slow here) or with an optimizer not
+    profiled (``adamw`` where the space searched it fused), and is then no contender."""
+    profile = choosers[0].cost.profile
+    return [
+        r
+        for r in records
+        if r.config.timeline in profile.precisions and r.config.optimizer in profile.optimizers
+    ]
+
+
+def _plan_first(measure: Measure, plan: TuneResult | None) -> list[TrialRecord]:
+    """The plan's config run (its prediction kept, to compare with the measurement)."""
+    if plan is None:
+        return []
+    log.info("verifying the plan: %s", plan.config.describe())
+    record = measure(plan.config, plan.predicted)
+    return [record] if record is not None else []
+
+
+def _load(stage: str, jobs: JobStore, started: CpuClock | None, device: torch.device) -> Noise:
+    """How noisy the machine was up to ``stage``, read once per study. Every rank decides
+    alike (verification's rounds are collectives): busy where any rank saw others' work
+    take its cores."""
+    now = CpuClock.now()
+    seen = float(bool(started and now and busy(now.others_since(started))))
+    here = bool(agree_max([seen], device)[0])  # on every rank: its ranks agree on it
+    loaded = jobs.once(job_key(f"busy-{stage}"), lambda: here, "reading the load")
+    return BUSY if loaded else QUIET
+
+
+def _measured(verifier: Verifier, jobs: JobStore, *, timed: bool = True) -> Measure:
+    """Run configs for real, each once among the processes that share the jobs.
+    ``timed=False``: their speed from one step (see :meth:`Verifier.run`)."""
+    kind = "verify" if timed else "verify-once"
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
+        record: TrialRecord = jobs.once(
+            job_key(kind, config),
+            lambda: verifier.record(config, predicted, timed=timed),
+            f"verifying {config.describe()}",
+            _RECORD,
+        )
+        return record
+
+    return measure
