@@ -26,8 +26,9 @@
 #
 # The QLoRA job needs bitsandbytes, which the GPU machines lack: bring its wheel with the
 # shared set-up (bash ../shared/gpu/kit.sh bitsandbytes).
-# KIT_SMOKE=1 runs `all` on the CPU at tiny shapes (CI does, so that a GPU never spends
-# minutes on a script error).
+# KIT_SMOKE=1 runs `all` on the CPU at tiny shapes, so that a GPU never spends minutes on
+# a script error; KIT_SMOKE_JOBS="gpt2-124m" runs only those jobs of it (CI's smoke run:
+# `python -m pytest -m sweep tests/test_gpu_kit.py` runs every job, before a GPU call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/gpu-results}"
@@ -58,7 +59,9 @@ case "${1:-}" in
       step calibrate 300 python benchmarks/calibrate.py --small --device cpu --sizes 2 \
         --precisions fp32 --variants kept ckpt --out "$out/calibration.json" \
         --traces "$out/traces"
-      step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu --out "$out/jobs.json"
+      # shellcheck disable=SC2086  # the job names, one word each
+      step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu \
+        ${KIT_SMOKE_JOBS:+--only $KIT_SMOKE_JOBS} --out "$out/jobs.json"
     else
       step tests 60 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
         --junitxml="$out/cuda-tests.xml"

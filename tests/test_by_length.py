@@ -31,8 +31,8 @@ from autotune.result import ModelInfo
 from autotune.tuning._length_table import Lengths, tune_lengths
 from autotune.tuning._options import TuneOptions
 
-LENGTHS = [16, 32, 64]
-TOKENS = 512  # 32, 16 and 8 samples per step
+LENGTHS = [16, 64]
+TOKENS = 512  # 32 and 8 samples per step
 
 
 def model() -> GPT:
@@ -127,19 +127,18 @@ def test_random_batches_stay_in_the_budget_with_the_max_length_losses(
     tracker.track(state_tensors(table.model))
     used, ours = [], []
     with tracker:  # sees every byte of the table's training, the batches' making included
-        for batch in batches(400, data, result):  # benchmarks/lengths.py: a whole epoch
+        for batch in batches(200, data, result):  # benchmarks/lengths.py: a whole epoch
             ours.append(float(table.step(batch)))
             used.append(table.config)
-    assert tracker.peak <= result.budget_bytes  # zero overruns in 400 steps
-    assert len(set(used[:150])) == len(LENGTHS)  # every row trained, in the first 150 too
-    # The same math, on the first 150 batches (the single config's steps are
-    # CI's time, and every row trains in them). The first hundred steps agree to float
-    # rounding. AdamW's g/sqrt(g^2) turns rounding in near-zero gradients (a fresh model's
-    # are) into whole steps of lr, so the two drift apart later, by well under a percent.
-    theirs = [float(single.step(batch)) for batch in batches(150, data, result)]
-    ours_t, theirs_t = torch.tensor(ours[:150]), torch.tensor(theirs)
-    torch.testing.assert_close(ours_t[:100], theirs_t[:100], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_t, theirs_t, rtol=1e-2, atol=0.0)
+    assert tracker.peak <= result.budget_bytes  # zero overruns in 200 steps
+    assert len(set(used[:100])) == len(LENGTHS)  # every row trained, in the first 100 too
+    # The same math, on the first 100 batches (the single config's steps are CI's time,
+    # and every row trains in them): equal to float rounding. (Later, AdamW's g/sqrt(g^2)
+    # turns rounding in near-zero gradients, a fresh model's, into whole steps of lr, and
+    # the two drift apart by well under a percent.)
+    theirs = [float(single.step(batch)) for batch in batches(100, data, result)]
+    ours_t, theirs_t = torch.tensor(ours[:100]), torch.tensor(theirs)
+    torch.testing.assert_close(ours_t, theirs_t, rtol=1e-6, atol=1e-6)
 
 
 def test_the_table_is_kept_in_yaml_and_shown(tuned: tuple[GPT, TuneResult], tmp_path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Recorder
+from sweeps import sweep
 
 import autotune
 from autotune import SearchSpace, TrainConfig
@@ -101,7 +102,7 @@ def sft_trainer(model: torch.nn.Module, args: Any, *callbacks: Any) -> Any:
         )
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+@pytest.mark.parametrize("quantized", sweep([False, True], [False]), ids=["lora", "qlora"])
 def test_sft_trainer_with_lora_trains_as_tuned(tmp_path, quantized: bool) -> None:
     if quantized:
         pytest.importorskip("bitsandbytes")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from sweeps import sweep
 
 from autotune.jobs._study_store import resolve_storage
 
@@ -164,12 +165,17 @@ def _postgres_database() -> str:
 KINDS = ["journal", "sqlite", "postgres"]
 
 
-def kind_param(kind: str) -> object:
+def kind_param(kind: str, representative: str | None = None) -> object:
+    """A storage kind as a parameter: PostgreSQL's skipped where no server runs (never in
+    CI); with ``representative``, every other kind is a case of the sweep (``-m sweep``)."""
     skip = kind == "postgres" and not POSTGRES and os.environ.get("CI") != "true"
-    return pytest.param(kind, marks=pytest.mark.skipif(skip, reason="no PostgreSQL server"))
+    marks = [pytest.mark.skipif(skip, reason="no PostgreSQL server")]
+    if representative is not None and kind != representative:
+        marks.append(pytest.mark.sweep)
+    return pytest.param(kind, marks=marks)
 
 
-@pytest.mark.parametrize("kind", [kind_param(k) for k in KINDS])
+@pytest.mark.parametrize("kind", [kind_param(k, "sqlite") for k in KINDS])
 def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str) -> None:
     storage = fresh(kind, tmp_path, "two")
     workers = [start(tmp_path, storage) for _ in range(2)]
@@ -184,13 +190,16 @@ def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str)
 
 @pytest.mark.parametrize(
     ("kind", "stage", "at"),
-    [
-        ("journal", "profile", "1"),
-        ("sqlite", "search", "1"),
-        ("journal", "record", "2"),  # verifying the second candidate
-        ("sqlite", "record", "2"),
-        ("sqlite", "settle", "1"),  # re-timing the contenders
-    ],
+    sweep(
+        [
+            ("journal", "profile", "1"),
+            ("sqlite", "search", "1"),
+            ("journal", "record", "2"),  # verifying the second candidate
+            ("sqlite", "record", "2"),
+            ("sqlite", "settle", "1"),  # re-timing the contenders
+        ],
+        [("journal", "profile", "1"), ("sqlite", "record", "2")],  # the first and the middle
+    ),
 )
 def test_a_worker_killed_at_any_stage_loses_nothing(
     tmp_path, kind: str, stage: str, at: str
@@ -212,7 +221,7 @@ def test_a_worker_killed_at_any_stage_loses_nothing(
     assert again["verified_here"] == 0 and again["winner"] == after["winner"]
 
 
-@pytest.mark.parametrize("kind", [kind_param(k) for k in KINDS])
+@pytest.mark.parametrize("kind", [kind_param(k, "postgres") for k in KINDS])
 def test_a_worker_paused_past_the_grace_period_ends_with_the_study_s_winner(
     tmp_path, kind: str
 ) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from sweeps import SWEEP, sweep
 
 from autotune._blocks import find_blocks
 from autotune._profile_data import profile_to_json
@@ -96,7 +97,9 @@ def test_frozen_parameters_trace_as_they_run() -> None:
     assert real["grad_bytes"] < every  # the frozen ones hold no gradient
 
 
-@pytest.mark.parametrize("name", ["llama", "lora-llama", "bert", "resnet"])
+@pytest.mark.parametrize(
+    "name", sweep(["llama", "lora-llama", "bert", "resnet"], ["llama", "resnet"])
+)
 def test_hugging_face_models_trace_as_they_run(name: str) -> None:
     """With their attention masks: Hugging Face's helpers that read a mask read a real
     one of its shape under tracing, as they would a batch with nothing padded. BERT's
@@ -126,6 +129,7 @@ def _llama_311m() -> Built:
     return model, {"input_ids": ids, "labels": ids}, None
 
 
+@SWEEP  # a minute and a half of CI; benchmarks/traced.py --large checks more, larger
 def test_a_300m_model_traces_as_it_runs() -> None:
     """Past 300M parameters, byte for byte: the model whole, fp32, SGD with momentum (one
     state a parameter). AdamW and checkpointing at this size would double or triple the

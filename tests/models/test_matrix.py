@@ -3,8 +3,9 @@
 Each case (``zoo.CASES``) is one test running every check of ``matrix_checks``: the blocks
 ``find_blocks`` returns, checkpointed, offloaded and bf16 training steps equal to the plain
 ones (gradients, losses and buffers bit for bit) and ``estimate``. A failure lists every
-check that failed for the case, not only the first. Two cases are also tuned end to end
-(marked slow). ``python benchmarks/matrix.py`` prints the same checks as a table, and
+check that failed for the case, not only the first. CI runs one case of each kind of
+architecture (``REPRESENTATIVE``); ``python -m pytest -m sweep`` runs the rest. Two cases
+are also tuned end to end (marked slow; the second with ``-m sweep``). ``python benchmarks/matrix.py`` prints the same checks as a table, and
 with ``--tuned`` tunes every case marked ``tuned``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from matrix_checks import run_case, tuned_end_to_end
+from sweeps import sweep
 from zoo import BY_NAME, CASES, Case
 
 pytestmark = [
@@ -31,7 +33,16 @@ def case_or_skip(name: str) -> Case:
     return case
 
 
-@pytest.mark.parametrize("name", [case.name for case in CASES])
+REPRESENTATIVE = (
+    "gpt2", "llama", "mixtral", "mamba", "jamba", "lora-llama", "distilbert", "t5",
+    "whisper", "clip", "vit", "resnet", "timm-vit-tiny",
+)  # fmt: skip
+"""One case of each kind of architecture (decoder, mixture of experts, state space,
+hybrid, adapters, encoder, encoder-decoder, audio, two towers, vision, timm), run by
+CI; every case runs with ``-m sweep`` and in ``python benchmarks/matrix.py``."""
+
+
+@pytest.mark.parametrize("name", sweep([case.name for case in CASES], REPRESENTATIVE))
 def test_case(name: str) -> None:
     outcome = run_case(case_or_skip(name))
     if outcome.problems:
@@ -39,12 +50,13 @@ def test_case(name: str) -> None:
 
 
 TUNED_HERE = ["gpt2", "resnet"]
-"""Of the cases marked ``tuned``, a decoder and a BatchNorm vision model; every one is
-tuned by ``python benchmarks/matrix.py --tuned`` (10 minutes on a 2-core VM)."""
+"""Of the cases marked ``tuned``, a decoder (CI's) and a BatchNorm vision model (``-m
+sweep``); every one is tuned by ``python benchmarks/matrix.py --tuned`` (10 minutes on a
+2-core VM)."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TUNED_HERE)
+@pytest.mark.parametrize("name", sweep(TUNED_HERE, ["gpt2"]))
 def test_tuned_end_to_end(name: str) -> None:
     """The winner fits, as predicted, and the user's model is left as it was (see
     :func:`matrix_checks.tuned_end_to_end`)."""

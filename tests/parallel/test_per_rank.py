@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ranks import run
+from sweeps import sweep
 
 CASES = [
     {
@@ -34,7 +35,7 @@ part, the optimizer offloaded, DDP with selective checkpointing, bf16 with every
 choice); ``benchmarks/parallel.py`` predicts more configs and shapes at 1, 2 and 4 ranks."""
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", sweep([2, 4], [2]))
 def test_every_rank_within_3_percent_and_same_losses_as_one_process(world: int) -> None:
     # At 4 ranks FSDP2's cases (its shards change with the world size; DDP's ranks hold
     # the whole model at any size, checked at 2).
