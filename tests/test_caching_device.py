@@ -59,6 +59,10 @@ def test_the_cap_raises_and_the_users_cap_comes_back(simulated_cuda) -> None:
     assert simulated_cuda.cap == 512 * MIB
 
 
+FP32 = autotune.SearchSpace(precisions=("fp32",), selective_checkpointing=False)
+"""The space of the end-to-end runs here: what they check is the device, not the knobs."""
+
+
 def test_the_context_is_read_again_once_training_has_loaded_its_kernels(
     simulated_cuda, monkeypatch
 ) -> None:
@@ -80,6 +84,7 @@ def test_the_context_is_read_again_once_training_has_loaded_its_kernels(
         global_batch_size=32,
         device="cpu",
         n_trials=12,
+        space=FP32,
     )
     assert result.target.context_bytes == 30 * MIB
     assert result.breakdown.other >= 30 * MIB  # the prediction holds the whole context
@@ -160,7 +165,7 @@ def test_autotune_end_to_end_on_a_caching_device(simulated_cuda) -> None:
     # Uncapped, profiling at micro-batch 4 with every block kept reserved 68 MiB here.
     budget_gb = 40 * MIB / 2**30
     result = autotune.autotune(
-        model, sample, budget_gb, global_batch_size=16, device="cpu", n_trials=20
+        model, sample, budget_gb, global_batch_size=16, device="cpu", n_trials=20, space=FP32
     )
     # The budget held from the first byte: what the driver would see (context included)
     # never passed it, profiling included.
