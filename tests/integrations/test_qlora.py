@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from sweeps import sweep
 from torch import nn
 
 import autotune
@@ -168,7 +169,7 @@ def test_quantized_weights_and_their_state_count_exactly(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", sweep([4, 8], [4]))
 def test_the_peak_is_predicted_within_1_percent(base: Path, bits: int) -> None:
     model = qlora(base, bits)
     sample = batch()

@@ -85,9 +85,16 @@ def test_more_trials_continue_the_study(tmp_path, monkeypatch) -> None:
 
 
 def test_a_study_made_for_another_run_is_refused(tmp_path) -> None:
+    from autotune.tuning._device_run import job_store
+    from autotune.tuning._options import TuneOptions
+    from autotune.tuning._problem import make_problem
+
     path = str(tmp_path / "tune.db")
-    tune(path)
     m = model()
+    first = TuneOptions(
+        budget_gb=BUDGET_GB, device="cpu", global_batch_size=16, storage=path, study_name="s"
+    )
+    job_store(make_problem(m, gpt_batch(m.config, 4), first), first)  # a first run's study
     with pytest.raises(ConfigError, match=r"made for another tuning run \(budget_bytes differ\)"):
         autotune.autotune(
             m,
