@@ -45,9 +45,10 @@ WORKER = textwrap.dedent(
     _claims.GRACE_S = float(os.environ.get("GRACE_S", "600"))
     import autotune.tuning._data_parallel as layouts
     import autotune.tuning._device_run as tuning
+    import autotune.verify._verification as verification
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
-    where = {{"record": (_verifier.Verifier, "record"), "settle": (tuning, "settle"),
+    where = {{"record": (_verifier.Verifier, "record"), "settle": (verification, "settle"),
              "profile": (tuning, "profile_model"), "search": (layouts, "search")}}[stage]
     original, seen = getattr(*where), []
 
@@ -65,7 +66,8 @@ WORKER = textwrap.dedent(
     m = tiny_gpt(n_layer=layers, n_embd=32, n_head=2, block_size=16, vocab_size=64)
     r = autotune.autotune(m, gpt_batch(m.config, 4), {budget}, device="cpu",
                           global_batch_size=16, storage=sys.argv[1], study_name="shared",
-                          n_trials=20)
+                          n_trials=20, space=autotune.SearchSpace(precisions=("fp32",),
+                          selective_checkpointing=False))  # the jobs, not the knobs
     print(json.dumps({{
         "winner": r.config.describe(),
         "fallbacks": [f.describe() for f in r.fallbacks],
