@@ -16,6 +16,7 @@ from autotune.jobs._study_store import StudyStore, resolve_storage
 from autotune.models import gpt_batch, tiny_gpt
 
 BUDGET_GB = 48 / 1024
+SPACE = autotune.SearchSpace(precisions=("fp32",), selective_checkpointing=False)
 
 
 def model():
@@ -33,6 +34,7 @@ def tune(storage: str, study_name: str = "s", **kwargs):
         storage=storage,
         study_name=study_name,
         n_trials=20,
+        space=SPACE,  # the study, not the knobs
         **kwargs,
     )
 
@@ -80,6 +82,7 @@ def test_more_trials_continue_the_study(tmp_path, monkeypatch) -> None:
         storage=path,
         study_name="s",
         n_trials=30,
+        space=SPACE,
     )
     assert len(optuna.load_study(study_name="s", storage=f"sqlite:///{path}").trials) == 30
 

@@ -67,7 +67,7 @@ def hf_models() -> list[tuple[nn.Module, Any]]:
 @pytest.mark.parametrize("which", sweep(["gpt", "hf"], ["gpt"]))
 def test_copies_of_3_and_4_blocks_give_the_whole_models_timelines(which: str) -> None:
     if which == "gpt":
-        model = tiny_gpt(n_layer=8, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+        model = tiny_gpt(n_layer=6, n_embd=64, n_head=2, block_size=32, vocab_size=128)
         cases = [(model, gpt_batch(model.config, 4))]
     else:
         cases = hf_models()

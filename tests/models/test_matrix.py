@@ -5,7 +5,7 @@ Each case (``zoo.CASES``) is one test running every check of ``matrix_checks``: 
 ones (gradients, losses and buffers bit for bit) and ``estimate``. A failure lists every
 check that failed for the case, not only the first. CI runs one case of each kind of
 architecture (``REPRESENTATIVE``); ``python -m pytest -m sweep`` runs the rest. Two cases
-are also tuned end to end (marked slow; the second with ``-m sweep``). ``python benchmarks/matrix.py`` prints the same checks as a table, and
+are also tuned end to end with ``-m sweep``. ``python benchmarks/matrix.py`` prints the same checks as a table, and
 with ``--tuned`` tunes every case marked ``tuned``.
 """
 
@@ -50,13 +50,14 @@ def test_case(name: str) -> None:
 
 
 TUNED_HERE = ["gpt2", "resnet"]
-"""Of the cases marked ``tuned``, a decoder (CI's) and a BatchNorm vision model (``-m
-sweep``); every one is tuned by ``python benchmarks/matrix.py --tuned`` (10 minutes on a
+"""Of the cases marked ``tuned``, a decoder and a BatchNorm vision model (``-m sweep``;
+tests/test_tune.py tunes a GPT end to end in CI, and the trainers' tests Hugging Face
+models); every one is tuned by ``python benchmarks/matrix.py --tuned`` (10 minutes on a
 2-core VM)."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sweep(TUNED_HERE, ["gpt2"]))
+@pytest.mark.parametrize("name", sweep(TUNED_HERE, []))
 def test_tuned_end_to_end(name: str) -> None:
     """The winner fits, as predicted, and the user's model is left as it was (see
     :func:`matrix_checks.tuned_end_to_end`)."""
