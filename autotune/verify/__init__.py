@@ -16,7 +16,7 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 from __future__ import annotations
 
 from autotune.verify._noise import MOST_NOISE
-from autotune.verify._verification import Verification, predictable, verification
+from autotune.verify._verification import Verification, verification
 from autotune.verify._verifier import Verifier
 
-__all__ = ["MOST_NOISE", "Verification", "Verifier", "predictable", "verification"]
+__all__ = ["MOST_NOISE", "Verification", "Verifier", "verification"]

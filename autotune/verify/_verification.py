@@ -32,7 +32,7 @@ from autotune.verify._noise import BUSY, QUIET, Noise
 from autotune.verify._verifier import Verifier
 from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
 
-__all__ = ["VERIFY_TOP", "Verification", "predictable", "verification"]
+__all__ = ["VERIFY_TOP", "Verification", "verification"]
 
 log = logging.getLogger("autotune")
 
@@ -109,18 +109,18 @@ def verification(
         "re-timing the contenders",
         _RECORDS,
     )
-    chosen = fastest(predictable(records, choosers) or records, noise)
+    chosen = fastest(_predictable(records, choosers) or records, noise)
     chooser = chooser_of(choosers, chosen.config)
     # A fallback's peak is verified as any config's; one step times it, for the order.
     ladder = fallback_ladder(_measured(verifier, jobs, timed=False), chooser, chosen, records)
     sized = with_eval_batches(verifier, [chosen.config, *ladder], eval_batch, most)
     chosen = dataclasses.replace(chosen, config=sized[0])
-    tied, sigma = tied_with(chosen, predictable(records, [chooser]), noise)
+    tied, sigma = tied_with(chosen, _predictable(records, [chooser]), noise)
     expert = baseline_record(records, experts)
     return Verification(chosen, chooser, records, sized[1:], tied, sigma, expert)
 
 
-def predictable(records: list[TrialRecord], choosers: Sequence[Chooser]) -> list[TrialRecord]:
+def _predictable(records: list[TrialRecord], choosers: Sequence[Chooser]) -> list[TrialRecord]:
     """The records whose config the profile can predict: a plan's config is verified even
     in a precision the profile dropped (measured slow here) or with an optimizer not
     profiled (``adamw`` where the space searched it fused), and is then no contender."""
