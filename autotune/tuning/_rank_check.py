@@ -1,6 +1,6 @@
 """A plan's rank traced: the FSDP2 winner of a plan run as one rank of its world size.
 
-A plan's per-rank peak comes from one process's profile, through the choosers' model of
+A plan's per-rank peak comes from one process's profile, through the cost model's account of
 shards, gathered units and reduce-scatter buffers. Checking it, one rank of the plan is
 traced (:func:`autotune.measure.traced_rank_peak`: the model on fake tensors, wrapped by
 FSDP2 itself, in a process group of ``world`` ranks that sends nothing), which is what a
