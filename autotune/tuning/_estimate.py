@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autotune._blocks import find_blocks, resolve_blocks
+from autotune._format import GIB
 from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig, is_factory
 from autotune.cost import CostModel
@@ -113,7 +114,7 @@ def estimate(
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
     options = TuneOptions(
-        budget_gb=target.total_bytes / 2**30,  # no budget: the estimate says what it takes
+        budget_gb=target.total_bytes / GIB,  # no budget: the estimate says what it takes
         loss_fn=loss_fn,
         global_batch_size=config.global_batch_size,
         # Not searched (the config is the one setting): its blocks, and its world size.
