@@ -135,17 +135,21 @@ class Phase:
     peak: tuple[Line, ...]
     grads: int
     """Gradient bytes alive when the phase begins (for the memory breakdown)."""
-    floor: tuple[Line, ...] = ()
-    """A second line under each variant's peak, where it was profiled at three sizes
-    (compiled blocks): the peak is the larger of the two. A phase's peak is the most of
-    its live bytes over its ops, each linear in the batch size, so it bends where another
-    op's bytes take over; compiled code's backward bends between the smallest sizes."""
+    bends: tuple[tuple[Line, ...], ...] = ()
+    """More lines under each variant's peak (empty: none): the peak is the largest of
+    them and :attr:`peak`. A phase's peak is the most of its live bytes over its ops, each
+    linear in the batch size, so it bends where another op's bytes take over: the lines
+    of the local maxima that take over at some size (matched between the two profiled
+    sizes), and where a third size was profiled (compiled blocks, whose backward bends
+    between the smallest sizes), the line through the last two."""
 
     def rise(self, variant: int, b: float) -> float:
         """The phase's peak above its entry at micro-batch ``b``, block choice ``variant``."""
-        if variant < len(self.floor):
-            return max(self.peak[variant](b), self.floor[variant](b))
-        return self.peak[variant](b)
+        top = self.peak[variant](b)
+        if variant < len(self.bends):
+            for line in self.bends[variant]:
+                top = max(top, line(b))
+        return top
 
 
 @dataclass(frozen=True)
@@ -393,7 +397,9 @@ def profile_from_json(text: str) -> Profile:
                 lines(ph["delta"]),
                 lines(ph["peak"]),
                 ph["grads"],
-                lines(ph.get("floor", [])),
+                tuple(lines(v) for v in ph["bends"])
+                if "bends" in ph
+                else tuple((line,) for line in lines(ph.get("floor", []))),  # before bends
             )
             for ph in p["phases"]
         )

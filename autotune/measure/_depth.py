@@ -261,6 +261,20 @@ def _extended(three: Phase, four: Phase, n: int, block: int | None) -> Phase:
         tuple(_line(a, b, n) for a, b in zip(three.delta, four.delta, strict=True)),
         tuple(_line(a, b, n) for a, b in zip(three.peak, four.peak, strict=True)),
         int(_linear(three.grads, four.grads, n)),
+        _bends(three.bends, four.bends, n),
+    )
+
+
+def _bends(
+    three: tuple[tuple[Line, ...], ...], four: tuple[tuple[Line, ...], ...], n: int
+) -> tuple[tuple[Line, ...], ...]:
+    """Each variant's bends at depth ``n`` where the two copies bend alike (as many
+    lines), else none (the peak's line alone)."""
+    if len(three) != len(four) or any(len(a) != len(b) for a, b in zip(three, four, strict=True)):
+        return ()
+    return tuple(
+        tuple(_line(x, y, n) for x, y in zip(a, b, strict=True))
+        for a, b in zip(three, four, strict=True)
     )
 
 
@@ -271,4 +285,5 @@ def _renumbered(phase: Phase, block: int, extra_grads: int) -> Phase:
         phase.delta,
         phase.peak,
         phase.grads + extra_grads,
+        phase.bends,
     )

@@ -449,7 +449,11 @@ def _own_backward(phase: Phase, moved: Sequence[Line]) -> Phase:
     def own(lines: tuple[Line, ...]) -> tuple[Line, ...]:
         return tuple(line - extra if v == OFFLOAD else line for v, line in enumerate(lines))
 
-    return dataclasses.replace(phase, delta=own(phase.delta), peak=own(phase.peak))
+    bends = tuple(
+        tuple(line - extra for line in lines) if v == OFFLOAD else lines
+        for v, lines in enumerate(phase.bends)
+    )
+    return dataclasses.replace(phase, delta=own(phase.delta), peak=own(phase.peak), bends=bends)
 
 
 def _requests(

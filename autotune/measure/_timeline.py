@@ -29,7 +29,7 @@ from autotune.measure._tracker import (
     tracker_for,
 )
 
-__all__ = ["Lives", "fit_phases", "occurrences", "tracked_step"]
+__all__ = ["Lives", "fit_phases", "occurrences", "peak_lines", "tracked_step", "upper_envelope"]
 
 
 @dataclass
@@ -176,9 +176,10 @@ def fit_phases(
     b3: int | None = None,
     runs3: Sequence[list[PhaseRecord]] = (),
 ) -> tuple[int, list[Phase]]:
-    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``; with
-    runs at a third size ``b3`` too, each peak is the larger of its lines through the
-    first two sizes and the last two (see :attr:`Phase.floor`).
+    """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``: each
+    peak is the most of its local maxima's lines where the two runs have the same ones
+    (see :func:`peak_lines`); with runs at a third size ``b3`` too, the line of the
+    peaks through the last two sizes is one more (see :attr:`Phase.bends`).
 
     Phases are matched by label and, for a label seen more than once (a weight-shared
     block called once per layer, ALBERT's), by its occurrence; the sequence is the kept
@@ -200,23 +201,69 @@ def fit_phases(
     thirds = [table(runs) for runs in runs3]
     phases = []
     for r, key in zip(reference, occurrences(reference), strict=True):
-        lines_delta, lines_peak, floor = [], [], []
+        lines_delta, lines_peak, bends = [], [], []
         for v in variants:
             a = tables[v][0].get(key) or tables[0][0][key]
             b = tables[v][1].get(key) or tables[0][1].get(key) or a
             lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
-            lines_peak.append(Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry))
+            peak, more = peak_lines(b1, a, b2, b)
+            lines_peak.append(peak)
             if b3 is not None and thirds:
                 c = thirds[v].get(key) or thirds[0].get(key) or b
-                floor.append(Line.through(b2, b.peak - b.entry, b3, c.peak - c.entry))
+                more = (*more, Line.through(b2, b.peak - b.entry, b3, c.peak - c.entry))
+            bends.append(more)
         # Only a block's own forward and backward are its; what happens between blocks
         # (e.g. autocast dropping cached weight casts when the forward ends) depends on
         # every block's choice, and the cost model interpolates it.
         block = r.key.block if r.key.label in ("fwd", "bwd") else None
-        phases.append(
-            Phase(r.key, block, tuple(lines_delta), tuple(lines_peak), r.grads, tuple(floor))
-        )
+        kept = tuple(bends) if any(bends) else ()
+        phases.append(Phase(r.key, block, tuple(lines_delta), tuple(lines_peak), r.grads, kept))
     return base, phases
+
+
+def peak_lines(b1: int, a: PhaseRecord, b2: int, b: PhaseRecord) -> tuple[Line, tuple[Line, ...]]:
+    """A phase's peak above its entry against the micro-batch size, from its records
+    ``a`` at ``b1`` and ``b`` at ``b2``: a line, and more lines it is the most of.
+
+    Each local maximum of the live bytes is linear in the batch size; the peak is the
+    most of them, which bends where a steeper one takes over (an op whose bytes grow
+    faster than the one that peaks at the profiled sizes). Where the two records have as
+    many local maxima (the same ops), the peak is their upper envelope from micro-batch 1
+    up: the line that peaks at ``b2``, and those that take over elsewhere. Otherwise the
+    line through the two peaks.
+    """
+    chord = Line.through(b1, a.peak - a.entry, b2, b.peak - b.entry)
+    if not a.tops or len(a.tops) != len(b.tops):
+        return chord, ()
+    tops = [
+        Line.through(b1, x - a.entry, b2, y - b.entry) for x, y in zip(a.tops, b.tops, strict=True)
+    ]
+    hull = upper_envelope([*tops, Line(0.0, 0.0)], lowest=1.0)
+    at_b2 = max(hull, key=lambda line: (line(b2), line.slope))
+    return at_b2, tuple(line for line in hull if line is not at_b2)
+
+
+def upper_envelope(lines: Sequence[Line], lowest: float) -> list[Line]:
+    """The lines that are the most of ``lines`` somewhere from ``lowest`` up, by slope."""
+    best: dict[float, Line] = {}
+    for line in lines:  # of equal slopes, the highest
+        if line.slope not in best or line.const > best[line.slope].const:
+            best[line.slope] = line
+    hull: list[Line] = []
+    for line in sorted(best.values(), key=lambda line: line.slope):
+        # The last line is never the most where the new one overtakes the one before it
+        # no later than it overtakes the one before.
+        while len(hull) >= 2 and _crossing(hull[-2], line) <= _crossing(hull[-2], hull[-1]):
+            hull.pop()
+        hull.append(line)
+    while len(hull) >= 2 and _crossing(hull[0], hull[1]) <= lowest:
+        hull.pop(0)  # the most only below ``lowest``
+    return hull
+
+
+def _crossing(low: Line, high: Line) -> float:
+    """Where ``high`` (the steeper line) overtakes ``low``."""
+    return (low.const - high.const) / (high.slope - low.slope)
 
 
 def occurrences(records: Sequence[PhaseRecord]) -> list[tuple[PhaseKey, int]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -57,6 +57,10 @@ class PhaseRecord:
     """Gradient bytes alive when the phase began."""
     peak_at: int = 0
     """When (the tracker's count of changes) the peak was first reached."""
+    tops: list[int] = field(default_factory=list)
+    """The live bytes at each local maximum within the phase, in order (each where the
+    bytes fall after rising, and the exit where they were rising): the peak is the most
+    of them, and each is linear in the batch size where the phase's ops are the same."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, while the storage lives
         self._watched: dict[int, torch.UntypedStorage] = {}  # id(storage) -> storage
         self._clock = 0  # changes of the live bytes so far
+        self._rising = False  # the last change of the live bytes was a rise
         self.born: dict[int, tuple[int, int]] | None = None
         """id(storage) -> :attr:`Life.born` of each storage alive, while lives are recorded."""
         self._freed: list[tuple[tuple[int, int], int, int, int]] = []
@@ -149,8 +154,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:
         """Close the current phase and open one labelled ``key`` at the current live bytes."""
-        if self.phases:
-            self.phases[-1].exit = self.live
+        self.close()
         self.phases.append(PhaseRecord(key, self.live, self.live, grads=grads, peak_at=self._clock))
         self._made = 0
 
@@ -158,6 +162,13 @@ class LiveBytesTracker(TorchDispatchMode):
         """Close the last phase (call once the measured region is over)."""
         if self.phases:
             self.phases[-1].exit = self.live
+            self._fall()  # where the bytes were rising, the exit is a top
+
+    def _fall(self) -> None:
+        """The live bytes are about to fall, or the phase to end: a top where they rose."""
+        if self._rising and self.phases:
+            self.phases[-1].tops.append(self.live)
+        self._rising = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for storage in self._watched.values():  # resized since the last op?
@@ -233,6 +244,10 @@ class LiveBytesTracker(TorchDispatchMode):
         self._grow(nbytes, check_budget=check_budget)
 
     def _grow(self, nbytes: int, *, check_budget: bool) -> None:
+        if nbytes < 0:
+            self._fall()
+        elif nbytes > 0:
+            self._rising = True
         self.live += nbytes
         self._clock += 1
         if self.live > self.peak:
@@ -255,6 +270,8 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         nbytes = self._sizes.pop(key, 0)
+        if nbytes:
+            self._fall()
         self.live -= nbytes
         self._clock += 1
         if self.born is not None and key in self.born:
