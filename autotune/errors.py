@@ -42,14 +42,19 @@ class BudgetTooSmallError(BudgetError):
     """No configuration in the search space fits the budget.
 
     Attributes:
-        minimum_bytes: The smallest predicted peak over the search space.
+        minimum_bytes: The least budget that tunes: the least predicted peak over the
+            search space, with the search's head-room above it.
         budget_bytes: The budget that was asked for.
+        peak_bytes: The least predicted peak over the search space.
     """
 
-    def __init__(self, message: str, *, minimum_bytes: int, budget_bytes: int) -> None:
+    def __init__(
+        self, message: str, *, minimum_bytes: int, budget_bytes: int, peak_bytes: int = 0
+    ) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.budget_bytes = budget_bytes
+        self.peak_bytes = peak_bytes
 
     def __reduce__(self) -> tuple[object, ...]:  # pickled to the other ranks of a group
         return (_rebuild, (type(self), str(self), vars(self)))

@@ -446,10 +446,12 @@ def test_host_memory_limits_offload(offload_profile) -> None:
 
 def test_too_small_accounts_for_offload_and_says_what_to_allow(offload_profile) -> None:
     space = SearchSpace(offload_optimizer=False, offload_activations=False)
-    without = too_small(study(offload_profile, 1, offload=False), space, 1)
+    without = too_small(study(offload_profile, 1, offload=False), space, 1, headroom=0.01)
     assert "SearchSpace(offload_optimizer=True)" in str(without)
     assert "adamw8bit" in str(without)
-    with_offload = too_small(study(offload_profile, 1, offload=True), SearchSpace(), 1)
+    with_offload = too_small(
+        study(offload_profile, 1, offload=True), SearchSpace(), 1, headroom=0.01
+    )
     assert with_offload.minimum_bytes < without.minimum_bytes
     assert "optimizer on the host" in str(with_offload)
 

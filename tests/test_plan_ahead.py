@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -114,12 +115,13 @@ def test_nothing_fits_any_layout_names_the_least_one_needs() -> None:
     plan = {"device": "H100-80GB", "world_size": 8, "global_batch_size": 8 * 4, "space": SPACE}
     with pytest.raises(autotune.BudgetTooSmallError, match="fsdp over 8 ranks") as caught:
         autotune.plan_ahead(_wide, _wide_batch, 0.8, **plan)
-    assert caught.value.minimum_bytes > 0.8 * 2**30
-    # What it names is enough, as the GPU holds it (its allocator's reserve counted): a
-    # budget that leaves the search's head-room above it plans.
-    enough = (caught.value.minimum_bytes / (1 - _MARGIN["cuda"]) + 4096) / 2**30
-    result = autotune.plan_ahead(_wide, _wide_batch, enough, **plan)
-    assert caught.value.minimum_bytes <= result.predicted.peak_bytes <= result.budget_bytes
+    least = caught.value.minimum_bytes
+    assert least > 0.8 * 2**30
+    # What it names is enough, as the GPU holds it (its allocator's reserve counted), the
+    # search's head-room above the least peak included: that budget plans.
+    assert least == math.ceil(caught.value.peak_bytes / (1 - _MARGIN["cuda"]))
+    result = autotune.plan_ahead(_wide, _wide_batch, (least + 4096) / 2**30, **plan)
+    assert caught.value.peak_bytes <= result.predicted.peak_bytes <= result.budget_bytes
 
 
 def test_the_device_table() -> None:

@@ -53,30 +53,32 @@ def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) ->
 def largest_fitting(
     chooser: Chooser, precision: str, optimizer: str, offload: bool | None = None
 ) -> int | None:
-    """The largest allowed micro-batch size for which some configuration fits (binary search).
+    """The largest allowed micro-batch size for which some configuration fits.
 
-    ``offload``: the optimizer placement; ``None``: any the chooser allows.
+    ``offload``: the optimizer placement; ``None``: any the chooser allows. Every size is
+    tried from the largest down: what fits is not monotonic in the micro-batch where the
+    global batch is fixed (a smaller one accumulates, holding every gradient through the
+    later micro-batches, where a larger one held none in its forward).
     """
     if offload is None:
         found = [
             largest_fitting(chooser, precision, optimizer, h) for h in chooser.offload_optimizer
         ]
         return max((b for b in found if b is not None), default=None)
-    sizes = list(chooser.sizes)
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if chooser.config(precision, optimizer, sizes[mid], offload) is not None:
-            best, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best
+    return next(
+        (
+            b
+            for b in reversed(chooser.sizes)
+            if chooser.config(precision, optimizer, b, offload) is not None
+        ),
+        None,
+    )
 
 
 def space_points(chooser: Chooser) -> list[tuple[int, str, str, bool]]:
     """Every setting of the searched knobs that can fit: ``(micro-batch, precision,
     optimizer, optimizer offload)``, the micro-batch no larger than the largest that fits
-    with those other knobs (found by binary search; a larger one cannot fit)."""
+    with those other knobs (a larger one cannot fit)."""
     points = []
     for p, o, h in itertools.product(
         chooser.precisions, chooser.optimizers, chooser.offload_optimizer

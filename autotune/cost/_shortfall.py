@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 from autotune._format import format_bytes
 from autotune._spelling import option
@@ -17,18 +18,33 @@ _LIGHTER = "SearchSpace(optimizers=['adamw', 'adamw8bit'])"
 
 
 def too_small(
-    chooser: Chooser, space: SearchSpace, budget: int, *, offload_helps: bool = True
+    chooser: Chooser,
+    space: SearchSpace,
+    budget: int,
+    *,
+    headroom: float,
+    offload_helps: bool = True,
 ) -> BudgetTooSmallError:
-    """The error for a budget under the cheapest configuration, with what would lower it
-    (offload only where it helps: not where host memory is device memory)."""
+    """The error for a budget under the cheapest configuration of the space, with the
+    least budget that tunes and what would lower it (offload only where it helps: not
+    where host memory is device memory).
+
+    The cheapest configuration is the least of every setting the search could choose,
+    each micro-batch included: with the global batch fixed, the smallest micro-batch is
+    not always the least (it accumulates, holding every gradient through the micro-batches
+    after the first). ``headroom``: the share of the budget the search keeps free, which
+    the least budget adds to that configuration's peak.
+    """
     cost = chooser.cost
-    micro_batch = chooser.sizes[0]
-    settings = itertools.product(chooser.precisions, chooser.optimizers, chooser.offload_optimizer)
+    settings = itertools.product(
+        chooser.sizes, chooser.precisions, chooser.optimizers, chooser.offload_optimizer
+    )
     # The first of the least (ties keep the order of the space: the user's choices first).
-    peak, p, o, h = min(
-        ((chooser.frugal_peak(p, o, micro_batch, h), p, o, h) for p, o, h in settings),
+    peak, micro_batch, p, o, h = min(
+        ((chooser.frugal_peak(p, o, b, h), b, p, o, h) for b, p, o, h in settings),
         key=lambda x: x[0],
     )
+    least = math.ceil(peak / (1 - headroom))
     config = chooser.config_of(chooser.frugal(chooser.knobs(p, o, micro_batch, h)))
     _, parts = cost.memory(config)
     hints = [f"raise {option('budget_gb')}"]
@@ -55,14 +71,18 @@ def too_small(
         where.append("optimizer on the host")
     if config.parallel != "none":
         where.append(f"{config.parallel} over {config.world_size} ranks")
+    accumulated = f" x {config.grad_accum_steps}" if config.grad_accum_steps > 1 else ""
     return BudgetTooSmallError(
         f"the budget of {format_bytes(budget)} is below the minimum this model needs, "
-        f"{format_bytes(peak)} (micro-batch {micro_batch}, {p}, {o}"
-        f"{', ' + ', '.join(where) if where else ''}): parameters "
+        f"{format_bytes(least)}: its least-memory config (micro-batch {micro_batch}"
+        f"{accumulated}, {p}, {o}{', ' + ', '.join(where) if where else ''}) peaks at "
+        f"{format_bytes(peak)}, and the search keeps {headroom:.0%} of the budget free. "
+        f"At the peak: parameters "
         f"{format_bytes(parts.parameters)}, gradients {format_bytes(parts.gradients)}, "
         f"optimizer state {format_bytes(parts.optimizer)}, activations "
         f"{format_bytes(parts.activations)}, other {format_bytes(parts.other)}. "
         f"To fit: {'; '.join(hints)}.",
-        minimum_bytes=peak,
+        minimum_bytes=least,
         budget_bytes=budget,
+        peak_bytes=peak,
     )

@@ -241,6 +241,11 @@ def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
     if not feasible:
         helps = not backend_for(problem.target.device).host_is_device
         # The least any layout needs (with several ranks FSDP2's, not DDP's whole model).
-        errors = [too_small(q, problem.space, problem.budget, offload_helps=helps) for q in found]
+        errors = [
+            too_small(
+                q, problem.space, problem.budget, headroom=problem.headroom, offload_helps=helps
+            )
+            for q in found
+        ]
         raise min(errors, key=lambda e: e.minimum_bytes)
     return feasible

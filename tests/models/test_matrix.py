@@ -11,6 +11,8 @@ with ``--tuned`` tunes every case marked ``tuned``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from matrix_checks import run_case, tuned_end_to_end
 from sweeps import sweep
@@ -64,3 +66,33 @@ def test_tuned_end_to_end(name: str) -> None:
     case = case_or_skip(name)
     assert case.tuned
     assert tuned_end_to_end(case) == []
+
+
+LEAST = ["gpt2", "t5", "vit", "resnet", "mamba"]
+"""A decoder, an encoder-decoder, a vision transformer, a BatchNorm CNN and a state-space
+model: the least budget each tunes in."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LEAST)
+def test_the_least_budget_said_is_refused_below_and_tunes_above(name: str) -> None:
+    """A budget too small says the least that tunes, over every setting the search could
+    choose (the global batch whole as well as accumulated): 1% under it is refused with
+    the same figure, 1% over it tunes, within it."""
+    import autotune
+    from autotune._format import format_bytes
+
+    model, batch, loss_fn = case_or_skip(name).build()
+    space = autotune.SearchSpace(precisions=("fp32",), selective_checkpointing=False)
+    common: dict[str, Any] = {
+        "loss_fn": loss_fn, "device": "cpu", "global_batch_size": 8, "space": space,
+    }  # fmt: skip
+    with pytest.raises(autotune.BudgetTooSmallError) as tiny:
+        autotune.autotune(model, batch, 2**-20, **common)
+    least = tiny.value.minimum_bytes
+    assert tiny.value.peak_bytes < least and format_bytes(least) in str(tiny.value)
+    with pytest.raises(autotune.BudgetTooSmallError) as under:
+        autotune.autotune(model, batch, 0.99 * least / 2**30, **common)
+    assert under.value.minimum_bytes == least
+    result = autotune.autotune(model, batch, 1.01 * least / 2**30, n_trials=8, **common)
+    assert result.measured.peak_bytes <= result.budget_bytes
