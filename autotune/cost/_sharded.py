@@ -16,7 +16,8 @@ size; what DDP and FSDP2 change is added phase by phase:
   made in the parameter dtype, are copied into a reduce-scatter input (the reduce dtype)
   that lives until the next unit's reduction; the root (the parameters outside the blocks)
   is gathered from the first forward to the end of backward and keeps full gradients
-  until then. Each micro-batch reduces its gradients into the sharded ones. bf16 takes
+  until then. Each micro-batch reduces its gradients into the sharded ones, a unit's
+  full gradients freed once copied into the reduce-scatter's input. bf16 takes
   the timeline measured with bf16 parameters (an embedding's bf16 output changes what
   follows), else autocast's less its bf16 copies of the weights.
 
@@ -211,12 +212,16 @@ class _Fsdp:
                 # embeddings' gradients), after the block's reduction has freed its buffers.
                 outside = max(made - u.grad_single[i], 0) if i == 0 else 0
                 compute = base + hold + rise - made + full - outside
-                # Its reduction: resharded, the previous input freed, its own taken.
-                end = base + delta - made + full + hold - u.gathered[i]
-                end += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i]
-                peak = max(peak, compute, end)
-                if i == 0:  # the root reduces last
-                    peak = max(peak, end - u.reduce[i] + u.reduce[k] + u.grad_shard[k])
+                # Its reduce-scatter: resharded, the previous input freed, its own taken and
+                # its output; its full gradients, copied into the input, freed.
+                scatter = base + delta - made + full + hold - u.gathered[i]
+                scatter += -self._prev_reduce(i) + u.reduce[i] + u.grad_shard[i] - u.grad_full[i]
+                peak = max(peak, compute, scatter)
+                if i == 0:  # the root reduces last: the first unit's input and gradients
+                    # freed (and its output, once accumulated), the root's input taken
+                    kept = 0 if m else u.grad_shard[i]
+                    root = scatter - u.reduce[i] - full + kept + u.reduce[k]
+                    peak = max(peak, root)
                 done += 1
             else:
                 peak = max(peak, base + self._hold(label, i) + rise)

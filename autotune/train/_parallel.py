@@ -234,6 +234,42 @@ def _fully_shard(
             offload_policy=policy,
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    if device.type == "cpu":  # gloo
+        for name in (*units, ""):
+            model.get_submodule(name).set_custom_reduce_scatter(InPlaceReduceScatter())  # type: ignore[operator]
+
+
+class InPlaceReduceScatter:
+    """FSDP2's reduce-scatter on the CPU: the input all-reduced in place, this rank's
+    shard copied out (what FSDP2 calls through ``set_custom_reduce_scatter``).
+
+    gloo's own reduce-scatter into a tensor is that all-reduce run on a copy of the whole
+    input, which its thread makes and frees: freed late where the rank's compute keeps
+    that thread waiting, it is memory at any moment of the step after, there one step
+    and not the next. In place, the step holds what it holds on NCCL. The same sum; the
+    input, FSDP2's own buffer, is not read again.
+    """
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A buffer of the collective, as FSDP2's default allocates it."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n = output_tensor.numel()
+        start = dist.get_rank(group) * n
+        output_tensor.copy_(input_tensor.view(-1)[start : start + n].view_as(output_tensor))
 
 
 def gathered_tensors(model: nn.Module) -> list[torch.Tensor]:
