@@ -368,6 +368,24 @@ class Profile:
     untrainable: tuple[int, ...] = ()
     """Micro-batch sizes the model failed to train on (an error of its own, not out of
     memory, e.g. BatchNorm over one sample): the search leaves them out."""
+    written: tuple[str, ...] = ()
+    """The buffers a training step writes (BatchNorm's running statistics, counters), by
+    qualified name: what a runner with fallbacks copies before each step."""
+    input_bytes_widest: tuple[int, ...] = ()
+    """Where the batch's layout pads a micro-batch to its widest sample: the device bytes
+    of the sample's first 1, 2, ... samples (widest first), each of a step's micro-batches
+    (empty: :attr:`input_bytes_per_sample` stands)."""
+    snapshot_bytes: int = 0
+    """Device bytes of that copy, held through each step of a runner with fallbacks (the
+    cost model counts them; 0 where a step writes no buffer, or none is taken)."""
+
+    def batch_bytes(self, micro_batch: int, accum: int) -> float:
+        """Device bytes of a step's batch of ``accum`` micro-batches of ``micro_batch``."""
+        widest = self.input_bytes_widest
+        if not widest:
+            return self.input_bytes_per_sample * micro_batch * accum
+        whole, rest = divmod(micro_batch, len(widest))  # past the sample: it repeats
+        return accum * (whole * widest[-1] + (widest[rest - 1] if rest else 0))
 
     def block_shares(self) -> tuple[float, ...]:
         """Each block's share of the blocks' parameter bytes (sums to 1)."""
@@ -438,6 +456,9 @@ def profile_from_json(text: str) -> Profile:
         sharded={k: precision(v) for k, v in d.get("sharded", {}).items()},
         layout=tuple(tuple(row) for row in d.get("layout", ())),
         untrainable=tuple(d.get("untrainable", ())),
+        input_bytes_widest=tuple(d.get("input_bytes_widest", ())),
+        written=tuple(d.get("written", ())),
+        snapshot_bytes=d.get("snapshot_bytes", 0),
     )
 
 

@@ -125,6 +125,10 @@ class ModelInfo:
     blocks: tuple[str, ...]
     block_classes: tuple[str, ...] = ()
     """The class names of the blocks (what a trainer's FSDP wrap policy names)."""
+    written: tuple[str, ...] | None = None
+    """The buffers a training step writes (BatchNorm's running statistics, counters),
+    which a runner with fallbacks copies before each step to put them back after an
+    out-of-memory error (``None``: not recorded, every buffer is copied)."""
 
 
 PLANNED = "planned, not run"

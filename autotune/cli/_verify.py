@@ -73,6 +73,7 @@ def verify(args: argparse.Namespace) -> int:
             loss_fn=loss,
             context_bytes=target.context_bytes,
             foreign_bytes=backend_for(target.device).foreign_bytes(),
+            written=result.model.written or (),  # copied before each step, as when tuned
         )
         run.measured, run.error = verifier.run(run.config)
     if args.json:  # an object; for a table, a list of them, one per row

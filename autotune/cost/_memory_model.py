@@ -102,8 +102,10 @@ class MemoryModel(ProfileView):
         shares = self.variant_shares(mask)
         moved = self.profile.precisions[precision].moved
         start = float(self.profile.precisions[precision].base_bytes + state)
-        batch = self.profile.input_bytes_per_sample * micro_batch * accum
+        batch = self.profile.batch_bytes(micro_batch, accum)
         start += batch  # the step's batch, held through the step
+        between_steps = start + batch  # a loader makes the next batch while this one is held
+        start += self.profile.snapshot_bytes  # a fallback's copy of the written buffers
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
         moves = self._moved_frees(precision, 1, mask), self._moved_frees(precision, 2, mask)
@@ -134,9 +136,8 @@ class MemoryModel(ProfileView):
             live -= self.profile.grad_bytes
         elif live + opt.step_peak_bytes > peak:
             peak, grads = live + opt.step_peak_bytes, self.profile.grad_bytes
-        # Between steps a loader makes the next batch while this one is still held.
-        if start + batch > peak:
-            peak, grads = start + batch, 0
+        if between_steps > peak:
+            peak, grads = between_steps, 0
         live_peak = math.ceil(max(peak, start))
         device = self.device_bytes(live_peak, precision, micro_batch, shares, accum)
         return device, live_peak, grads
@@ -313,7 +314,7 @@ class MemoryModel(ProfileView):
             optimizer_step=0 if knobs.offload_optimizer else opt.step_peak_bytes,
             activations=acts,
             activations_per_sample=self._activations(knobs, knobs.micro_batch + 1) - acts,
-            batch=math.ceil(prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum),
+            batch=math.ceil(prof.batch_bytes(knobs.micro_batch, knobs.accum)),
             other=base - prof.param_bytes + device_peak - live_peak,
         )
 
@@ -333,11 +334,13 @@ class MemoryModel(ProfileView):
         device_peak, live_peak, grads = self.peaks_of(knobs)
         prof = self.profile
         state = 0 if knobs.offload_optimizer else prof.optimizers[knobs.optimizer].state_bytes
-        batch = prof.input_bytes_per_sample * knobs.micro_batch * knobs.accum
+        batch = prof.batch_bytes(knobs.micro_batch, knobs.accum)
         base = prof.precisions[knobs.precision].base_bytes
         other = base - prof.param_bytes + math.ceil(batch)
         if live_peak <= math.ceil(base + state + 2 * batch):
             other += math.ceil(batch)  # the peak is the next batch made beside this one
+        else:  # in a step: a fallback's copy of the buffers it writes
+            other += prof.snapshot_bytes
         acts = max(live_peak - prof.param_bytes - grads - state - other, 0)
         return device_peak, Breakdown(
             parameters=prof.param_bytes,

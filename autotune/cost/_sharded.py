@@ -52,7 +52,7 @@ def per_rank_peak(
     precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
     prof = model.profile
     opt = prof.optimizers[knobs.optimizer]
-    batch = prof.input_bytes_per_sample * micro_batch * knobs.accum
+    batch = prof.batch_bytes(micro_batch, knobs.accum)
     others = prof.precisions[precision].base_bytes - prof.param_bytes
     if layout.parallel == "ddp":
         state = opt.state_bytes
@@ -77,7 +77,9 @@ def per_rank_peak(
         live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], knobs.accum, every)
         step = 0 if knobs.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
         parts = {"parameters": params, "gradients": grads, "optimizer": state}
-    peak = max(peak, live + step, batch)  # batch: a loader's next, made beside this one
+    # In a step, a fallback's copy of the buffers it writes; between steps, a loader's
+    # next batch made beside this one.
+    peak = max(peak + prof.snapshot_bytes, live + step + prof.snapshot_bytes, batch)
     live_peak = math.ceil(start + peak)
     return (
         model.device_bytes(
@@ -92,7 +94,7 @@ def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakd
     """Predicted peak device bytes of one rank of ``config`` and what holds them."""
     device_peak, live_peak, parts = sharded_peak(model, config)
     prof = model.profile
-    batch = math.ceil(prof.input_bytes_per_sample * config.effective_batch_size)
+    batch = math.ceil(prof.batch_bytes(config.micro_batch_size, config.grad_accum_steps))
     other = prof.precisions[config.precision].base_bytes - prof.param_bytes + batch
     held = parts["parameters"] + parts["gradients"] + parts["optimizer"]
     acts = max(live_peak - held - other, 0)

@@ -154,7 +154,27 @@ def deepen(three: Profile, four: Profile, model: nn.Module, blocks: Sequence[str
         host_param_bytes=int(_linear(three.host_param_bytes, four.host_param_bytes, n)),
         sharded=sharded,
         layout=parameter_layout(model, blocks),
+        written=_written(four.written, blocks),
+        snapshot_bytes=int(_linear(three.snapshot_bytes, four.snapshot_bytes, n)),
     )
+
+
+def _written(names: Sequence[str], blocks: Sequence[str]) -> tuple[str, ...]:
+    """The buffers a step writes in the model of ``blocks``, from those it writes in its
+    copy of 4 (the first block, two middle ones, the last): a middle block's stand for
+    every middle block's."""
+    n, out = len(blocks), []
+    parent = blocks[0].rpartition(".")[0]
+    prefix = f"{parent}." if parent else ""
+    for name in names:
+        index, dot, rest = name.removeprefix(prefix).partition(".")
+        if not name.startswith(prefix) or not dot or not index.isdigit():
+            out.append(name)  # outside the blocks
+            continue
+        copied = int(index)
+        kept = {0: [0], 3: [n - 1]}.get(copied, range(1, n - 1))
+        out += [f"{blocks[i]}.{rest}" for i in kept]
+    return tuple(dict.fromkeys(out))
 
 
 def deepen_time(profile: Profile, seconds: Sequence[float], forward_s: float) -> Profile:

@@ -19,9 +19,9 @@ from autotune.config import timeline_key, timeline_parts
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profiler import Profiler
-from autotune.train import bytes_per_sample, copy_model
+from autotune.train import bytes_per_sample, copy_model, widest_bytes, written_buffers
 
-__all__ = ["memory_profile", "sharded_precisions", "working_copy"]
+__all__ = ["memory_profile", "sharded_precisions", "with_written", "working_copy"]
 
 
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -66,13 +66,25 @@ def memory_profile(
         "compiled blocks": tuple(timeline_key(p, "blocks") for p in compiled),
         "the model compiled whole": tuple(timeline_key(p, "model") for p in whole),
     }
-    memory, measured = _measure(profiler, precisions, optimizers, transfer, selective, extra, notes)
+    with written_buffers(profiler.model) as written:
+        memory, measured = _measure(
+            profiler, precisions, optimizers, transfer, selective, extra, notes
+        )
     if not memory:
         raise ProfileError(
             f"the model does not fit {device_name} even at micro-batch 2 without "
             "checkpointing; use a larger device or a smaller model."
         )
-    return _profile(profiler, memory, measured, context_bytes, transfer), notes
+    profile = _profile(profiler, memory, measured, context_bytes, transfer)
+    return with_written(profile, profiler.model, written), notes
+
+
+def with_written(profile: Profile, model: nn.Module, written: Sequence[str]) -> Profile:
+    """``profile`` with the buffers of ``model`` a training step writes, and the bytes of
+    the copy a runner with fallbacks takes of them before each step (one tensor each)."""
+    named = dict(model.named_buffers())
+    copied = sum(named[n].numel() * named[n].element_size() for n in written)
+    return dataclasses.replace(profile, written=tuple(written), snapshot_bytes=copied)
 
 
 def _measure(
@@ -194,6 +206,7 @@ def _profile(
         host_param_bytes=sum(profiler.backend.host_bytes(n) for n in host) if transfer else 0,
         host_is_device=profiler.backend.host_is_device,
         input_bytes_per_sample=bytes_per_sample(profiler.sample, profiler.device),
+        input_bytes_widest=widest_bytes(profiler.sample, profiler.device),
         layout=parameter_layout(profiler.model, blocks),
     )
 

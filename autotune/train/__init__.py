@@ -24,12 +24,22 @@ from __future__ import annotations
 
 from autotune.train._applied import Applied
 from autotune.train._attention import set_attention
-from autotune.train._batch import batch_size, bytes_per_sample, map_tensors, resize, tensors_on
+from autotune.train._batch import (
+    batch_size,
+    bytes_per_sample,
+    map_tensors,
+    resize,
+    step_batch,
+    tensors_on,
+    widest_bytes,
+    widest_first,
+)
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
 from autotune.train._chunked_loss import chunked_loss, why_not_chunked
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
 from autotune.train._compiled_model import any_batch_size
+from autotune.train._fallback import snapshot, written_buffers
 from autotune.train._identity import differences, fingerprint
 from autotune.train._lengths import sequence_length, truncate
 from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
@@ -101,7 +111,12 @@ __all__ = [
     "resize",
     "sequence_length",
     "set_attention",
+    "snapshot",
+    "step_batch",
     "tensors_on",
     "truncate",
     "why_not_chunked",
+    "widest_bytes",
+    "widest_first",
+    "written_buffers",
 ]

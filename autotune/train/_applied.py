@@ -73,6 +73,7 @@ class Applied:
         fallbacks: Sequence[TrainConfig] = (),
         units: Sequence[str] = (),
         table: Sequence[LengthRow] = (),
+        written: Sequence[str] | None = None,
     ) -> None:
         every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
         for c in every:  # now, not at the first OOM in the middle of training
@@ -84,7 +85,7 @@ class Applied:
         self.device = device = resolve_device(device)
         self.backend = backend_for(device)
         self.lr = lr
-        self.ladder = Ladder(config, fallbacks, table)
+        self.ladder = Ladder(config, fallbacks, table, written)
         """The fallback ladder: the fallbacks left, and the table's rows and row in use."""
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError("the model has no parameters that require grad: nothing to train.")
@@ -330,8 +331,9 @@ class Applied:
         return None
 
     def snapshot(self) -> Callable[[], None]:
-        """A function that puts the random state and buffers back as they are now."""
-        return snapshot(self.model, self.backend)
+        """A function that puts the random state and the buffers a step writes back as
+        they are now (see :func:`~autotune.train._fallback.snapshot`)."""
+        return snapshot(self.model, self.backend, self.ladder.written)
 
     def rebuild_optimizer(self, offload: bool) -> None:
         """The optimizer built again on the host or the device, its state kept."""

@@ -27,8 +27,11 @@ __all__ = [
     "resize",
     "shares",
     "split",
+    "step_batch",
     "tensors_on",
     "to_device",
+    "widest_bytes",
+    "widest_first",
 ]
 
 Batch = Any
@@ -182,6 +185,28 @@ def resize(batch: Batch, n: int) -> Batch:
     return _map(batch, grow, 1)
 
 
+def widest_first(batch: Batch) -> Batch:
+    """``batch`` with the samples that cost most in a micro-batch first, where its layout
+    says which (a list of images of different sizes, which a detection model pads to the
+    largest), so that micro-batches cut from its start hold the widest it can; rows of
+    one shape as they are."""
+    layout = layout_of(batch)
+    return batch if layout is None else layout.widest_first(batch)
+
+
+def step_batch(sample: Batch, n: int, micro_batch_size: int) -> Batch:
+    """A step's batch of ``n`` samples made from ``sample`` (see :func:`resize`); where
+    its layout pads a micro-batch to its widest sample (:func:`widest_first`), each
+    micro-batch is the sample's first ``micro_batch_size`` samples (new tensors), as the
+    profile measured a micro-batch: the widest a micro-batch of the sample can be."""
+    layout = layout_of(sample)
+    if layout is None or not layout.pads or n <= micro_batch_size:
+        return resize(sample, n)
+    whole, rest = divmod(n, micro_batch_size)
+    parts = [resize(sample, micro_batch_size)] * whole + ([resize(sample, rest)] if rest else [])
+    return layout.join([map_tensors(p, torch.clone) for p in parts])
+
+
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Consecutive chunks of ``micro_batch_size`` rows (the last may be smaller), as views.
 
@@ -220,9 +245,22 @@ def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:
 
 def bytes_per_sample(batch: Batch, device: torch.device) -> float:
     """Bytes one sample of ``batch`` holds on ``device`` (0 where it lives elsewhere)."""
+    return _held(batch, device) / batch_size(batch)
+
+
+def widest_bytes(batch: Batch, device: torch.device) -> tuple[int, ...]:
+    """Where ``batch``'s layout pads: the bytes its first 1, 2, ... samples hold on
+    ``device``, each of a step's micro-batches (:func:`step_batch`); else none."""
+    layout = layout_of(batch)
+    if layout is None or not layout.pads:
+        return ()
+    return tuple(_held(layout.take(batch, 0, k), device) for k in range(1, batch_size(batch) + 1))
+
+
+def _held(batch: Batch, device: torch.device) -> int:
+    """Bytes ``batch``'s tensors hold on ``device``, each counted once."""
     leaves = {id(t): t for t in tensors_on(batch, device)}.values()  # labels=input_ids: once
-    held = sum(t.numel() * t.element_size() for t in leaves)
-    return held / batch_size(batch)
+    return sum(t.numel() * t.element_size() for t in leaves)
 
 
 def pinned(batch: Batch) -> Batch:

@@ -18,7 +18,7 @@ tried first.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,11 @@ class BatchLayout:
     """How batches of one structure hold their samples. Subclass it and pass an instance
     to :func:`autotune.add_batch_layout`."""
 
+    pads = False
+    """Whether a model pads a micro-batch of these to its widest sample (a detection
+    model's images): then every micro-batch is measured at the widest of the sample
+    (:meth:`widest_first`), what the job's micro-batches cost at most."""
+
     def recognises(self, batch: Any) -> bool:
         """Whether ``batch`` is laid out this way."""
         raise NotImplementedError
@@ -61,6 +66,12 @@ class BatchLayout:
         """What ``part``'s mean loss weighs in the mean loss over the batches it was cut
         from (weights are these over their sum): its samples by default."""
         return float(self.size(part))
+
+    def widest_first(self, batch: Any) -> Any:
+        """``batch`` with the samples that cost most in a micro-batch first, so that the
+        micro-batches measured of it hold the widest the batch can (a model that pads a
+        micro-batch to its largest sample); as it is by default."""
+        return batch
 
 
 _ADDED: list[BatchLayout] = []
@@ -283,6 +294,8 @@ class SampleLists(BatchLayout):
     its own size (a detection model batches its images padded to the largest).
     """
 
+    pads = True
+
     def recognises(self, batch: Any) -> bool:
         lists = _lists(batch)
         if not lists or len({len(v) for v in lists}) != 1 or not lists[0]:
@@ -305,6 +318,38 @@ class SampleLists(BatchLayout):
         lists = [_lists(p) for p in parts]
         joined = iter([[e for part in pieces for e in part] for pieces in zip(*lists, strict=True)])
         return _each_list(parts[0], lambda v: next(joined))
+
+    def widest_first(self, batch: Any) -> Any:
+        """The samples that stretch a padded micro-batch furthest first: the most upright
+        and the flattest (a detection model resizes each image to a side, then pads the
+        micro-batch to the tallest and the widest image it holds: these two reach the
+        padded size of the whole batch), then the tallest and the widest (a model that only
+        pads), then the rest by size. Height and width are the last two dimensions of a
+        sample's largest tensor."""
+        extents = [_extent(entries) for entries in zip(*_lists(batch), strict=True)]
+        order = list(range(len(extents)))
+        ranks: list[Callable[[tuple[int, int]], float]] = [
+            lambda e: e[0] / e[1],
+            lambda e: e[1] / e[0],
+            lambda e: e[0],
+            lambda e: e[1],
+        ]
+        first = [max(order, key=lambda i: rank(extents[i])) for rank in ranks]
+        rest = sorted(order, key=lambda i: -extents[i][0] * extents[i][1])
+        ranked = list(dict.fromkeys([*first, *rest]))
+        if ranked == order:
+            return batch
+        return _each_list(batch, lambda v: [v[i] for i in ranked])
+
+
+def _extent(entries: Sequence[Any]) -> tuple[int, int]:
+    """A sample's height and width: the last two dimensions of its largest tensor (a
+    length, and 1, where it has one dimension)."""
+    tensors = [t for e in entries for t in _tensors(e) if t.ndim >= 1]
+    if not tensors:
+        return 1, 1
+    shape = [max(int(n), 1) for n in max(tensors, key=lambda t: t.numel()).shape]
+    return (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0], 1)
 
 
 def _values(batch: Any) -> list[Any]:

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from autotune._spelling import option
 from autotune.config import TrainConfig
 from autotune.errors import BlockError
+from autotune.train._fallback import tracks_statistics
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._selective import selective_contexts
 
@@ -212,7 +213,7 @@ def _check_plain(names: Sequence[str], modules: Sequence[nn.Module]) -> None:
     """Refuse a block whose forward updates running statistics (a batch norm in training
     mode): a plain checkpoint would recompute it on the statistics as the forward left them."""
     for name, module in zip(names, modules, strict=True):
-        if any(m.training and getattr(m, "track_running_stats", False) for m in module.modules()):
+        if any(tracks_statistics(m) for m in module.modules()):
             raise BlockError(
                 f"block {name!r} updates running statistics (a batch norm), which a block "
                 "checkpointed inside the compiled model cannot recompute as its forward "
@@ -308,8 +309,7 @@ def _changed_owners(
     for owner in module.modules():
         buffers = {k: b for k, b in owner._buffers.items() if b is not None and id(b) in before}
         moved = any(before[id(b)][0] != b._version for b in buffers.values())
-        stats = owner.training and getattr(owner, "track_running_stats", False) is True
-        if buffers and (moved or stats):
+        if buffers and (moved or tracks_statistics(owner)):
             out.append((owner, {k: _before(b, before) for k, b in buffers.items()}))
     return out
 

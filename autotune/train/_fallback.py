@@ -2,6 +2,12 @@
 again on the next fallback, with the same batch, random state and buffers; and the row of
 a table tuned per sequence length that a batch trains with.
 
+Putting the buffers back needs a copy of each one a step can change, held through every
+step: only those (BatchNorm's running statistics, counters, a moving average), found
+once by the tuner on its own training step (:func:`written_buffers`) and carried by the
+result, so that the copy is small and its bytes are in the prediction. A read-only
+buffer (a position table, a mask) is never copied.
+
 :class:`Ladder` owns that state (the table's rows, the row in use, the fallbacks left, and
 whether the optimizer step has begun). What it needs from the handle that owns it (the
 model and backend to snapshot, freeing the gradients, resetting the data parallelism, and
@@ -13,7 +19,8 @@ handle's model and optimizer alive); switching a config itself is the handle's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -25,7 +32,7 @@ from autotune.errors import warn
 from autotune.result import LengthRow
 from autotune.train._lengths import Row, Rows
 
-__all__ = ["Ladder", "Owner", "snapshot"]
+__all__ = ["Ladder", "Owner", "snapshot", "tracks_statistics", "written_buffers"]
 
 T = TypeVar("T")
 
@@ -72,6 +79,8 @@ class Ladder:
         config: The configuration the handle starts with.
         fallbacks: Configurations to fall back to, fastest first (without a table).
         table: A table tuned per sequence length (empty: none).
+        written: The buffers a training step writes, which a snapshot copies (``None``:
+            not known, every buffer).
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class Ladder:
         config: TrainConfig,
         fallbacks: Sequence[TrainConfig] = (),
         table: Sequence[LengthRow] = (),
+        written: Sequence[str] | None = None,
     ) -> None:
         self.rows = Rows.of(table, config)
         """A table tuned per sequence length: each batch trains with its length's row."""
@@ -88,6 +98,8 @@ class Ladder:
         """The current config's fallbacks still left (its row's, with a table)."""
         self.stepping = False
         """The optimizer step has begun: an out-of-memory error is no longer retried."""
+        self.written = None if written is None else tuple(written)
+        """The buffers a training step writes, which a snapshot copies (``None``: every one)."""
 
     def run(self, owner: Owner, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``step(*args, **kwargs)``, one optimizer step of ``owner``, run again on a
@@ -102,7 +114,7 @@ class Ladder:
         # With a table, the step may move to a row with fallbacks: snapshot if any row has.
         rows = (self.fallbacks, *(r.fallbacks for r in self.rows))
         while True:
-            restore = snapshot(owner.model, owner.backend) if any(rows) else None
+            restore = snapshot(owner.model, owner.backend, self.written) if any(rows) else None
             self.stepping = False
             try:
                 return step(*args, **kwargs)
@@ -141,19 +153,85 @@ class Ladder:
             self.row, self.fallbacks = row, row.fallbacks
 
 
-def snapshot(model: nn.Module, backend: Backend) -> Callable[[], None]:
-    """A function that puts the random state and ``model``'s buffers back as they are now."""
+def snapshot(
+    model: nn.Module, backend: Backend, written: Sequence[str] | None = None
+) -> Callable[[], None]:
+    """A function that puts the random state and ``model``'s buffers back as they are now.
+
+    Args:
+        model: The model whose buffers are kept.
+        backend: Its device's backend, whose random state is kept.
+        written: The qualified names of the buffers a training step writes
+            (:func:`written_buffers`): only those are copied. ``None``: every buffer (a
+            result saved before the tuner recorded them).
+    """
     cpu_rng = torch.random.get_rng_state()
     device_rng = backend.rng_state()
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    named = dict(model.named_buffers())
+    names = list(named) if written is None else _found(written, named)
+    saved = [(name, named[name].detach().clone()) for name in names]
 
     def restore() -> None:
         torch.random.set_rng_state(cpu_rng)
         if device_rng is not None:
             backend.set_rng_state(device_rng)
         with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
+            for name, value in saved:
+                owner, _, key = name.rpartition(".")
+                module = model.get_submodule(owner)
+                live = module._buffers.get(key)
+                if live is not None and live.shape == value.shape and live.dtype == value.dtype:
+                    live.copy_(value)
+                else:  # replaced in the step (``self.count = self.count + 1``): put back
+                    module._buffers[key] = value
         backend.empty_cache()
 
     return restore
+
+
+def _found(written: Sequence[str], named: dict[str, torch.Tensor]) -> list[str]:
+    """The buffers of ``named`` that ``written`` names: by name, or where the model was
+    tuned inside another (a Lightning module's ``model.``) or is trained inside one, by
+    the one name that ends with the other."""
+    out = []
+    for name in written:
+        if name in named:
+            out.append(name)
+            continue
+        ends = [n for n in named if n.endswith(f".{name}") or name.endswith(f".{n}")]
+        out += ends if len(ends) == 1 else []
+    return out
+
+
+@contextlib.contextmanager
+def written_buffers(model: nn.Module) -> Iterator[list[str]]:
+    """The buffers of ``model`` that the training steps run inside the block write, by
+    qualified name: a list, filled as the block ends.
+
+    A buffer counts as written where it changed in place (its version moved), was
+    replaced or made by a step, or belongs to a norm layer that tracks running statistics
+    in training mode (its kernel writes them without moving a version).
+    """
+    before = {name: (id(b), _version(b)) for name, b in model.named_buffers()}
+    out: list[str] = []
+    yield out
+    for owner_name, owner in model.named_modules():
+        prefix = f"{owner_name}." if owner_name else ""
+        stats = tracks_statistics(owner)
+        for key, b in owner._buffers.items():
+            name = f"{prefix}{key}"
+            if b is not None and (stats or before.get(name) != (id(b), _version(b))):
+                out.append(name)
+    named = dict(model.named_buffers())  # a buffer two modules share is named once
+    out[:] = [n for n in dict.fromkeys(out) if n in named]
+
+
+def _version(b: torch.Tensor) -> int | None:
+    """``b``'s in-place version (``None``: an inference tensor, which has none)."""
+    return None if b.is_inference() else b._version
+
+
+def tracks_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm layer updating running statistics in its forward
+    (training mode, ``track_running_stats``)."""
+    return module.training and getattr(module, "track_running_stats", False) is True

@@ -97,6 +97,7 @@ def prepare(
         fallbacks=fallbacks,
         units=units,
         table=table,
+        written=_written(result),
     )
     _hold(runner, result, foreign)
     return runner
@@ -139,7 +140,14 @@ def apply(
             "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
         )
     handle = Applied(
-        model, config, lr=lr, device=target, fallbacks=fallbacks, units=units, table=table
+        model,
+        config,
+        lr=lr,
+        device=target,
+        fallbacks=fallbacks,
+        units=units,
+        table=table,
+        written=_written(result),
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))
@@ -251,6 +259,12 @@ def _units(blocks: Sequence[str] | None, result: TuneResult | None) -> tuple[str
     if blocks is not None:
         return tuple(blocks)
     return result.model.blocks if result is not None else ()
+
+
+def _written(result: TuneResult | None) -> tuple[str, ...] | None:
+    """The buffers a training step writes, as the tuner found them (``None``: a result
+    saved before it recorded them, or none: every buffer is kept for a fallback)."""
+    return result.model.written if result is not None else None
 
 
 def _hold(handle: Applied, result: TuneResult | None, foreign: int) -> None:

@@ -52,10 +52,18 @@ class Runner(Applied):
         fallbacks: Sequence[TrainConfig] = (),
         units: Sequence[str] = (),
         table: Sequence[LengthRow] = (),
+        written: Sequence[str] | None = None,
     ) -> None:
         self.loss_fn = loss_fn  # before the config is applied: a compiled model takes it
         super().__init__(
-            model, config, lr=lr, device=device, fallbacks=fallbacks, units=units, table=table
+            model,
+            config,
+            lr=lr,
+            device=device,
+            fallbacks=fallbacks,
+            units=units,
+            table=table,
+            written=written,
         )
         _ = self.optimizer  # built now: its memory is part of what the runner holds
 

@@ -158,7 +158,7 @@ class DeviceRun:
             return planned_result(problem, profile, searched.candidates)
         workload = problem.workload(self.work)
         verified = verification(
-            Verifier.of(workload, problem.budget, problem.target.context_bytes),
+            Verifier.of(workload, problem.budget, problem.target.context_bytes, profile.written),
             searched.choosers,
             searched.candidates,
             self.jobs,
@@ -167,10 +167,10 @@ class DeviceRun:
             eval_batch=self.options.eval_batch_size,
             most=problem.space.max_micro_batch_size,
         )
-        return _result(problem, verified)
+        return _result(problem, profile, verified)
 
 
-def _result(problem: Problem, verified: Verification) -> TuneResult:
+def _result(problem: Problem, profile: Profile, verified: Verification) -> TuneResult:
     """The verified winner, with what was predicted for it and the ladder below it."""
     chosen = verified.chosen
     assert chosen.measured is not None
@@ -183,7 +183,7 @@ def _result(problem: Problem, verified: Verification) -> TuneResult:
         measured=chosen.measured,
         budget_bytes=problem.budget,
         target=problem.target.info(),
-        model=problem.model,
+        model=dataclasses.replace(problem.model, written=profile.written),
         breakdown=prediction.breakdown,
         fallbacks=tuple(verified.fallbacks),
         trials=tuple(verified.records),

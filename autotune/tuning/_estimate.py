@@ -157,7 +157,8 @@ class OneConfig:
         profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
         # After the profile's training steps the context holds what loads lazily too.
         context = max(target.context_bytes, backend_for(target.device).context_bytes())
-        return dataclasses.replace(profile, context_bytes=context)
+        # One config, trained without fallbacks: no copy of the buffers a step writes.
+        return dataclasses.replace(profile, context_bytes=context, snapshot_bytes=0)
 
     def search(self, problem: Problem, profile: Profile) -> CostModel:
         return CostModel(profile)

@@ -39,6 +39,8 @@ from autotune.train import (
     prepare,
     raised_in,
     resize,
+    snapshot,
+    step_batch,
     tensors_on,
 )
 
@@ -77,6 +79,8 @@ class Verifier:
         foreign_bytes: CUDA bytes held by other tensors when tuning began.
         steps: Timed optimizer steps per configuration (median reported).
         blocks: The blocks (FSDP's units).
+        written: The buffers a training step writes: each step copies them first, as a
+            runner with fallbacks does, so that the copy is in the peak measured.
 
     A data-parallel configuration runs on a copy of ``model`` wrapped as it says, on every
     rank of the process group at once; every rank gets the slowest rank's time and the
@@ -95,9 +99,11 @@ class Verifier:
         foreign_bytes: int = 0,
         steps: int = 3,
         blocks: tuple[str, ...] = (),
+        written: tuple[str, ...] = (),
     ) -> None:
         self.model = model
         self.blocks = blocks
+        self.written = written
         self.sample = sample
         self.device = device
         self.budget_bytes = budget_bytes
@@ -108,9 +114,12 @@ class Verifier:
         self.backend = backend_for(device)
 
     @staticmethod
-    def of(work: Workload, budget_bytes: int, context_bytes: int = 0) -> Verifier:
+    def of(
+        work: Workload, budget_bytes: int, context_bytes: int = 0, written: tuple[str, ...] = ()
+    ) -> Verifier:
         """The verifier of ``work`` under ``budget_bytes`` (a CUDA context of
-        ``context_bytes`` counted in each peak)."""
+        ``context_bytes`` counted in each peak; the buffers a step ``written`` copied
+        before each step)."""
         return Verifier(
             work.model,
             work.sample,
@@ -120,6 +129,7 @@ class Verifier:
             context_bytes=context_bytes,
             foreign_bytes=work.foreign_bytes,
             blocks=work.blocks,
+            written=written,
         )
 
     def run(
@@ -131,7 +141,7 @@ class Verifier:
         of them (a fallback's, which only orders the ladder).
         """
         n = config.effective_batch_size
-        batch = resize(self.sample, n)
+        batch = step_batch(self.sample, n, config.micro_batch_size)
         if n < batch_size(self.sample):  # views: they would hold the whole sample
             batch = map_tensors(batch, torch.clone)  # a loader's batch holds n rows
         runner: Runner | None = None
@@ -190,7 +200,7 @@ class Verifier:
                 context_bytes=self.context_bytes,
                 foreign_bytes=self.foreign_bytes,
             ) as reading:
-                runner.step(batch)  # warm-up: allocates optimizer state
+                self._step(runner, batch)  # warm-up: allocates optimizer state
                 times = self._timed_steps(runner, batch, timed)
                 _next_batch(batch)
             return reading.peak_bytes, statistics.median(times)
@@ -209,7 +219,7 @@ class Verifier:
                 budget_bytes=budget,
                 compiled=compiled,
             ):
-                runner.step(batch)
+                self._step(runner, batch)
         else:
             once = self._timed_steps(runner, batch, window=False)
         peak = 0
@@ -222,10 +232,17 @@ class Verifier:
                 gathering=[runner.model],
                 compiled=compiled,
             ) as reading:
-                runner.step(batch)
+                self._step(runner, batch)
                 _next_batch(batch)
             peak = max(peak, reading.peak_bytes)
         return peak, statistics.median(once or self._timed_steps(runner, batch))
+
+    def _step(self, runner: Runner, batch: Any) -> None:
+        """One training step, as a runner with fallbacks takes it: the buffers the step
+        writes copied first (to put back after an out-of-memory error), held through it."""
+        kept = snapshot(runner.model, runner.backend, self.written) if self.written else None
+        runner.step(batch)
+        del kept
 
     def _timed_steps(self, runner: Runner, batch: Any, window: bool = True) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
@@ -235,7 +252,7 @@ class Verifier:
         for the others forever)."""
 
         def timed() -> float:
-            seconds = self._timed(lambda: runner.step(batch))
+            seconds = self._timed(lambda: self._step(runner, batch))
             if runner.config.parallel == "none":
                 return seconds
             return agree_max([seconds], self.device)[0]
@@ -306,7 +323,7 @@ class Verifier:
         allocator's blocks taken): the median of three or more steps leaves one slow step
         out, where a warm-up step of its own would cost a step more per timing.
         """
-        batch = resize(self.sample, config.effective_batch_size)
+        batch = step_batch(self.sample, config.effective_batch_size, config.micro_batch_size)
         self._release(before=True)
         runner = self._prepare(config)
         try:

@@ -18,13 +18,19 @@ from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.result import Breakdown, Measurement, ModelInfo, TuneResult
+from autotune.train import written_buffers
 from autotune.train._identity import fingerprint
 from autotune.verify._verifier import Verifier
 
 CPU = torch.device("cpu")
 
 
-def result_for(model: nn.Module, config: TrainConfig, *fallbacks: TrainConfig) -> TuneResult:
+def result_for(
+    model: nn.Module,
+    config: TrainConfig,
+    *fallbacks: TrainConfig,
+    written: tuple[str, ...] | None = None,
+) -> TuneResult:
     m = Measurement(1, 1.0, 1.0)
     return TuneResult(
         config=config,
@@ -32,7 +38,7 @@ def result_for(model: nn.Module, config: TrainConfig, *fallbacks: TrainConfig) -
         measured=m,
         budget_bytes=2**40,
         target=discover("cpu").info(),
-        model=ModelInfo(type(model).__name__, fingerprint(model), 0, ()),
+        model=ModelInfo(type(model).__name__, fingerprint(model), 0, (), written=written),
         breakdown=Breakdown(0, 0, 0, 0, 1),
         fallbacks=fallbacks,
     )
@@ -84,11 +90,17 @@ def test_oom_at_step_k_switches_to_the_fallback_and_loses_nothing(case) -> None:
         peak(model, batches[0], fast, loss_fn) + peak(model, batches[0], frugal, loss_fn)
     ) // 2
     k = 2
+    # The buffers a step writes, found as the tuner finds them: only those are copied.
+    probe = autotune.prepare(copy.deepcopy(model), fast, loss_fn=loss_fn)
+    with probe, written_buffers(probe.model) as written:
+        probe.step(batches[0])
+    assert written == (["1.running_mean", "1.running_var", "1.num_batches_tracked",
+                        "4.running_mean", "4.running_var", "4.num_batches_tracked"]
+                       if case is bn_case else [])  # fmt: skip
 
     torch.manual_seed(5)
-    runner = autotune.prepare(
-        copy.deepcopy(model), result_for(model, fast, frugal), lr=0.05, loss_fn=loss_fn
-    )
+    result = result_for(model, fast, frugal, written=tuple(written))
+    runner = autotune.prepare(copy.deepcopy(model), result, lr=0.05, loss_fn=loss_fn)
     losses = []
     for i, batch in enumerate(batches):
         if i == k:
