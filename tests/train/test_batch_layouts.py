@@ -12,7 +12,7 @@ import torch
 import autotune
 from autotune import SearchSpace
 from autotune.errors import BatchError
-from autotune.train._batch import batch_size, resize, shares, split
+from autotune.train._batch import batch_size, resize, shares, split, widest_first
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,9 +173,8 @@ def detection_batch() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]
     return images, targets
 
 
-def test_a_detection_batch_of_sample_lists_tunes_and_trains_cut_by_sample() -> None:
-    model, batch = faster_rcnn(), detection_batch()
-    images, targets = batch
+def test_a_detection_batch_is_cut_by_sample() -> None:
+    images, targets = batch = detection_batch()
     assert batch_size(batch) == 4  # not the images' 3 channels, nor a target's boxes
     second = split(batch, 3)[1]
     assert second[0][0] is images[3] and second[1][0] is targets[3]
@@ -183,23 +182,10 @@ def test_a_detection_batch_of_sample_lists_tunes_and_trains_cut_by_sample() -> N
     assert torch.equal(grown[0][5], images[1]) and grown[0][5] is not images[1]
     # Lists of tensors that share their first dimension are rows, as before.
     assert batch_size(([torch.ones(5, 2), torch.ones(5, 3)], [torch.ones(5), torch.ones(5)])) == 5
-
-    def loss(output: dict[str, torch.Tensor], batch: object) -> torch.Tensor:
-        return sum(output.values())  # type: ignore[return-value]
-
-    space = SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
-    result = autotune.autotune(
-        model, batch, 0.1, global_batch_size=4, space=space, device="cpu", loss_fn=loss
-    )
-    assert result.measured is not None and result.config.grad_accum_steps == 2
-    assert result.measured.peak_bytes <= result.budget_bytes
-    trained = copy.deepcopy(model)
-    with autotune.prepare(trained, result, device="cpu", loss_fn=loss) as runner:
-        assert torch.isfinite(runner.step(batch))
-    moved = [
-        not torch.equal(a, b) for a, b in zip(model.parameters(), trained.parameters(), strict=True)
-    ]
-    assert any(moved)
+    # The most upright and the flattest image first, then the tallest and the widest.
+    ordered = widest_first(batch)
+    assert [tuple(i.shape[1:]) for i in ordered[0]] == [(72, 56), (50, 90), (60, 80), (64, 64)]
+    assert ordered[1][0] is targets[1] and widest_first(ordered) is ordered
 
 
 def retinanet() -> torch.nn.Module:
@@ -260,3 +246,11 @@ def test_a_detection_model_padding_its_micro_batches_is_verified_as_predicted(bu
         assert measured <= min(result.budget_bytes, 1.02 * predicted), t
         if t.config.micro_batch_size > 1:
             assert measured == pytest.approx(predicted, rel=0.02), t
+    # It trains as tuned, cut by sample: the model given each micro-batch's lists whole.
+    trained = copy.deepcopy(model)
+    with autotune.prepare(trained, result, loss_fn=loss, device="cpu") as runner:
+        assert torch.isfinite(runner.step(batch))
+    moved = [
+        not torch.equal(a, b) for a, b in zip(model.parameters(), trained.parameters(), strict=True)
+    ]
+    assert any(moved)
