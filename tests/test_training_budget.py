@@ -253,7 +253,8 @@ def test_a_runner_with_fallbacks_holds_what_was_predicted_in_every_trainer(case:
     """Tuned with fallbacks, trained 3 steps by ``prepare``'s runner, by ``apply()`` in a
     loop of one's own and by Lightning: the peak as predicted (0.1%), under the budget,
     by autotune's meter and by an independent count of every live storage. Only what a
-    step writes is copied for the fallbacks, and the copy is in the prediction."""
+    step writes is copied for the fallbacks, and the copy is in the prediction; the
+    config trained without fallbacks holds the prediction less the copy."""
     import lightning.pytorch as pl
 
     from autotune.integrations.lightning import Autotune
@@ -324,3 +325,12 @@ def test_a_runner_with_fallbacks_holds_what_was_predicted_in_every_trainer(case:
         for peak in (ours, counted):
             assert peak == pytest.approx(predicted, rel=1e-3), (path, peaks, predicted)
             assert peak <= result.budget_bytes, (path, peaks)
+
+    # Without fallbacks (the config alone) no copy is taken: the peak is that much lower.
+    work = copy.deepcopy(model)
+    copied = sum(b.nbytes for name, b in work.named_buffers() if name in written)
+    runner = autotune.prepare(work, result.config, loss_fn=model.loss, device="cpu")
+    with runner, autotune.peak_memory(runner) as reading:
+        for step in range(3):
+            runner.step(model.make(G, step + 1))
+    assert reading.peak_bytes == pytest.approx(predicted - copied, rel=1e-3)
