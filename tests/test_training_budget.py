@@ -277,7 +277,10 @@ def test_a_runner_with_fallbacks_holds_what_was_predicted_in_every_trainer(case:
 
     peaks = {}
     work = copy.deepcopy(model)
-    with autotune.prepare(work, result, loss_fn=model.loss, device="cpu") as runner:
+    saved = autotune.TuneResult.from_dict(result.to_dict())  # as a file carries it
+    with autotune.prepare(work, saved, loss_fn=model.loss, device="cpu") as runner:
+        assert runner.fallbacks == list(result.fallbacks)
+        assert runner.ladder.written == written
         count, meter = meters(runner)
         with count, meter as reading:
             for step in range(3):

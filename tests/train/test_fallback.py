@@ -194,24 +194,6 @@ def test_a_result_used_on_another_model_or_torch_warns_or_raises_when_strict() -
         autotune.prepare(copy.deepcopy(model), elsewhere, strict=True)
 
 
-def test_a_tuned_result_carries_its_fallbacks_into_the_runner() -> None:
-    model = tiny_gpt(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-    sample = gpt_batch(model.config, 4)
-    low = peak(
-        model,
-        sample,
-        TrainConfig(micro_batch_size=1, grad_accum_steps=16, checkpoint=("blocks.0", "blocks.1")),
-    )
-    high = peak(model, sample, TrainConfig(micro_batch_size=16))
-    result = autotune.autotune(
-        model, sample, (low + high) / 2 / 2**30, global_batch_size=16, device="cpu", n_trials=20
-    )
-    assert result.fallbacks
-    runner = autotune.prepare(copy.deepcopy(model), autotune.TuneResult.from_dict(result.to_dict()))
-    assert runner.config == result.config
-    assert runner.fallbacks == list(result.fallbacks)
-
-
 def test_an_oom_raised_to_the_caller_leaves_no_partial_gradients() -> None:
     model, batches, _ = gpt_case()
     config = TrainConfig(micro_batch_size=4)  # two micro-batches per step of 8
