@@ -21,7 +21,7 @@ from autotune.measure._parameters import block_parameter_bytes, parameter_bytes,
 from autotune.measure._profiler import Profiler
 from autotune.train import bytes_per_sample, copy_model, widest_bytes, written_buffers
 
-__all__ = ["memory_profile", "sharded_precisions", "with_written", "working_copy"]
+__all__ = ["memory_profile", "sharded_precisions", "working_copy"]
 
 
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -76,10 +76,10 @@ def memory_profile(
             "checkpointing; use a larger device or a smaller model."
         )
     profile = _profile(profiler, memory, measured, context_bytes, transfer)
-    return with_written(profile, profiler.model, written), notes
+    return _with_written(profile, profiler.model, written), notes
 
 
-def with_written(profile: Profile, model: nn.Module, written: Sequence[str]) -> Profile:
+def _with_written(profile: Profile, model: nn.Module, written: Sequence[str]) -> Profile:
     """``profile`` with the buffers of ``model`` a training step writes, and the bytes of
     the copy a runner with fallbacks takes of them before each step (one tensor each)."""
     named = dict(model.named_buffers())
