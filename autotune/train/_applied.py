@@ -35,6 +35,7 @@ from autotune.train._checkpoint import (
 from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
 from autotune.train._compiled_model import CompiledLoss, compile_forward, uncompile_forward
 from autotune.train._fallback import Ladder, snapshot
+from autotune.train._loss import counted_offset
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
@@ -101,6 +102,10 @@ class Applied:
         self.compiled_loss: CompiledLoss | None = None
         """The forward and loss compiled as one graph (a runner's, with ``compile_model``)."""
         self._wrap(config)
+        self.token_offset = counted_offset(model) if self._loss_fn() is None else None
+        """Where the loss is the model's own mean over its counted label tokens, the leading
+        positions of each row's labels it never counts: micro-batches of rows then weigh
+        their tokens (``None``: their samples)."""
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
         self.params = [p for p in model.parameters() if p.requires_grad]  # FSDP's: shards
@@ -133,10 +138,13 @@ class Applied:
 
     # --- the pieces of a training step --------------------------------------------------
 
-    def micro_batches(self, batch: Any) -> Iterator[tuple[Any, float]]:
+    def micro_batches(self, batch: Any) -> Iterator[tuple[Any, float | torch.Tensor]]:
         """``(micro_batch, weight)`` pairs: ``batch`` in micro-batches of the config's size,
-        each moved to the device, with its loss weight (its share of the samples), so that
-        the weighted losses add up to the mean loss over ``batch``.
+        each moved to the device, with its loss weight, so that the weighted losses add up
+        to the mean loss over ``batch``: its share of the label tokens that count where
+        the loss is the model's own mean over them (a Hugging Face language model given
+        ``labels``; a 0-dim tensor, counted without a read on the host), else of the
+        samples (:func:`~autotune.train._batch.shares`).
 
         With an offloaded optimizer, the last micro-batch's backward sends the gradients
         to the host as it makes them; run each backward before taking the next pair.
@@ -144,14 +152,14 @@ class Applied:
         for chunk, weight in self._chunks(batch):
             yield batching.to_device(chunk, self.device, non_blocking=True), weight
 
-    def _chunks(self, batch: Any) -> Iterator[tuple[Any, float]]:
+    def _chunks(self, batch: Any) -> Iterator[tuple[Any, float | torch.Tensor]]:
         """:meth:`micro_batches` where the batch is (the runner moves each one itself)."""
         self._check_open()
         self.select(batch)
         if self.backend.pins:  # pinned once a step: each micro-batch's copy runs async
             batch = batching.pinned(batch)
         chunks = batching.split(batch, self.config.micro_batch_size)
-        weights = batching.shares(batch, chunks)
+        weights = batching.shares(batch, chunks, self.token_offset)
         for i, (chunk, weight) in enumerate(zip(chunks, weights, strict=True)):
             self.last_micro_batch(i == len(chunks) - 1)
             try:

@@ -227,14 +227,46 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     return [_map(batch, itemgetter(s), 1) for s in rows]
 
 
-def shares(batch: Batch, parts: list[Batch]) -> list[float]:
+def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[float | Tensor]:
     """What each part of ``batch`` weighs in the mean loss over them all: its share of the
-    samples (or what the batch's layout weighs, e.g. a packed row's label tokens; a part of
-    one sequence is a row of its own, but still weighs its tokens)."""
+    samples, or what the batch's layout weighs (a packed row's label tokens; a part of
+    one sequence is a row of its own, but still weighs its tokens).
+
+    ``offset``: the loss is a mean over the label tokens that count (``labels`` not
+    -100), less the first ``offset`` positions of each row, which it never predicts (1: a
+    causal language model's): rows of ``labels`` then weigh their counted tokens, each
+    share a 0-dim tensor where the labels are, computed with no read on the host. A part
+    without a counted token weighs nothing (its mean loss is not finite, as one batch of
+    those rows would be).
+    """
     layout = layout_of(batch)
-    sizes = [layout.share(p) if layout is not None else batch_size(p) for p in parts]
+    if layout is None and offset is not None and (labels := _token_labels(batch)) is not None:
+        counted = [(p["labels"][..., offset:] != _IGNORED).sum() for p in parts]
+        if labels.device.type == "cpu":  # read where they are: no device waits for it
+            return _over_total([float(c) for c in counted])
+        tokens = torch.stack(counted).sum()
+        return [c / tokens for c in counted]
+    sizes = [layout.share(p) if layout is not None else float(batch_size(p)) for p in parts]
+    return _over_total(sizes)
+
+
+def _over_total(sizes: list[Any]) -> list[float | Tensor]:
+    """Each of ``sizes`` over their sum (a tensor where a count is one)."""
     total = sum(sizes)
-    return [s / total for s in sizes]
+    return [size / total for size in sizes]
+
+
+_IGNORED = -100
+"""The label of a token that does not count (Hugging Face's, and torch's default)."""
+
+
+def _token_labels(batch: Batch) -> Tensor | None:
+    """``batch["labels"]`` where it holds a label per token (rows of at least two
+    dimensions, integers), else ``None``."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, Tensor) and labels.ndim >= 2 and not labels.is_floating_point():
+        return labels
+    return None
 
 
 def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:

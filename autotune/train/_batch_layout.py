@@ -62,9 +62,10 @@ class BatchLayout:
         """The samples of ``parts``, in order, as one batch."""
         raise NotImplementedError
 
-    def share(self, part: Any) -> float:
+    def share(self, part: Any) -> float | Tensor:
         """What ``part``'s mean loss weighs in the mean loss over the batches it was cut
-        from (weights are these over their sum): its samples by default."""
+        from (weights are these over their sum): its samples by default; a count may be a
+        0-dim tensor where the part is, so that no step reads it on the host."""
         return float(self.size(part))
 
     def widest_first(self, batch: Any) -> Any:
@@ -168,11 +169,12 @@ class PackedSequences(BatchLayout):
                 out[key] = _along(key, value, bounds)
         return type(first)(out) if type(first) is not dict else out
 
-    def share(self, part: Any) -> float:
+    def share(self, part: Any) -> float | Tensor:
         labels = part.get("labels")
         if not isinstance(labels, Tensor):
             return float(part["input_ids"].shape[1])
-        return float((labels[:, 1:] != -100).sum())
+        counted = (labels[:, 1:] != -100).sum()
+        return float(counted) if labels.device.type == "cpu" else counted  # no device waits
 
 
 def _starts(batch: Any) -> list[int]:

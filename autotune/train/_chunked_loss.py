@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.errors import LossError
+from autotune.train._loss import counted_offset
 
 __all__ = ["CHUNKS", "chunked_loss", "why_not_chunked"]
 
@@ -53,10 +54,14 @@ def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | No
 
 
 def _causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face model (not a wrapper of one: peft's) whose body
-    is its ``base_model`` and whose output layer is linear."""
+    """Whether ``model`` is a Hugging Face causal language model (not a wrapper of one:
+    peft's; not an encoder-decoder model, whose labels are aligned with its predictions and
+    whose decoder reads inputs made from them) whose body is its ``base_model`` and whose
+    output layer is linear."""
     transformers = sys.modules.get("transformers")  # not loaded: no Hugging Face model
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    if counted_offset(model) != 1 or getattr(model.config, "is_encoder_decoder", False):
         return False
     head = model.get_output_embeddings()
     return isinstance(head, nn.Linear) and model.base_model is not model

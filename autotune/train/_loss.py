@@ -15,6 +15,7 @@ The loss: ``loss_fn(output, batch)`` when given; else a scalar output, ``output.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +26,14 @@ from autotune._spelling import option
 from autotune.errors import LossError
 from autotune.train._batch_layout import SampleLists, layout_of
 
-__all__ = ["LossFn", "call_model", "compute_loss", "describe_call", "raised_in"]
+__all__ = [
+    "LossFn",
+    "call_model",
+    "compute_loss",
+    "counted_offset",
+    "describe_call",
+    "raised_in",
+]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -70,6 +78,36 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         f"cannot derive a loss from the model's output, {_describe(output)}.{hint} "
         f"Pass {option('loss_fn=lambda output, batch: ...')} returning a scalar tensor."
     )
+
+
+def counted_offset(model: nn.Module) -> int | None:
+    """Where ``model``'s own loss is a mean over the label tokens that count (Hugging
+    Face's language models and token classifiers, given a ``labels`` per token, -100 not
+    counting): how many leading positions of each row's labels it never counts, 1 where
+    it predicts each token from those before it (a causal language model shifts its
+    labels), 0 where labels and predictions align (an encoder-decoder model, a masked
+    language model, a token classifier), the rule Hugging Face's Trainer counts
+    ``num_items_in_batch`` by. ``None``: another loss, a mean over samples."""
+    transformers = sys.modules.get("transformers")  # not loaded: no Hugging Face model
+    base = getattr(model, "get_base_model", None)  # a peft model's
+    inner = base() if callable(base) else model
+    if transformers is None or not isinstance(inner, transformers.PreTrainedModel):
+        return None
+    if getattr(inner.config, "is_encoder_decoder", False):
+        return 0
+    kind = getattr(inner, "loss_type", None) or ""
+    name = type(inner).__name__
+    if kind in _SHIFTED or name.endswith(("ForCausalLM", "LMHeadModel")):
+        return 1
+    if kind in _ALIGNED or name.endswith(_ALIGNED):
+        return 0
+    return None
+
+
+_SHIFTED = ("ForCausalLM", "ForConditionalGeneration")
+"""Hugging Face's loss types of a causal language model's loss (a decoder-only
+``...ForConditionalGeneration`` is a vision-language model's, a causal one)."""
+_ALIGNED = ("ForMaskedLM", "ForTokenClassification")
 
 
 def raised_in(exc: BaseException, function: Callable[..., Any]) -> bool:

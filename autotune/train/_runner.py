@@ -113,7 +113,7 @@ class Runner(Applied):
         self.optimizer_step(max_grad_norm=max_grad_norm, scheduler=scheduler)
         return total
 
-    def forward_backward(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, chunk: Any, weight: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss scaled by ``weight``."""
         loss = self.forward_loss(chunk, weight)
         self.backward(loss)
@@ -124,7 +124,7 @@ class Runner(Applied):
     def _loss_fn(self) -> LossFn | None:
         return self.loss_fn
 
-    def forward_loss(self, chunk: Any, weight: float = 1.0) -> torch.Tensor:
+    def forward_loss(self, chunk: Any, weight: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Forward of one micro-batch: its loss times ``weight``, ready for :meth:`backward`."""
         chunk = batching.to_device(chunk, self.device, non_blocking=True)
         if self.compiled_loss is not None:  # the model and its loss, one graph

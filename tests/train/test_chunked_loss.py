@@ -94,6 +94,22 @@ def test_a_model_it_does_not_fit_is_refused_in_words() -> None:
         autotune.apply(copy.deepcopy(llama()), config, device="cpu").undo()
 
 
+def test_an_encoder_decoder_model_is_not_offered_it() -> None:
+    """BART's labels align with its predictions and its decoder reads inputs made from
+    them: the causal chunked loss would shift them and lose ``final_logits_bias``."""
+    from autotune.train import why_not_chunked
+
+    config = transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=16, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=64,
+    )  # fmt: skip
+    bart = transformers.BartForConditionalGeneration(config)
+    ids = torch.randint(4, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert "no Hugging Face causal language model" in str(
+        why_not_chunked(bart, {"input_ids": ids, "labels": ids}, has_loss_fn=False)
+    )
+
+
 def test_at_a_binding_budget_it_plans_a_micro_batch_the_plain_loss_cannot_fit() -> None:
     """Profiled as a timeline of its own beside the plain one, the chunked loss is the
     only way to micro-batch 8 under a budget between their peaks there."""

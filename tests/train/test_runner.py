@@ -409,3 +409,69 @@ def test_close_releases_the_offloaded_optimizer_and_unwraps_the_blocks() -> None
     del runner
     gc.collect()
     assert host() is None  # its pinned master weights and host state are gone
+
+
+def padded_rows() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A tiny Hugging Face GPT-2 (no dropout) and 8 rows padded to 32 tokens, of 3 to 32
+    label tokens each: a mean over micro-batches weighed by rows would count the short
+    rows' tokens more than one batch does."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (8, 32), generator=g)
+    positions = torch.arange(32)
+    lengths = torch.tensor([3, 32, 7, 20, 5, 28, 12, 9]).unsqueeze(1)
+    mask = (positions < lengths).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("path", ["runner", "apply", "chunked"])
+def test_accumulation_weighs_label_tokens_as_one_batch_does(path: str) -> None:
+    """A causal LM's loss is a mean over its counted label tokens: micro-batches weigh
+    theirs, so that one SGD step at micro-batch 1, 2 and 8 moves the weights as one plain
+    PyTorch step of the 8 rows (1e-5 relative), through the runner, ``apply()`` in a loop
+    of one's own, and the chunked loss."""
+    model, batch = padded_rows()
+    reference = copy.deepcopy(model)
+    torch.optim.SGD(reference.parameters(), lr=1.0).zero_grad()
+    reference(**batch).loss.backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= p.grad
+    moved = torch.cat(
+        [(a - b).flatten() for a, b in zip(reference.parameters(), model.parameters(), strict=True)]
+    )
+    for micro in (1, 2, 8):
+        config = TrainConfig(
+            micro_batch_size=micro, grad_accum_steps=8 // micro, optimizer="sgd",
+            chunked_loss=path == "chunked",
+        )  # fmt: skip
+        work = copy.deepcopy(model)
+        if path == "apply":
+            import autotune
+
+            with autotune.apply(work, config, lr=1.0, device="cpu") as handle:
+                optimizer = torch.optim.SGD(work.parameters(), lr=1.0)
+                for chunk, weight in handle.micro_batches(batch):
+                    (work(**chunk).loss * weight).backward()
+                optimizer.step()
+        else:
+            prepare(work, config, lr=1.0, device="cpu").step(batch)
+        # SGD's momentum does nothing on a first step: the update is the gradient.
+        error = torch.cat(
+            [
+                (a - b).flatten()
+                for a, b in zip(work.parameters(), reference.parameters(), strict=True)
+            ]
+        )
+        assert error.norm() <= 1e-5 * moved.norm(), (
+            path,
+            micro,
+            float(error.norm() / moved.norm()),
+        )
