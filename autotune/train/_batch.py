@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from autotune.errors import BatchError
-from autotune.train._batch_layout import layout_of
+from autotune.train._batch_layout import layout_of, on_host
 
 __all__ = [
     "Batch",
@@ -242,7 +242,7 @@ def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[
     layout = layout_of(batch)
     if layout is None and offset is not None and (labels := _token_labels(batch)) is not None:
         counted = [(p["labels"][..., offset:] != _IGNORED).sum() for p in parts]
-        if labels.device.type == "cpu":  # read where they are: no device waits for it
+        if on_host(labels):  # read where they are: no device waits for it
             return _over_total([float(c) for c in counted])
         tokens = torch.stack(counted).sum()
         return [c / tokens for c in counted]

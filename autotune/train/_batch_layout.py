@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from autotune.errors import BatchError
 
@@ -34,6 +35,7 @@ __all__ = [
     "add_batch_layout",
     "layout_of",
     "layouts_of_model",
+    "on_host",
 ]
 
 
@@ -174,7 +176,7 @@ class PackedSequences(BatchLayout):
         if not isinstance(labels, Tensor):
             return float(part["input_ids"].shape[1])
         counted = (labels[:, 1:] != -100).sum()
-        return float(counted) if labels.device.type == "cpu" else counted  # no device waits
+        return float(counted) if on_host(labels) else counted  # no device waits
 
 
 def _starts(batch: Any) -> list[int]:
@@ -342,6 +344,12 @@ class SampleLists(BatchLayout):
         if ranked == order:
             return batch
         return _each_list(batch, lambda v: [v[i] for i in ranked])
+
+
+def on_host(t: Tensor) -> bool:
+    """Whether ``t`` holds real values in host memory (not a fake tensor, as a traced plan
+    makes, whose values cannot be read)."""
+    return t.device.type == "cpu" and not is_fake(t)
 
 
 def _extent(entries: Sequence[Any]) -> tuple[int, int]:
