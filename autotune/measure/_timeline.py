@@ -29,7 +29,7 @@ from autotune.measure._tracker import (
     tracker_for,
 )
 
-__all__ = ["Lives", "fit_phases", "occurrences", "peak_lines", "tracked_step", "upper_envelope"]
+__all__ = ["Lives", "fit_phases", "occurrences", "tracked_step"]
 
 
 @dataclass
@@ -178,7 +178,7 @@ def fit_phases(
 ) -> tuple[int, list[Phase]]:
     """Fit the phases of each variant's run at micro-batch sizes ``b1`` and ``b2``: each
     peak is the most of its local maxima's lines where the two runs have the same ones
-    (see :func:`peak_lines`); with runs at a third size ``b3`` too, the line of the
+    (see :func:`_peak_lines`); with runs at a third size ``b3`` too, the line of the
     peaks through the last two sizes is one more (see :attr:`Phase.bends`).
 
     Phases are matched by label and, for a label seen more than once (a weight-shared
@@ -206,7 +206,7 @@ def fit_phases(
             a = tables[v][0].get(key) or tables[0][0][key]
             b = tables[v][1].get(key) or tables[0][1].get(key) or a
             lines_delta.append(Line.through(b1, a.exit - a.entry, b2, b.exit - b.entry))
-            peak, more = peak_lines(b1, a, b2, b)
+            peak, more = _peak_lines(b1, a, b2, b)
             lines_peak.append(peak)
             if b3 is not None and thirds:
                 c = thirds[v].get(key) or thirds[0].get(key) or b
@@ -221,7 +221,7 @@ def fit_phases(
     return base, phases
 
 
-def peak_lines(b1: int, a: PhaseRecord, b2: int, b: PhaseRecord) -> tuple[Line, tuple[Line, ...]]:
+def _peak_lines(b1: int, a: PhaseRecord, b2: int, b: PhaseRecord) -> tuple[Line, tuple[Line, ...]]:
     """A phase's peak above its entry against the micro-batch size, from its records
     ``a`` at ``b1`` and ``b`` at ``b2``: a line, and more lines it is the most of.
 
@@ -238,12 +238,12 @@ def peak_lines(b1: int, a: PhaseRecord, b2: int, b: PhaseRecord) -> tuple[Line, 
     tops = [
         Line.through(b1, x - a.entry, b2, y - b.entry) for x, y in zip(a.tops, b.tops, strict=True)
     ]
-    hull = upper_envelope([*tops, Line(0.0, 0.0)], lowest=1.0)
+    hull = _upper_envelope([*tops, Line(0.0, 0.0)], lowest=1.0)
     at_b2 = max(hull, key=lambda line: (line(b2), line.slope))
     return at_b2, tuple(line for line in hull if line is not at_b2)
 
 
-def upper_envelope(lines: Sequence[Line], lowest: float) -> list[Line]:
+def _upper_envelope(lines: Sequence[Line], lowest: float) -> list[Line]:
     """The lines that are the most of ``lines`` somewhere from ``lowest`` up, by slope."""
     best: dict[float, Line] = {}
     for line in lines:  # of equal slopes, the highest

@@ -162,13 +162,15 @@ def snapshot(
         model: The model whose buffers are kept.
         backend: Its device's backend, whose random state is kept.
         written: The qualified names of the buffers a training step writes
-            (:func:`written_buffers`): only those are copied. ``None``: every buffer (a
-            result saved before the tuner recorded them).
+            (:func:`written_buffers`): only those are copied. ``None``, or a name the
+            model does not have: every buffer (a result saved before the tuner recorded
+            them, or used on another model).
     """
     cpu_rng = torch.random.get_rng_state()
     device_rng = backend.rng_state()
     named = dict(model.named_buffers())
-    names = list(named) if written is None else _found(written, named)
+    # A name the model does not have (another model than the one tuned): every buffer.
+    names = named if written is None or not set(written) <= named.keys() else written
     saved = [(name, named[name].detach().clone()) for name in names]
 
     def restore() -> None:
@@ -187,20 +189,6 @@ def snapshot(
         backend.empty_cache()
 
     return restore
-
-
-def _found(written: Sequence[str], named: dict[str, torch.Tensor]) -> list[str]:
-    """The buffers of ``named`` that ``written`` names: by name, or where the model was
-    tuned inside another (a Lightning module's ``model.``) or is trained inside one, by
-    the one name that ends with the other."""
-    out = []
-    for name in written:
-        if name in named:
-            out.append(name)
-            continue
-        ends = [n for n in named if n.endswith(f".{name}") or name.endswith(f".{n}")]
-        out += ends if len(ends) == 1 else []
-    return out
 
 
 @contextlib.contextmanager

@@ -97,7 +97,7 @@ def prepare(
         fallbacks=fallbacks,
         units=units,
         table=table,
-        written=_written(result),
+        written=result.model.written if result is not None else None,
     )
     _hold(runner, result, foreign)
     return runner
@@ -147,7 +147,7 @@ def apply(
         fallbacks=fallbacks,
         units=units,
         table=table,
-        written=_written(result),
+        written=result.model.written if result is not None else None,
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))
@@ -259,12 +259,6 @@ def _units(blocks: Sequence[str] | None, result: TuneResult | None) -> tuple[str
     if blocks is not None:
         return tuple(blocks)
     return result.model.blocks if result is not None else ()
-
-
-def _written(result: TuneResult | None) -> tuple[str, ...] | None:
-    """The buffers a training step writes, as the tuner found them (``None``: a result
-    saved before it recorded them, or none: every buffer is kept for a fallback)."""
-    return result.model.written if result is not None else None
 
 
 def _hold(handle: Applied, result: TuneResult | None, foreign: int) -> None:
