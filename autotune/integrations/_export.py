@@ -108,6 +108,9 @@ def hf_settings(result: TuneResult) -> tuple[dict[str, Any], list[str]]:
         "gradient_accumulation_steps": c.grad_accum_steps,
         "bf16": c.precision == "bf16",
         "fp16": c.precision == "fp16",
+        # On, the Trainer reads every micro-batch's loss on the host to leave NaN and inf
+        # out of the logged mean: on a GPU, a wait for the device each micro-batch.
+        "logging_nan_inf_filter": False,
     }
     if c.eval_batch_size is not None:  # the largest evaluation batch beside the state
         settings["per_device_eval_batch_size"] = c.eval_batch_size

@@ -40,7 +40,7 @@ from autotune.integrations._lightning_tuning import (
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
-from autotune.train import Applied, OptimizerFactory, apply, check_finite
+from autotune.train import Applied, LoopRefusals, OptimizerFactory, apply
 from autotune.tuning import TuneOptions, tune
 
 __all__ = ["Autotune"]
@@ -113,6 +113,7 @@ class Autotune(pl.Callback):
         self._given: TuneResult | None = None
         self._fused = False
         """Whether the module's optimizer was made to step fused, as tuned."""
+        self._refusals: LoopRefusals | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -183,6 +184,7 @@ class Autotune(pl.Callback):
         # strategy does DDP itself.
         local = result if trainer.world_size == 1 and c.parallel == "none" else None
         self.handle = apply(pl_module, local or per_process(result, "Lightning"), device=device)
+        self._refusals = LoopRefusals(device)
         _free_grads_first(trainer)
         if self.handle.fallbacks:
             self.ladder = Ladder(trainer, self.handle)
@@ -235,9 +237,21 @@ class Autotune(pl.Callback):
     ) -> None:
         if self.ladder is not None:
             self.ladder.updating = True
-        # A non-finite step is refused (16-mixed's GradScaler skips those itself).
-        if not str(trainer.precision).startswith("16"):
-            check_finite(optimizer)
+        # A non-finite step is refused on the device, where the optimizer's fused kernel
+        # can (16-mixed's GradScaler skips those itself).
+        if self._refusals is not None and not str(trainer.precision).startswith("16"):
+            self._refusals.before_step(optimizer)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
+    ) -> None:
+        if self._refusals is not None:  # after the step, if this batch ended one
+            self._refusals.after_step()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove(trainer)
@@ -250,6 +264,9 @@ class Autotune(pl.Callback):
     def _remove(self, trainer: pl.Trainer) -> None:
         """Give the trainer and the module back as they were (the weights as trained)."""
         vars(trainer.fit_loop.epoch_loop.automatic_optimization).pop("_make_zero_grad_fn", None)
+        if self._refusals is not None:
+            self._refusals.disarm()
+            self._refusals = None
         if self.ladder is not None:
             self.ladder.remove()
             self.ladder = None

@@ -33,7 +33,7 @@ from autotune.integrations._export import hf_settings
 from autotune.integrations._export_file import HF_OPTIM_TUNED
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
-from autotune.train import Applied, apply, check_finite
+from autotune.train import Applied, LoopRefusals, apply
 
 __all__ = ["AutotuneCallback", "sample_batch", "training_arguments"]
 
@@ -60,7 +60,10 @@ def training_arguments(
     for message in unsaid:
         warn(message)
     # An evaluation batch other than the tuned one: the callback lowers one too large.
-    tuned = {k: v for k, v in settings.items() if k != "per_device_eval_batch_size"}
+    # The logged loss's NaN filter is no tuned setting (a read on the host each
+    # micro-batch, left off): the user's to turn on.
+    untuned = ("per_device_eval_batch_size", "logging_nan_inf_filter")
+    tuned = {k: v for k, v in settings.items() if k not in untuned}
     changed = sorted(k for k in overrides if k in tuned and overrides[k] != tuned[k])
     if changed:
         warn(
@@ -105,6 +108,7 @@ class AutotuneCallback(TrainerCallback):
         _check_result(result, "AutotuneCallback")
         self.result = result
         self.handle: Applied | None = None
+        self._refusals: LoopRefusals | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
@@ -116,6 +120,7 @@ class AutotuneCallback(TrainerCallback):
         _fit_evaluation(args, self.result.config.eval_batch_size)
         device = next(model.parameters()).device
         self.handle = apply(model, per_process(self.result, "the Trainer"), device=device)
+        self._refusals = LoopRefusals(device)
         c = self.result.config
         log.info(
             "autotune: %s; checkpointed %d (%d selectively) and offloaded %d of %d blocks",
@@ -129,15 +134,27 @@ class AutotuneCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ) -> None:
-        """Refuse a step whose gradients are not finite (fp16's GradScaler skips those
-        itself, and overflows are how it finds its scale)."""
+        """Refuse a step whose gradients are not finite, on the device, where the
+        optimizer's fused kernel can (see :class:`~autotune.train.LoopRefusals`; fp16's
+        GradScaler skips those steps itself, and overflows are how it finds its scale)."""
         optimizer = kwargs.get("optimizer")
-        if optimizer is not None and not args.fp16:
-            check_finite(optimizer)
+        if optimizer is not None and self._refusals is not None and not args.fp16:
+            # accelerate's wrapper steps the optimizer it holds
+            self._refusals.before_step(getattr(optimizer, "optimizer", optimizer))
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
+    ) -> None:
+        """Say a refused step once the device's verdict has reached the host."""
+        if self._refusals is not None:
+            self._refusals.after_step()
 
     def on_train_end(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ) -> None:
+        if self._refusals is not None:
+            self._refusals.disarm()
+            self._refusals = None
         if self.handle is not None:
             self.handle.undo()
             self.handle = None

@@ -63,11 +63,12 @@ from autotune.train._parallel import (
 from autotune.train._prepare import apply, prepare
 from autotune.train._quantized import copy_model, one_per_storage, quantization_state
 from autotune.train._runner import Runner
-from autotune.train._steps import check_finite
+from autotune.train._steps import LoopRefusals, check_finite
 from autotune.train._workload import Workload
 
 __all__ = [
     "Applied",
+    "LoopRefusals",
     "LossFn",
     "OptimizerFactory",
     "Runner",

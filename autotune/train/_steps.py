@@ -1,5 +1,6 @@
 """The optimizer step's pieces shared by every loop: fp16's GradScaler, gradient
-clipping, and the learning-rate scheduler's type."""
+clipping, the refusal of a non-finite step (in the runner's loop and in a trainer's), and
+the learning-rate scheduler's type."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune.config import TrainConfig
+from autotune.device import backend_for
 from autotune.errors import NonFiniteError
 from autotune.train._refusals import GRADIENTS, Refusals
 
-__all__ = ["Scheduler", "apply_step", "check_finite", "make_scaler"]
+__all__ = ["LoopRefusals", "Scheduler", "apply_step", "check_finite", "make_scaler"]
 
 
 class Scheduler(Protocol):
@@ -110,6 +112,64 @@ def _step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> N
         optimizer.step()
     finally:
         del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+
+
+class LoopRefusals:
+    """Non-finite steps refused in a trainer's loop (Hugging Face's ``Trainer``,
+    Lightning), which steps the optimizer itself, as the runner refuses them.
+
+    :meth:`before_step` runs between the backward and the trainer's ``optimizer.step()``.
+    An optimizer whose fused kernel skips its update on a ``found_inf`` flag (torch's
+    fused AdamW and SGD) is handed one computed on the device, with no read on the host,
+    and :meth:`after_step` says a refused step once its flag has reached the host (on the
+    CPU at once, on a GPU a step or two later). Any other optimizer's gradients are
+    checked on the host before it steps (:func:`check_finite`: one read a step, as in
+    the runner). fp16's GradScaler skips non-finite steps itself: not called there.
+
+    Args:
+        device: Where the model trains.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.refusals = Refusals(backend_for(device))
+        self._armed: torch.optim.Optimizer | None = None
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Arm ``optimizer``'s next step with the device's flag, or check its gradients
+        on the host where its kernel cannot skip on one; whether it was armed.
+
+        Raises:
+            NonFiniteError: an unarmed optimizer's gradients are not finite (they are
+                freed; it must not step).
+        """
+        self.disarm()
+        if not _skips_on_device(optimizer):
+            check_finite(optimizer)
+            return False
+        found = _not_finite(optimizer)
+        self.refusals.flag(found, GRADIENTS)
+        optimizer.found_inf = found  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        self._armed = optimizer
+        return True
+
+    def after_step(self) -> None:
+        """The step is taken: disarm the optimizer and read the flags that have arrived.
+
+        Raises:
+            NonFiniteError: a step was refused (this one on the CPU, an earlier one on a
+                GPU); the weights kept their last finite values.
+        """
+        if self.disarm():
+            self.refusals.end_step()
+
+    def disarm(self) -> bool:
+        """Take the flag off the optimizer armed last, if any (whether one was)."""
+        optimizer, self._armed = self._armed, None
+        if optimizer is None:
+            return False
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        return True
 
 
 def _traced(optimizer: torch.optim.Optimizer) -> bool:

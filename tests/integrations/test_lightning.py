@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import MICRO, G, Recorder, fresh, gpt2, runner_replay, samples
+from counted_ops import SYNCS, CountedOps
 from test_transformers import Rows, vocab_rows, wide_vocab_gpt2
 from torch.utils.data import DataLoader
 from user_optimizers import sign_momentum
@@ -20,6 +21,7 @@ from autotune import SearchSpace, TrainConfig, TuneResult
 from autotune.errors import AutotuneWarning, ConfigError, NonFiniteError
 from autotune.measure._peak import measure_peak
 from autotune.measure._tracker import state_tensors
+from autotune.train._identity import fingerprint
 
 pl = pytest.importorskip("lightning.pytorch")
 from autotune.integrations.lightning import Autotune  # noqa: E402
@@ -309,6 +311,43 @@ def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     Autotune(1.0, batch_arg_name="rows").setup(trainer_with(), module, "fit")
 
 
+def on_module(tuned: TuneResult, module: pl.LightningModule) -> TuneResult:
+    """``tuned`` as tuned on ``module`` (its blocks sit under the module's ``model.``),
+    without fallbacks."""
+    c, info = tuned.config, tuned.model
+    return dataclasses.replace(
+        tuned,
+        config=c.replace(checkpoint=tuple(f"model.{b}" for b in c.checkpoint)),
+        model=dataclasses.replace(
+            info, fingerprint=fingerprint(module), blocks=tuple(f"model.{b}" for b in info.blocks)
+        ),
+        fallbacks=(),
+    )
+
+
+def test_the_callback_adds_no_read_of_the_device_to_the_trainers_steps(tuned) -> None:
+    # The module's AdamW steps fused, as tuned: its steps are refused on the device.
+    fused = on_module(tuned, LitAdamW())
+    fused = dataclasses.replace(fused, config=fused.config.replace(optimizer="adamw_fused"))
+    reads = []
+    for callbacks in ([], [Autotune.from_result(fused)]):
+        module = LitAdamW(batch_size=MICRO)
+        if not callbacks:  # the plain loop with the same kernel, trained without a cache
+            module.configure_optimizers = lambda m=module: torch.optim.AdamW(  # type: ignore[method-assign]
+                m.parameters(), lr=1e-4, fused=True
+            )
+            # (Without a cache or an attention mask, Hugging Face reads the positions on
+            # the host to find packed rows: the read is the cache's absence's, not ours.)
+            module.model.config.use_cache = False
+        trainer = trainer_with(*callbacks)
+        trainer.accumulate_grad_batches = fused.config.grad_accum_steps
+        with CountedOps(SYNCS.__contains__) as syncs:
+            trainer.fit(module)
+        assert trainer.global_step == STEPS
+        reads.append(syncs.count)
+    assert reads[1] == reads[0]
+
+
 def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
     tuned: TuneResult,
 ) -> None:
@@ -323,18 +362,7 @@ def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
 
     first = next(p for p in module.parameters() if p.requires_grad)
     first.register_hook(lambda g: g * float("nan") if poison[0] else g)
-    from autotune.train._identity import fingerprint
-
-    # The result as tuned on this module: its blocks sit under the module's "model."
-    c, info = tuned.config, tuned.model
-    result = dataclasses.replace(
-        tuned,
-        config=c.replace(checkpoint=tuple(f"model.{b}" for b in c.checkpoint)),
-        model=dataclasses.replace(
-            info, fingerprint=fingerprint(module), blocks=tuple(f"model.{b}" for b in info.blocks)
-        ),
-        fallbacks=(),
-    )
+    result = on_module(tuned, module)
     trainer = trainer_with(Autotune.from_result(result), Poison())
     with pytest.raises(NonFiniteError, match="weights keep their last finite values"):
         trainer.fit(module)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import MICRO, Recorder, fresh, gpt2, runner_replay, samples
+from counted_ops import SYNCS, CountedOps
 from torch.utils.data import Dataset
 
 import autotune
@@ -194,6 +195,35 @@ def test_a_non_finite_step_is_refused_and_the_weights_keep_their_values(
     assert trainer.state.global_step == 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_callback_adds_no_read_of_the_device_to_the_trainers_steps(
+    tuned: TuneResult, tmp_path
+) -> None:
+    # Hugging Face's default AdamW kernel, fused: its steps are refused on the device.
+    fused = dataclasses.replace(tuned, config=tuned.config.replace(optimizer="adamw_fused"))
+    reads = {}
+    for case, callbacks, nan_filter in [
+        ("plain", [], False),
+        ("tuned", [AutotuneCallback(fused)], False),
+        ("filtered", [AutotuneCallback(fused)], True),  # the Trainer's default
+    ]:
+        args = training_arguments(
+            fused, str(tmp_path), max_steps=STEPS, logging_steps=STEPS, report_to=[],
+            save_strategy="no", disable_tqdm=True, logging_nan_inf_filter=nan_filter,
+        )  # fmt: skip
+        data = Rows(samples(STEPS * fused.config.effective_batch_size, seed=1))
+        trainer = transformers.Trainer(
+            model=gpt2(), args=args, train_dataset=data, callbacks=callbacks
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AutotuneWarning)  # the filter override's
+            with CountedOps(SYNCS.__contains__) as syncs:
+                trainer.train()
+        reads[case] = syncs.count
+    assert reads["tuned"] == reads["plain"]
+    # The counter sees a read: the filter's, one per micro-batch.
+    assert reads["filtered"] - reads["tuned"] >= STEPS * fused.config.grad_accum_steps
 
 
 def wide_vocab_gpt2() -> torch.nn.Module:
