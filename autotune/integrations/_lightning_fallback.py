@@ -52,6 +52,8 @@ class Ladder:
         self.trainer = trainer
         self.handle = handle
         self.batch_size = handle.config.micro_batch_size  # what the dataloader yields
+        self._step = vars(trainer.lightning_module).get("training_step")
+        """The module's step as the ladder found it (a weighed one of the callback's)."""
         self.window: list[tuple[int, Any]] = []  # (batch_idx, batch on the host) this step
         self.updating = False  # the optimizer began its update: too late to fall back
         self._restore: Callable[[], None] | None = None
@@ -136,6 +138,8 @@ class Ladder:
             trainer.strategy.precision_plugin = precision_plugin(config, handle.device)
         module = trainer.lightning_module
         vars(module).pop("training_step", None)
+        if self._step is not None:
+            module.__dict__["training_step"] = self._step
         if config.micro_batch_size < m:
             module.__dict__["training_step"] = _split(module, handle)
         warn(
@@ -146,8 +150,9 @@ class Ladder:
 
 def _split(module: pl.LightningModule, handle: Applied) -> Callable[..., Any]:
     """``module.training_step`` over the handle's micro-batches: the backward of each but
-    the last runs here, with its loss weighted by its share of the batch (and divided by
-    the accumulation, as Lightning divides the loss it is returned)."""
+    the last runs here, with its loss weighted by its share of the batch (its samples, or
+    its label tokens where the loss is a mean over them) and divided by the accumulation,
+    as Lightning divides the loss it is returned."""
     step = module.training_step
     trainer = module.trainer
 

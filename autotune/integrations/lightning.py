@@ -11,6 +11,11 @@ the module, its ``hparams``, the datamodule or its ``hparams``), the dataloaders
 with it, ``accumulate_grad_batches``, the precision, and the exact per-block checkpoint
 mask; and it logs the choice. The tuned config is ``callback.result``.
 
+Where ``training_step``'s loss is a mean over label tokens (the module's Hugging Face
+language model's own loss, or ``loss_mean=`` says so), the micro-batches of a step weigh
+their tokens, as one batch of them all does, where Lightning's own accumulation weighs
+every micro-batch the same (see :mod:`autotune.integrations._lightning_tokens`).
+
 On one device, a step that runs out of device memory falls back down the result's
 fallbacks and runs again (see :mod:`autotune.integrations._lightning_fallback`).
 """
@@ -30,6 +35,7 @@ from lightning.pytorch.utilities.parsing import (
 
 from autotune.errors import ConfigError, warn
 from autotune.integrations._lightning_fallback import Ladder, precision_plugin
+from autotune.integrations._lightning_tokens import TokenWindows, weighed_step
 from autotune.integrations._lightning_tuning import (
     as_a_model,
     first_batch,
@@ -40,7 +46,15 @@ from autotune.integrations._lightning_tuning import (
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
 from autotune.space import SearchSpace
-from autotune.train import Applied, LoopRefusals, OptimizerFactory, apply
+from autotune.train import (
+    Applied,
+    LoopRefusals,
+    LossMean,
+    OptimizerFactory,
+    apply,
+    counted_offset,
+    own_mean,
+)
 from autotune.tuning import TuneOptions, tune
 
 __all__ = ["Autotune"]
@@ -63,6 +77,10 @@ class Autotune(pl.Callback):
             with (as for :func:`autotune.autotune`); default: the module's optimizer, by
             its class where autotune knows it (AdamW, SGD, ...), else
             ``configure_optimizers`` itself, on a copy of the module, measured.
+        loss_mean: What ``training_step``'s loss is a mean over (``"samples"``,
+            ``"tokens"``, ``"next_tokens"``: see :func:`autotune.prepare`), so what each
+            micro-batch weighs in a step; default: the own loss's of the one Hugging
+            Face language model the module holds, else samples.
         space, n_trials, timeout_s, seed, storage, study_name: As for
             :func:`autotune.autotune`. The space's optimizer is always the one the module
             configures, never offloaded: Lightning steps that one, on the device. Where
@@ -86,6 +104,7 @@ class Autotune(pl.Callback):
         batch_arg_name: str = "batch_size",
         eval_batch_arg_name: str | None = None,
         optimizer: OptimizerFactory | str | None = None,
+        loss_mean: LossMean | None = None,
         space: SearchSpace | None = None,
         n_trials: int | None = None,
         timeout_s: float | None = None,
@@ -96,6 +115,8 @@ class Autotune(pl.Callback):
         self.batch_arg_name = batch_arg_name
         self.eval_batch_arg_name = eval_batch_arg_name
         self.optimizer = optimizer
+        counted_offset(torch.nn.Module(), loss_mean)  # a bad value refused now
+        self.loss_mean = loss_mean
         self.options = TuneOptions(
             budget_gb=budget_gb,
             global_batch_size=global_batch_size,
@@ -114,6 +135,8 @@ class Autotune(pl.Callback):
         self._fused = False
         """Whether the module's optimizer was made to step fused, as tuned."""
         self._refusals: LoopRefusals | None = None
+        self._windows: TokenWindows | None = None
+        """The train loader read a step ahead, where micro-batches weigh their tokens."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -183,9 +206,23 @@ class Autotune(pl.Callback):
         # Several processes would have to fall back together: one device only. Lightning's
         # strategy does DDP itself.
         local = result if trainer.world_size == 1 and c.parallel == "none" else None
-        self.handle = apply(pl_module, local or per_process(result, "Lightning"), device=device)
+        mean = self.loss_mean or _held_mean(pl_module)
+        self.handle = apply(
+            pl_module, local or per_process(result, "Lightning"), device=device, loss_mean=mean
+        )
         self._refusals = LoopRefusals(device)
         _free_grads_first(trainer)
+        offset = self.handle.token_offset
+        if offset is not None and c.grad_accum_steps > 1:  # micro-batches weigh their tokens
+            self._windows = TokenWindows(None, c.grad_accum_steps, offset, float("inf"))
+            pl_module.__dict__["training_step"] = weighed_step(pl_module, self._windows)
+            if self.loss_mean is None:
+                log.info(
+                    "autotune: micro-batches weigh their label tokens (the loss of the "
+                    "module's %s is a mean over them); pass Autotune(loss_mean='samples') "
+                    "if training_step's loss is a mean over samples",
+                    type(_held_model(pl_module)).__name__,
+                )
         if self.handle.fallbacks:
             self.ladder = Ladder(trainer, self.handle)
         log.info(
@@ -219,6 +256,30 @@ class Autotune(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fused:  # again: a checkpoint's optimizer state, restored after fit start
             fuse(trainer.optimizers[0])
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the epoch's train loader a step ahead, where micro-batches weigh their
+        tokens (the loader, made again each epoch where Lightning reloads it)."""
+        windows = self._windows
+        combined = trainer.fit_loop._combined_loader
+        if windows is None or combined is None:
+            return
+        loaders = combined.flattened
+        if len(loaders) != 1:
+            raise ConfigError(
+                "Autotune weighs micro-batches by their label tokens over one train "
+                f"loader; the fit has {len(loaders)}. Pass Autotune(loss_mean='samples') "
+                "to weigh them by their samples."
+            )
+        windows.limit = trainer.num_training_batches
+        if not isinstance(loaders[0], TokenWindows):
+            windows.loader = loaders[0]
+            combined.flattened = [windows]
+            # Lightning may have begun the epoch's iteration as it set the loader up:
+            # that iterator is read through the windows too (no batch drawn from it yet).
+            live = getattr(combined._iterator, "iterators", None)
+            if live:
+                live[0] = windows.windowed(live[0])
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fits = self.result.config.eval_batch_size if self.result is not None else None
@@ -270,9 +331,30 @@ class Autotune(pl.Callback):
         if self.ladder is not None:
             self.ladder.remove()
             self.ladder = None
+        vars(trainer.lightning_module).pop("training_step", None)  # a weighed step
+        combined = trainer.fit_loop._combined_loader
+        if self._windows is not None and combined is not None:
+            combined.flattened = [
+                d.loader if isinstance(d, TokenWindows) else d for d in combined.flattened
+            ]
+        self._windows = None
         if self.handle is not None:
             self.handle.undo()
             self.handle = None
+
+
+def _held_model(module: pl.LightningModule) -> torch.nn.Module | None:
+    """The one Hugging Face language model (or token classifier) among ``module``'s
+    children whose own loss is a token mean, if it holds exactly one."""
+    held = [m for m in module.children() if own_mean(m) is not None]
+    return held[0] if len(held) == 1 else None
+
+
+def _held_mean(module: pl.LightningModule) -> LossMean | None:
+    """What the loss of the model ``module`` holds is a mean over (:func:`_held_model`);
+    ``None``: samples."""
+    model = _held_model(module)
+    return None if model is None else own_mean(model)
 
 
 def _reload_dataloaders(trainer: pl.Trainer) -> None:

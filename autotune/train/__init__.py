@@ -27,6 +27,7 @@ from autotune.train._attention import set_attention
 from autotune.train._batch import (
     batch_size,
     bytes_per_sample,
+    counted_tokens,
     map_tensors,
     resize,
     step_batch,
@@ -42,7 +43,16 @@ from autotune.train._compiled_model import any_batch_size
 from autotune.train._fallback import snapshot, written_buffers
 from autotune.train._identity import differences, fingerprint
 from autotune.train._lengths import sequence_length, truncate
-from autotune.train._loss import LossFn, call_model, compute_loss, describe_call, raised_in
+from autotune.train._loss import (
+    LossFn,
+    LossMean,
+    call_model,
+    compute_loss,
+    counted_offset,
+    describe_call,
+    own_mean,
+    raised_in,
+)
 from autotune.train._optimizers import (
     OptimizerFactory,
     available,
@@ -70,6 +80,7 @@ __all__ = [
     "Applied",
     "LoopRefusals",
     "LossFn",
+    "LossMean",
     "OptimizerFactory",
     "Runner",
     "Workload",
@@ -91,6 +102,8 @@ __all__ = [
     "compute_loss",
     "copy_model",
     "counted_allocations",
+    "counted_offset",
+    "counted_tokens",
     "describe_call",
     "differences",
     "factory_name",
@@ -103,6 +116,7 @@ __all__ = [
     "measured_compiling",
     "not_at_hand",
     "one_per_storage",
+    "own_mean",
     "prepare",
     "quantization_state",
     "raised_in",

@@ -35,7 +35,7 @@ from autotune.train._checkpoint import (
 from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
 from autotune.train._compiled_model import CompiledLoss, compile_forward, uncompile_forward
 from autotune.train._fallback import Ladder, snapshot
-from autotune.train._loss import counted_offset
+from autotune.train._loss import LossMean, counted_offset
 from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
@@ -75,6 +75,7 @@ class Applied:
         units: Sequence[str] = (),
         table: Sequence[LengthRow] = (),
         written: Sequence[str] | None = None,
+        loss_mean: LossMean | None = None,
     ) -> None:
         every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
         for c in every:  # now, not at the first OOM in the middle of training
@@ -102,10 +103,12 @@ class Applied:
         self.compiled_loss: CompiledLoss | None = None
         """The forward and loss compiled as one graph (a runner's, with ``compile_model``)."""
         self._wrap(config)
-        self.token_offset = counted_offset(model) if self._loss_fn() is None else None
-        """Where the loss is the model's own mean over its counted label tokens, the leading
-        positions of each row's labels it never counts: micro-batches of rows then weigh
-        their tokens (``None``: their samples)."""
+        own = loss_mean is None and self._loss_fn() is None  # the model's own loss
+        self.token_offset = counted_offset(model, loss_mean) if own or loss_mean else None
+        """Where the loss is a mean over the counted label tokens (as ``loss_mean`` says,
+        else where it is the model's own and that is one), the leading positions of each
+        row's labels it never counts: micro-batches then weigh their tokens (``None``:
+        their samples)."""
         self.parallel = Parallel(model, config, units, device)
         """The data parallelism: ``parallel.module`` is what a step calls (DDP's wrapper)."""
         self.params = [p for p in model.parameters() if p.requires_grad]  # FSDP's: shards
@@ -142,8 +145,9 @@ class Applied:
         """``(micro_batch, weight)`` pairs: ``batch`` in micro-batches of the config's size,
         each moved to the device, with its loss weight, so that the weighted losses add up
         to the mean loss over ``batch``: its share of the label tokens that count where
-        the loss is the model's own mean over them (a Hugging Face language model given
-        ``labels``; a 0-dim tensor, counted without a read on the host), else of the
+        the loss is a mean over them (``loss_mean``, or the model's own loss where that
+        is one: a Hugging Face language model given ``labels``; a 0-dim tensor where the
+        labels are on the device, counted without a read on the host), else of the
         samples (:func:`~autotune.train._batch.shares`).
 
         With an offloaded optimizer, the last micro-batch's backward sends the gradients

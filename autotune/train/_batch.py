@@ -22,6 +22,7 @@ __all__ = [
     "Batch",
     "batch_size",
     "bytes_per_sample",
+    "counted_tokens",
     "map_tensors",
     "pinned",
     "resize",
@@ -232,18 +233,22 @@ def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[
     samples, or what the batch's layout weighs (a packed row's label tokens; a part of
     one sequence is a row of its own, but still weighs its tokens).
 
-    ``offset``: the loss is a mean over the label tokens that count (``labels`` not
-    -100), less the first ``offset`` positions of each row, which it never predicts (1: a
-    causal language model's): rows of ``labels`` then weigh their counted tokens, each
-    share a 0-dim tensor where the labels are, computed with no read on the host. A part
-    without a counted token weighs nothing (its mean loss is not finite, as one batch of
-    those rows would be).
+    ``offset``: the loss is a mean over the label tokens that count (labels not -100),
+    less the first ``offset`` positions of each row, which it never predicts (1: a
+    causal language model's): parts of rows of token labels (a dict's ``"labels"``, a
+    tuple's last item) then weigh their counted tokens, each share a 0-dim tensor where
+    the labels are, computed with no read on the host. A part without a counted token
+    weighs nothing (its mean loss is not finite, as one batch of those rows would be).
+
+    Raises:
+        BatchError: ``offset`` is given, but a batch with no layout holds no token labels.
     """
     layout = layout_of(batch)
-    if layout is None and offset is not None and (labels := _token_labels(batch)) is not None:
-        counted = [(p["labels"][..., offset:] != _IGNORED).sum() for p in parts]
-        if on_host(labels):  # read where they are: no device waits for it
-            return _over_total([float(c) for c in counted])
+    if layout is None and offset is not None:
+        labels = _token_labels(batch)
+        counted = [counted_tokens(p, offset) for p in parts]
+        if on_host(labels):  # read where they are, by Python: no device waits for it
+            return _over_total([c.tolist() for c in counted])  # 0-dim: a number
         tokens = torch.stack(counted).sum()
         return [c / tokens for c in counted]
     sizes = [layout.share(p) if layout is not None else float(batch_size(p)) for p in parts]
@@ -260,13 +265,37 @@ _IGNORED = -100
 """The label of a token that does not count (Hugging Face's, and torch's default)."""
 
 
-def _token_labels(batch: Batch) -> Tensor | None:
-    """``batch["labels"]`` where it holds a label per token (rows of at least two
-    dimensions, integers), else ``None``."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+def counted_tokens(batch: Batch, offset: int) -> Tensor:
+    """The label tokens that count in ``batch`` (not -100), less the first ``offset`` of
+    each row: a 0-dim tensor where its labels are (see :func:`shares`).
+
+    Raises:
+        BatchError: ``batch`` holds no label per token.
+    """
+    return (_token_labels(batch)[..., offset:] != _IGNORED).sum()
+
+
+def _token_labels(batch: Batch) -> Tensor:
+    """The labels per token ``batch`` holds: a Mapping's ``"labels"``, a tuple's or a
+    list's last item (the target a ``loss_fn`` reads), rows of integers.
+
+    Raises:
+        BatchError: it holds none.
+    """
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+    elif isinstance(batch, (tuple, list)) and len(batch) > 1:
+        labels = batch[-1]
+    else:
+        labels = None
     if isinstance(labels, Tensor) and labels.ndim >= 2 and not labels.is_floating_point():
         return labels
-    return None
+    raise BatchError(
+        "the loss is a mean over label tokens, so each micro-batch weighs its tokens, but "
+        "the batch holds no label per token (a dict's 'labels', or a tuple's last item: "
+        "integer rows, -100 where a token does not count); pass loss_mean='samples' where "
+        "the loss is a mean over samples"
+    )
 
 
 def tensors_on(batch: Batch, device: torch.device) -> list[Tensor]:

@@ -17,25 +17,38 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from autotune._spelling import option
-from autotune.errors import LossError
+from autotune.errors import ConfigError, LossError
 from autotune.train._batch_layout import SampleLists, layout_of
 
 __all__ = [
     "LossFn",
+    "LossMean",
     "call_model",
     "compute_loss",
     "counted_offset",
     "describe_call",
+    "own_mean",
     "raised_in",
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+LossMean = Literal["samples", "tokens", "next_tokens"]
+"""What the loss is a mean over, and so what a micro-batch weighs in the accumulated step:
+
+* ``"samples"``: the batch's samples (or what its layout weighs: a packed row's tokens);
+* ``"tokens"``: the label tokens that count, ``labels`` not -100 (a dict batch's
+  ``"labels"``, a tuple's last item: a label per token), as a masked language model's,
+  a token classifier's or an encoder-decoder's loss is;
+* ``"next_tokens"``: the same, less each row's first label, which a causal language
+  model never predicts (it predicts each token from those before it).
+"""
+_OFFSETS: dict[str, int | None] = {"samples": None, "tokens": 0, "next_tokens": 1}
 
 
 def call_model(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> Any:
@@ -80,27 +93,43 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
     )
 
 
-def counted_offset(model: nn.Module) -> int | None:
-    """Where ``model``'s own loss is a mean over the label tokens that count (Hugging
-    Face's language models and token classifiers, given a ``labels`` per token, -100 not
-    counting): how many leading positions of each row's labels it never counts, 1 where
-    it predicts each token from those before it (a causal language model shifts its
-    labels), 0 where labels and predictions align (an encoder-decoder model, a masked
-    language model, a token classifier), the rule Hugging Face's Trainer counts
-    ``num_items_in_batch`` by. ``None``: another loss, a mean over samples."""
+def counted_offset(model: nn.Module, loss_mean: LossMean | None = None) -> int | None:
+    """How many leading positions of each row's labels the loss never counts where it is
+    a mean over the label tokens that count (1 for ``"next_tokens"``, 0 for
+    ``"tokens"``), ``None`` where it is a mean over samples: as ``loss_mean`` says, else
+    as ``model``'s own loss is (:func:`own_mean`).
+
+    Raises:
+        ConfigError: ``loss_mean`` is none of :data:`LossMean`'s.
+    """
+    if loss_mean is not None and loss_mean not in _OFFSETS:
+        said = ", ".join(repr(m) for m in get_args(LossMean))
+        raise ConfigError(f"{option('loss_mean')}={loss_mean!r} is none of {said}.")
+    mean = loss_mean or own_mean(model)
+    return None if mean is None else _OFFSETS[mean]
+
+
+def own_mean(model: nn.Module) -> LossMean | None:
+    """What ``model``'s own loss is a mean over, where it is a Hugging Face language model
+    or token classifier given a ``labels`` per token (-100 not counting):
+    ``"next_tokens"`` where it predicts each token from those before it (a causal
+    language model shifts its labels), ``"tokens"`` where labels and predictions align
+    (an encoder-decoder model, a masked language model, a token classifier), the rule
+    Hugging Face's Trainer counts ``num_items_in_batch`` by; ``None`` for any other
+    model (a peft model: its base model's)."""
     transformers = sys.modules.get("transformers")  # not loaded: no Hugging Face model
     base = getattr(model, "get_base_model", None)  # a peft model's
     inner = base() if callable(base) else model
     if transformers is None or not isinstance(inner, transformers.PreTrainedModel):
         return None
     if getattr(inner.config, "is_encoder_decoder", False):
-        return 0
+        return "tokens"
     kind = getattr(inner, "loss_type", None) or ""
     name = type(inner).__name__
     if kind in _SHIFTED or name.endswith(("ForCausalLM", "LMHeadModel")):
-        return 1
+        return "next_tokens"
     if kind in _ALIGNED or name.endswith(_ALIGNED):
-        return 0
+        return "tokens"
     return None
 
 

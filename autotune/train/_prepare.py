@@ -18,7 +18,7 @@ from autotune.train._batch_layout import layouts_of_model
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
-from autotune.train._loss import LossFn
+from autotune.train._loss import LossFn, LossMean
 from autotune.train._optimizers import (
     OptimizerFactory,
     factory_name,
@@ -40,6 +40,7 @@ def prepare(
     optimizer: OptimizerFactory | str | None = None,
     other_optimizer: bool = False,
     loss_fn: LossFn | None = None,
+    loss_mean: LossMean | None = None,
     device: torch.device | str | None = None,
     strict: bool = False,
     blocks: Sequence[str] | None = None,
@@ -67,6 +68,12 @@ def prepare(
             the budget may not hold) instead of raising ConfigError.
         loss_fn: ``loss_fn(output, batch) -> scalar``; default: a scalar output,
             ``output.loss``, or the first element of a tuple output.
+        loss_mean: What the loss is a mean over, so what each micro-batch weighs in the
+            step's mean: ``"samples"``, ``"tokens"`` (the label tokens that count,
+            ``labels`` not -100) or ``"next_tokens"`` (the same less each row's first, a
+            causal language model's); default: the model's own loss's (a Hugging Face
+            language model's tokens), else samples. Say it for a ``loss_fn`` that is a
+            token mean, so that the step equals one over the whole batch.
         device: Where to train; default: the device a result was tuned on if it is
             available here, else CUDA if available, else CPU.
         strict: With a result tuned on another model structure, device or torch version:
@@ -98,6 +105,7 @@ def prepare(
         units=units,
         table=table,
         written=result.model.written if result is not None else None,
+        loss_mean=loss_mean,
     )
     _hold(runner, result, foreign)
     return runner
@@ -110,6 +118,7 @@ def apply(
     lr: float | None = None,
     optimizer: OptimizerFactory | str | None = None,
     other_optimizer: bool = False,
+    loss_mean: LossMean | None = None,
     device: torch.device | str | None = None,
     strict: bool = False,
     blocks: Sequence[str] | None = None,
@@ -127,7 +136,9 @@ def apply(
     with ``lr``, or by your ``optimizer`` factory), the optimizer step (with clipping and a
     scheduler) and, given a
     :class:`TuneResult`, the fallback ladder (:meth:`Applied.run`) and the allocator's cap
-    at the result's budget. The arguments are :func:`prepare`'s.
+    at the result's budget. The arguments are :func:`prepare`'s; ``loss_mean`` says what
+    the loss your loop takes is a mean over (default: the model's own loss's), which
+    :meth:`Applied.micro_batches` weighs each micro-batch by.
     """
     config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=False)
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
@@ -148,6 +159,7 @@ def apply(
         units=units,
         table=table,
         written=result.model.written if result is not None else None,
+        loss_mean=loss_mean,
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))

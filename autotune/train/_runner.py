@@ -20,7 +20,7 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._applied import Applied
 from autotune.train._chunked_loss import chunked_loss
-from autotune.train._loss import LossFn, call_model, compute_loss
+from autotune.train._loss import LossFn, LossMean, call_model, compute_loss
 from autotune.train._refusals import LOSS
 from autotune.train._steps import Scheduler, apply_step
 
@@ -53,6 +53,7 @@ class Runner(Applied):
         units: Sequence[str] = (),
         table: Sequence[LengthRow] = (),
         written: Sequence[str] | None = None,
+        loss_mean: LossMean | None = None,
     ) -> None:
         self.loss_fn = loss_fn  # before the config is applied: a compiled model takes it
         super().__init__(
@@ -64,6 +65,7 @@ class Runner(Applied):
             units=units,
             table=table,
             written=written,
+            loss_mean=loss_mean,
         )
         _ = self.optimizer  # built now: its memory is part of what the runner holds
 

@@ -8,6 +8,7 @@ checkpoint mask: the knob the trainers' own settings cannot express.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,3 +100,47 @@ def peak_of() -> Iterator[Any]:
 
 def fresh(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def as_tuned_on(
+    tuned: TuneResult, model: nn.Module, micro: int, accum: int, prefix: str = ""
+) -> TuneResult:
+    """``tuned``'s result as if tuned on ``model`` at ``micro`` x ``accum`` with SGD, no
+    block checkpointed and no fallback: for the tests of what a step learns, which is
+    the same at every setting (its blocks are found under ``prefix``)."""
+    from autotune.train._identity import fingerprint
+
+    blocks = autotune.find_blocks(getattr(model, prefix.rstrip("."), model) if prefix else model)
+    config = TrainConfig(micro_batch_size=micro, grad_accum_steps=accum, optimizer="sgd")
+    return dataclasses.replace(
+        tuned,
+        config=config,
+        model=dataclasses.replace(
+            tuned.model, fingerprint=fingerprint(model), blocks=tuple(prefix + b for b in blocks)
+        ),
+        fallbacks=(),
+        by_length=(),
+    )
+
+
+def plain_step(model: nn.Module, batch: dict[str, torch.Tensor], lr: float) -> nn.Module:
+    """``model`` after one plain PyTorch SGD step of ``batch`` with its own loss."""
+    model = copy.deepcopy(model)
+    model(**batch).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return model
+
+
+def moved_apart(a: nn.Module, b: nn.Module, start: nn.Module) -> float:
+    """How far ``a``'s weights are from ``b``'s, relative to how far ``b`` moved from
+    ``start``'s."""
+    with torch.no_grad():
+        gap = torch.cat(
+            [(x - y).flatten() for x, y in zip(a.parameters(), b.parameters(), strict=True)]
+        )
+        moved = torch.cat(
+            [(x - y).flatten() for x, y in zip(b.parameters(), start.parameters(), strict=True)]
+        )
+        return float(gap.norm() / moved.norm())

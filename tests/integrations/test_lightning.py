@@ -10,9 +10,21 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MICRO, G, Recorder, fresh, gpt2, runner_replay, samples
+from conftest import (
+    MICRO,
+    G,
+    Recorder,
+    as_tuned_on,
+    fresh,
+    gpt2,
+    moved_apart,
+    plain_step,
+    runner_replay,
+    samples,
+)
 from counted_ops import SYNCS, CountedOps
 from test_transformers import Rows, vocab_rows, wide_vocab_gpt2
+from tiny_gpt2 import causal_lm, padded_rows
 from torch.utils.data import DataLoader
 from user_optimizers import sign_momentum
 
@@ -77,11 +89,11 @@ class Watch(pl.Callback):
         self.stack.close()  # the guard's tracker off, for whatever runs next
 
 
-def trainer_with(*callbacks: pl.Callback) -> pl.Trainer:
+def trainer_with(*callbacks: pl.Callback, steps: int = STEPS) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=STEPS,
+        max_steps=steps,
         callbacks=list(callbacks),
         logger=False,
         enable_checkpointing=False,
@@ -309,6 +321,43 @@ def test_a_module_without_the_batch_size_attribute_is_refused() -> None:
     module.rows = 2  # the advice: the loader's batch size an attribute the callback is told of
     module.train_dataloader = lambda: DataLoader(Rows(samples(8)), batch_size=module.rows)  # type: ignore[method-assign]
     Autotune(1.0, batch_arg_name="rows").setup(trainer_with(), module, "fit")
+
+
+class LitRows(pl.LightningModule):
+    """A causal language model trained on given rows, in order, with SGD."""
+
+    def __init__(self, model: torch.nn.Module, rows: Rows) -> None:
+        super().__init__()
+        self.model, self.rows, self.batch_size = model, rows, 1
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.rows, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_step_learns_what_one_batch_of_its_rows_does_at_every_micro_batch(
+    tuned: TuneResult, kind: str
+) -> None:
+    """Padded rows of 3 to 32 label tokens: each micro-batch weighs its share of the
+    step's counted tokens, where Lightning would weigh each the same, so that one SGD
+    step at micro-batch 1, 2 and 8 moves the weights as one plain PyTorch step of the 8
+    rows does; the same with a last window cut short by the epoch's end."""
+    model, batch = causal_lm(kind), padded_rows()
+    reference = plain_step(model, batch, lr=1.0)
+    rows = Rows([{k: v[i] for k, v in batch.items()} for i in range(8)])
+    for micro, accum in ((1, 8), (2, 4), (8, 1), (2, 6)):  # the last: 4 batches, not 6
+        module = LitRows(fresh(model), rows)
+        result = as_tuned_on(tuned, module, micro, accum, prefix="model.")
+        trainer = trainer_with(Autotune.from_result(result), steps=1)
+        trainer.fit(module)
+        assert trainer.global_step == 1
+        assert moved_apart(module.model, reference, model) <= 1e-5, (micro, accum)
 
 
 def on_module(tuned: TuneResult, module: pl.LightningModule) -> TuneResult:

@@ -8,8 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MICRO, Recorder, fresh, gpt2, runner_replay, samples
+from conftest import (
+    MICRO,
+    Recorder,
+    as_tuned_on,
+    fresh,
+    gpt2,
+    moved_apart,
+    plain_step,
+    runner_replay,
+    samples,
+)
 from counted_ops import SYNCS, CountedOps
+from tiny_gpt2 import causal_lm, padded_rows
 from torch.utils.data import Dataset
 
 import autotune
@@ -224,6 +235,31 @@ def test_the_callback_adds_no_read_of_the_device_to_the_trainers_steps(
     assert reads["tuned"] == reads["plain"]
     # The counter sees a read: the filter's, one per micro-batch.
     assert reads["filtered"] - reads["tuned"] >= STEPS * fused.config.grad_accum_steps
+
+
+def test_a_step_learns_what_one_batch_of_its_rows_does_at_every_micro_batch(
+    tuned: TuneResult, tmp_path
+) -> None:
+    """Padded rows of 3 to 32 label tokens: the Trainer divides each micro-batch's
+    summed loss by the step's counted tokens (``num_items_in_batch``, which reaches the
+    Llama's loss), so one SGD step at micro-batch 1, 2 and 8 moves the weights as one
+    plain PyTorch step of the 8 rows does."""
+    model, batch = causal_lm("llama"), padded_rows()
+    reference = plain_step(model, batch, lr=1.0)
+    rows = Rows([{k: v[i] for k, v in batch.items()} for i in range(8)])
+    for micro in (1, 2, 8):
+        work = fresh(model)
+        result = as_tuned_on(tuned, work, micro, 8 // micro)
+        args = training_arguments(
+            result, str(tmp_path), learning_rate=1.0, lr_scheduler_type="constant",
+            max_steps=1, max_grad_norm=0.0, report_to=[], save_strategy="no",
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=work, args=args, train_dataset=rows, callbacks=[AutotuneCallback(result)]
+        )
+        trainer.train()
+        assert moved_apart(work, reference, model) <= 1e-5, micro
 
 
 def wide_vocab_gpt2() -> torch.nn.Module:

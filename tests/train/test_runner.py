@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_gpt2 import causal_lm, padded_rows
 from torch import nn
 
 from autotune import TrainConfig, TuneResult, prepare
-from autotune.errors import AutotuneWarning, BlockError, ConfigError
+from autotune.errors import AutotuneWarning, BatchError, BlockError, ConfigError
 from autotune.measure._tracker import LiveBytesTracker
 from autotune.models import GPT, Block, gpt_batch, tiny_gpt
 from autotune.result import Breakdown, Measurement, ModelInfo, TargetInfo
@@ -411,38 +412,44 @@ def test_close_releases_the_offloaded_optimizer_and_unwraps_the_blocks() -> None
     assert host() is None  # its pinned master weights and host state are gone
 
 
-def padded_rows() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A tiny Hugging Face GPT-2 (no dropout) and 8 rows padded to 32 tokens, of 3 to 32
-    label tokens each: a mean over micro-batches weighed by rows would count the short
-    rows' tokens more than one batch does."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 64, (8, 32), generator=g)
-    positions = torch.arange(32)
-    lengths = torch.tensor([3, 32, 7, 20, 5, 28, 12, 9]).unsqueeze(1)
-    mask = (positions < lengths).long()
-    labels = ids.masked_fill(mask == 0, -100)
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+def next_token_mean(output: Any, batch: Any) -> torch.Tensor:
+    """A ``loss_fn`` of one's own: a causal LM's mean over its counted next tokens."""
+    logits, labels = output.logits[:, :-1], batch[-1][:, 1:]
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-@pytest.mark.parametrize("path", ["runner", "apply", "chunked"])
+@pytest.mark.parametrize("path", ["runner", "apply", "chunked", "loss_fn", "packed"])
 def test_accumulation_weighs_label_tokens_as_one_batch_does(path: str) -> None:
     """A causal LM's loss is a mean over its counted label tokens: micro-batches weigh
     theirs, so that one SGD step at micro-batch 1, 2 and 8 moves the weights as one plain
     PyTorch step of the 8 rows (1e-5 relative), through the runner, ``apply()`` in a loop
-    of one's own, and the chunked loss."""
-    model, batch = padded_rows()
+    of one's own, the chunked loss, a ``loss_fn`` of one's own said to be a mean over next
+    tokens (``loss_mean``), and the 8 sequences packed in one row."""
+    model, batch = causal_lm(), padded_rows()
+    loss_fn = None
+    if path == "loss_fn":
+        batch = (batch["input_ids"], batch["labels"])
+        loss_fn = next_token_mean
+    if path == "packed":  # the 8 sequences' tokens in one row, each its positions from 0
+        keep = batch["attention_mask"].bool()
+        positions = torch.arange(32).expand(8, 32)
+        # Each sequence's first label is -100, as Hugging Face's DataCollatorWithFlattening
+        # makes it: no token is predicted from the sequence before.
+        labels = batch["labels"].clone()
+        labels[:, 0] = -100
+        batch = {
+            "input_ids": batch["input_ids"][keep][None],
+            "position_ids": positions[keep][None],
+            "labels": labels[keep][None],
+        }
     reference = copy.deepcopy(model)
-    reference(**batch).loss.backward()
+    plain = loss_fn(reference(batch[0]), batch) if loss_fn else reference(**batch).loss
+    plain.backward()
     with torch.no_grad():
         for p in reference.parameters():
             p -= p.grad
+    reference.requires_grad_(False)
+    model.requires_grad_(False)
     moved = torch.cat(
         [(a - b).flatten() for a, b in zip(reference.parameters(), model.parameters(), strict=True)]
     )
@@ -451,7 +458,7 @@ def test_accumulation_weighs_label_tokens_as_one_batch_does(path: str) -> None:
             micro_batch_size=micro, grad_accum_steps=8 // micro, optimizer="sgd",
             chunked_loss=path == "chunked",
         )  # fmt: skip
-        work = copy.deepcopy(model)
+        work = copy.deepcopy(model).requires_grad_(True)
         if path == "apply":
             import autotune
 
@@ -461,8 +468,11 @@ def test_accumulation_weighs_label_tokens_as_one_batch_does(path: str) -> None:
                     (work(**chunk).loss * weight).backward()
                 optimizer.step()
         else:
-            prepare(work, config, lr=1.0, device="cpu").step(batch)
+            mean = "next_tokens" if path == "loss_fn" else None
+            runner = prepare(work, config, lr=1.0, device="cpu", loss_fn=loss_fn, loss_mean=mean)
+            runner.step(batch)
         # SGD's momentum does nothing on a first step: the update is the gradient.
+        work.requires_grad_(False)
         error = torch.cat(
             [
                 (a - b).flatten()
@@ -474,3 +484,18 @@ def test_accumulation_weighs_label_tokens_as_one_batch_does(path: str) -> None:
             micro,
             float(error.norm() / moved.norm()),
         )
+
+
+def test_a_token_mean_said_of_a_batch_without_token_labels_is_refused_with_advice() -> None:
+    model = nn.Linear(4, 2)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    mse = lambda out, b: nn.functional.mse_loss(out, b[-1])  # noqa: E731
+    config = TrainConfig(micro_batch_size=2, grad_accum_steps=4, optimizer="sgd")
+    with pytest.raises(ConfigError, match="loss_mean='words' is none of 'samples', 'tokens'"):
+        prepare(model, config, loss_fn=mse, loss_mean="words")  # type: ignore[arg-type]
+    runner = prepare(model, config, loss_fn=mse, loss_mean="tokens", device="cpu")
+    with pytest.raises(BatchError, match="pass loss_mean='samples'"):
+        runner.step(batch)
+    runner.close()
+    # The advice, as written: micro-batches weigh their samples.
+    prepare(model, config, loss_fn=mse, loss_mean="samples", device="cpu").step(batch)
