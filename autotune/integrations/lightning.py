@@ -212,17 +212,7 @@ class Autotune(pl.Callback):
         )
         self._refusals = LoopRefusals(device)
         _free_grads_first(trainer)
-        offset = self.handle.token_offset
-        if offset is not None and c.grad_accum_steps > 1:  # micro-batches weigh their tokens
-            self._windows = TokenWindows(None, c.grad_accum_steps, offset, float("inf"))
-            pl_module.__dict__["training_step"] = weighed_step(pl_module, self._windows)
-            if self.loss_mean is None:
-                log.info(
-                    "autotune: micro-batches weigh their label tokens (the loss of the "
-                    "module's %s is a mean over them); pass Autotune(loss_mean='samples') "
-                    "if training_step's loss is a mean over samples",
-                    type(_held_model(pl_module)).__name__,
-                )
+        self._weigh_tokens(pl_module, self.handle)
         if self.handle.fallbacks:
             self.ladder = Ladder(trainer, self.handle)
         log.info(
@@ -241,6 +231,22 @@ class Autotune(pl.Callback):
             (result.measured or result.predicted).samples_per_s,
             "measured" if result.measured else "predicted, not run",
         )
+
+    def _weigh_tokens(self, module: pl.LightningModule, handle: Applied) -> None:
+        """Where the loss is a mean over label tokens and a step accumulates, weigh each
+        batch's loss by its share of the step's tokens (read a window ahead)."""
+        offset, steps = handle.token_offset, handle.config.grad_accum_steps
+        if offset is None or steps == 1:
+            return
+        self._windows = TokenWindows(None, steps, offset, float("inf"))
+        module.__dict__["training_step"] = weighed_step(module, self._windows)
+        if self.loss_mean is None:
+            log.info(
+                "autotune: micro-batches weigh their label tokens (the loss of the module's "
+                "%s is a mean over them); pass Autotune(loss_mean='samples') if "
+                "training_step's loss is a mean over samples",
+                type(_held_model(module)).__name__,
+            )
 
     def _tune(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: str) -> TuneResult:
         """Tune on the first batch, through the module's ``training_step``."""
