@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autotune.errors import LossError
-from autotune.train._loss import counted_offset
+from autotune.train._loss import own_mean
 
 __all__ = ["CHUNKS", "chunked_loss", "why_not_chunked"]
 
@@ -35,36 +35,42 @@ _IGNORE = -100
 
 def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | None:
     """Why ``model`` on ``batch`` cannot take the chunked loss, or ``None`` where it can: a
-    Hugging Face causal language model, its output layer a linear layer, given a dict
-    batch with ``labels``, its loss its own (no ``loss_fn``) and its logits plain (no
-    scaling or soft-capping)."""
+    Hugging Face causal language model (or a peft model of one), its output layer a
+    linear layer, given a dict batch with ``labels``, its loss its own (no ``loss_fn``)
+    and its logits plain (no scaling or soft-capping, in its config or its text
+    model's)."""
     if has_loss_fn:
         return "the loss is a loss_fn of your own"
-    if not _causal_lm(model):
+    lm = _language_model(model)
+    if lm is None:
         return "the model is no Hugging Face causal language model with a linear output layer"
-    config = getattr(model, "config", None)
     if not isinstance(batch, dict) and not hasattr(batch, "keys"):
         return "the batch is no dict of the model's arguments"
     if "labels" not in batch:
         return "the batch has no labels"
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            return f"the model's logits are transformed ({name})"
+    # A composite config (Gemma 3's) keeps the text model's settings in a sub-config.
+    text = getattr(lm.config, "get_text_config", None)
+    for config in (lm.config, text() if callable(text) else None):
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, name, None) not in (None, 1, 1.0):
+                return f"the model's logits are transformed ({name})"
     return None
 
 
-def _causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face causal language model (not a wrapper of one:
-    peft's; not an encoder-decoder model, whose labels are aligned with its predictions and
-    whose decoder reads inputs made from them) whose body is its ``base_model`` and whose
-    output layer is linear."""
+def _language_model(model: nn.Module) -> Any:
+    """``model`` (a peft model's base model, its adapters in it) where it is a Hugging
+    Face causal language model (not an encoder-decoder model, whose labels are aligned
+    with its predictions and whose decoder reads inputs made from them) whose body is its
+    ``base_model`` and whose output layer is linear; else ``None``."""
     transformers = sys.modules.get("transformers")  # not loaded: no Hugging Face model
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return False
-    if counted_offset(model) != 1 or getattr(model.config, "is_encoder_decoder", False):
-        return False
-    head = model.get_output_embeddings()
-    return isinstance(head, nn.Linear) and model.base_model is not model
+    base = getattr(model, "get_base_model", None)  # a peft model's
+    lm = base() if callable(base) else model
+    if transformers is None or not isinstance(lm, transformers.PreTrainedModel):
+        return None
+    if own_mean(lm) != "next_tokens" or getattr(lm.config, "is_encoder_decoder", False):
+        return None
+    head = lm.get_output_embeddings()
+    return lm if isinstance(head, nn.Linear) and lm.base_model is not lm else None
 
 
 def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -78,7 +84,7 @@ def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if why is not None:
         raise LossError(f"the chunked loss cannot be taken here: {why}; set chunked_loss: false.")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    lm: Any = model  # a Hugging Face causal language model (checked above)
+    lm = _language_model(model)  # a Hugging Face causal language model (checked above)
     hidden = lm.base_model(**inputs)[0]
     head = lm.get_output_embeddings()
     labels = nn.functional.pad(batch["labels"], (0, 1), value=_IGNORE)[..., 1:]
