@@ -89,7 +89,12 @@ def to_hf(result: TuneResult) -> Export:
             "Trainer(callbacks=[AutotuneCallback(result)]) from "
             "autotune.integrations.transformers, which applies them to the model exactly."
         )
-    warnings += chunked_in_code(c, "the Trainer")
+    if c.chunked_loss:
+        warnings.append(
+            "chunked_loss: pass Trainer(callbacks=[AutotuneCallback(result)]), which makes "
+            "the model's loss the chunked loss while it trains (the Trainer alone computes "
+            "it over the whole logits, which holds more than tuned)."
+        )
     if c.compile_model:
         warnings.append(
             "compile_model: pass Trainer(callbacks=[AutotuneCallback(result)]), which "

@@ -147,8 +147,9 @@ def chunked_in_code(c: TrainConfig, where: str) -> list[str]:
         return []
     return [
         f"chunked_loss: {where} computes the loss over the whole logits, which holds more "
-        "than tuned; autotune.prepare(model, result) trains with the chunked loss, and a "
-        "loop of your own takes it as autotune.chunked_loss(model, batch)."
+        "than tuned; autotune.prepare(model, result) trains with the chunked loss, and "
+        "after autotune.apply(model, result) a Hugging Face language model's "
+        "model(**batch).loss is the chunked loss while it trains."
     ]
 
 

@@ -15,7 +15,9 @@ in fp32; the gradients are the plain loss's within rounding.
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from autotune.errors import LossError
 from autotune.train._loss import own_mean
 
-__all__ = ["CHUNKS", "chunked_loss", "why_not_chunked"]
+__all__ = ["CHUNKS", "chunked_loss", "language_model", "take_chunked_loss", "why_not_chunked"]
 
 CHUNKS = 8
 """Slices of the tokens: a slice's logits are an eighth of the whole."""
@@ -41,7 +43,7 @@ def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | No
     model's)."""
     if has_loss_fn:
         return "the loss is a loss_fn of your own"
-    lm = _language_model(model)
+    lm = language_model(model)
     if lm is None:
         return "the model is no Hugging Face causal language model with a linear output layer"
     if not isinstance(batch, dict) and not hasattr(batch, "keys"):
@@ -57,7 +59,7 @@ def why_not_chunked(model: nn.Module, batch: Any, has_loss_fn: bool) -> str | No
     return None
 
 
-def _language_model(model: nn.Module) -> Any:
+def language_model(model: nn.Module) -> Any:
     """``model`` (a peft model's base model, its adapters in it) where it is a Hugging
     Face causal language model (not an encoder-decoder model, whose labels are aligned
     with its predictions and whose decoder reads inputs made from them) whose body is its
@@ -73,9 +75,13 @@ def _language_model(model: nn.Module) -> Any:
     return lm if isinstance(head, nn.Linear) and lm.base_model is not lm else None
 
 
-def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+def chunked_loss(
+    model: nn.Module, batch: Any, num_items: torch.Tensor | int | None = None
+) -> torch.Tensor:
     """The causal language-model loss of ``model`` on ``batch`` (see the module), its
-    logits made a slice of the tokens at a time.
+    logits made a slice of the tokens at a time. ``num_items``: what the summed loss is
+    divided by in place of ``batch``'s counted tokens (Hugging Face's Trainer's
+    ``num_items_in_batch``, the tokens of the whole accumulated step).
 
     Raises:
         LossError: the model cannot take it (:func:`why_not_chunked`).
@@ -84,7 +90,7 @@ def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if why is not None:
         raise LossError(f"the chunked loss cannot be taken here: {why}; set chunked_loss: false.")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    lm = _language_model(model)  # a Hugging Face causal language model (checked above)
+    lm = language_model(model)  # a Hugging Face causal language model (checked above)
     hidden = lm.base_model(**inputs)[0]
     head = lm.get_output_embeddings()
     labels = nn.functional.pad(batch["labels"], (0, 1), value=_IGNORE)[..., 1:]
@@ -97,8 +103,41 @@ def chunked_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         total = total + checkpoint(
             _summed, rows[piece], head.weight, head.bias, targets[piece], use_reentrant=False
         )
-    counted: torch.Tensor = total / (targets != _IGNORE).sum().clamp(min=1)
-    return counted
+    count = (targets != _IGNORE).sum().clamp(min=1) if num_items is None else num_items
+    mean: torch.Tensor = total / count
+    return mean
+
+
+def take_chunked_loss(model: nn.Module, wanted: Callable[[], bool]) -> Callable[[], None]:
+    """Make ``model``'s forward return the chunked loss, in an output without logits,
+    where ``wanted()`` says so and it trains on a dict of arguments with ``labels``, so
+    that a loop that takes ``model(**batch).loss`` (Hugging Face's Trainer, one's own)
+    trains with it; ``num_items_in_batch`` (the Trainer's count of the step's tokens)
+    divides the summed loss. Any other call runs the forward as it was.
+
+    Returns:
+        The function that puts the forward back.
+    """
+    outputs = importlib.import_module("transformers.modeling_outputs")
+    forward = model.forward
+    own = "forward" in vars(model)  # an instance's forward of its own (a compiled one)
+
+    def chunked_forward(*args: Any, **kwargs: Any) -> Any:
+        taken = not args and "labels" in kwargs and model.training and torch.is_grad_enabled()
+        if not (taken and wanted()):
+            return forward(*args, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        return outputs.CausalLMOutputWithPast(loss=chunked_loss(model, kwargs, num_items))
+
+    model.forward = chunked_forward
+
+    def put_back() -> None:
+        if own:
+            model.forward = forward
+        else:
+            vars(model).pop("forward", None)
+
+    return put_back
 
 
 def _summed(

@@ -15,6 +15,7 @@ from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._batch_layout import layouts_of_model
+from autotune.train._chunked_loss import language_model, take_chunked_loss
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
@@ -145,7 +146,9 @@ def apply(
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
-    if config.chunked_loss:
+    every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
+    chunked = any(c.chunked_loss for c in every)
+    if chunked and language_model(model) is None:
         warn(
             "this config chunks the loss, which your loop takes: take it as "
             "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
@@ -163,6 +166,9 @@ def apply(
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))
+    if chunked and language_model(model) is not None:
+        # model(**batch).loss, while training, is the chunked loss where the config says
+        handle.on_undo(take_chunked_loss(model, lambda: handle.config.chunked_loss))
     _hold(handle, result, foreign)
     return handle
 

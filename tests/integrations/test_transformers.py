@@ -242,14 +242,16 @@ def test_a_step_learns_what_one_batch_of_its_rows_does_at_every_micro_batch(
 ) -> None:
     """Padded rows of 3 to 32 label tokens: the Trainer divides each micro-batch's
     summed loss by the step's counted tokens (``num_items_in_batch``, which reaches the
-    Llama's loss), so one SGD step at micro-batch 1, 2 and 8 moves the weights as one
-    plain PyTorch step of the 8 rows does."""
+    Llama's loss, the chunked loss too), so one SGD step at micro-batch 1, 2 and 8, and
+    at 2 with the chunked loss, moves the weights as one plain PyTorch step of the 8 rows
+    does."""
     model, batch = causal_lm("llama"), padded_rows()
     reference = plain_step(model, batch, lr=1.0)
     rows = Rows([{k: v[i] for k, v in batch.items()} for i in range(8)])
-    for micro in (1, 2, 8):
+    for micro, chunked in ((1, False), (2, False), (8, False), (2, True)):
         work = fresh(model)
         result = as_tuned_on(tuned, work, micro, 8 // micro)
+        result = dataclasses.replace(result, config=result.config.replace(chunked_loss=chunked))
         args = training_arguments(
             result, str(tmp_path), learning_rate=1.0, lr_scheduler_type="constant",
             max_steps=1, max_grad_norm=0.0, report_to=[], save_strategy="no",
@@ -258,8 +260,11 @@ def test_a_step_learns_what_one_batch_of_its_rows_does_at_every_micro_batch(
         trainer = transformers.Trainer(
             model=work, args=args, train_dataset=rows, callbacks=[AutotuneCallback(result)]
         )
+        taken: list[bool] = []
+        work.register_forward_hook(lambda m, a, out, seen=taken: seen.append(out.logits is None))
         trainer.train()
-        assert moved_apart(work, reference, model) <= 1e-5, micro
+        assert taken == [chunked] * (8 // micro)  # the chunked loss never makes the logits
+        assert moved_apart(work, reference, model) <= 1e-5, (micro, chunked)
 
 
 def wide_vocab_gpt2() -> torch.nn.Module:

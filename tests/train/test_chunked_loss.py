@@ -102,7 +102,22 @@ def test_a_model_it_does_not_fit_is_refused_in_words() -> None:
     with runner, pytest.raises(autotune.LossError, match="no Hugging Face causal language model"):
         runner.step(torch.randn(2, 8))
     with pytest.warns(autotune.AutotuneWarning, match=r"autotune\.chunked_loss\(model, batch\)"):
-        autotune.apply(copy.deepcopy(llama()), config, device="cpu").undo()
+        autotune.apply(copy.deepcopy(model), config, device="cpu").undo()
+
+
+def test_a_loop_that_takes_the_models_own_loss_takes_it_chunked() -> None:
+    """``apply()``: while it trains, ``model(**batch)`` given labels returns the chunked
+    loss (no logits), as the Trainer and a loop of one's own take it; undone after."""
+    model, plain = llama(), llama()
+    config = TrainConfig(micro_batch_size=4, chunked_loss=True)
+    handle = autotune.apply(model, config, device="cpu")
+    out = model(**batch())
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, plain(**batch()).loss)
+    with torch.no_grad():  # evaluation: the whole logits, as the model makes them
+        assert model(**batch()).logits is not None
+    handle.undo()
+    assert "forward" not in vars(model) and model(**batch()).logits is not None
 
 
 def bart() -> nn.Module:
