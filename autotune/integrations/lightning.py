@@ -317,6 +317,8 @@ class Autotune(pl.Callback):
         batch: object,
         batch_idx: int,
     ) -> None:
+        if self.handle is not None:
+            self.handle.recompiles.check()
         if self._refusals is not None:  # after the step, if this batch ended one
             self._refusals.after_step()
 

@@ -145,7 +145,10 @@ class AutotuneCallback(TrainerCallback):
     def on_optimizer_step(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ) -> None:
-        """Say a refused step once the device's verdict has reached the host."""
+        """Say a refused step once the device's verdict has reached the host, and steps
+        run eagerly past dynamo's recompile limit."""
+        if self.handle is not None:
+            self.handle.recompiles.check()
         if self._refusals is not None:
             self._refusals.after_step()
 

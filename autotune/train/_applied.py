@@ -40,6 +40,7 @@ from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
 from autotune.train._parallel import Parallel
+from autotune.train._recompiles import Recompiles
 from autotune.train._refusals import Refusals
 from autotune.train._steps import Scheduler, apply_step, make_scaler
 
@@ -97,6 +98,9 @@ class Applied:
         self.scaler = make_scaler(config, device)
         self.refusals = Refusals(self.backend)
         """The steps refused for non-finite values, as the device's verdicts arrive."""
+        self.recompiles = Recompiles()
+        """Whether dynamo ran compiled code eagerly past its recompile limit: said once,
+        after an optimizer step (a trainer's callback checks it after the trainer's)."""
         self.offloader = ActivationOffloader(model, device)
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
@@ -239,6 +243,7 @@ class Applied:
                 # its learning rates came along in the state dict.
                 scheduler.optimizer = optimizer
             scheduler.step()
+        self.recompiles.check()
         self.refusals.end_step()
         return norm[0] if max_grad_norm is not None else None
 

@@ -12,10 +12,14 @@ recomputation is part of the graph (a plain non-reentrant checkpoint, which dyna
 per value. :func:`compile_forward` compiles the forward alone, in place, for a loop of
 one's own (:func:`autotune.apply`), whose loss is its own.
 
-Each micro-batch size is a graph of its own, compiled at its first call. A tuning run
-profiles many sizes: inside :func:`any_batch_size` the batch dimension is dynamic instead,
-one graph for every size, in a function of its own so that the static graphs a config
-trains with are never the dynamic ones.
+Each micro-batch shape a handle meets first is a static graph of its own, compiled at its
+first call, as a config is verified and as it trains. A tuning run profiles many sizes:
+inside :func:`any_batch_size` the batch dimension is dynamic instead, one graph for every
+size. A training run meets a stream of shapes (padded lengths, an epoch's shorter last
+micro-batch): every shape but its first runs one more graph, its batch and sequence
+dimensions symbolic, so that no stream of lengths reaches dynamo's recompile limit, past
+which steps would run eagerly. Each kind is a function of its own (a code object of its
+own), so that dynamo keeps their graphs apart.
 """
 
 from __future__ import annotations
@@ -78,14 +82,20 @@ class CompiledLoss:
         self.dtype = dtype
         self.loss_fn = loss_fn
         self.chunked = chunked
+        self.first: tuple[Any, ...] | None = None
+        """The shapes of the first micro-batch, which runs the static graph."""
 
     def __call__(self, module: nn.Module, chunk: Any) -> torch.Tensor:
         """The loss of ``module`` on ``chunk`` (on the device already), compiled."""
         args = (module, chunk, self.loss_fn, self.device_type, self.dtype, self.chunked)
+        shapes = _shapes(chunk)
+        if self.first is None:
+            self.first = shapes
+        kind = "any_size" if _dynamic_depth else "static" if shapes == self.first else "other"
         with _logging_ignored():
-            if _dynamic_depth:
-                _mark_batch_dynamic(chunk)
-            return _compiled(bool(_dynamic_depth))(*args)  # type: ignore[no-any-return]
+            if kind != "static":
+                _mark_dynamic(chunk, sequence=kind == "other")
+            return _compiled(kind)(*args)  # type: ignore[no-any-return]
 
 
 def _loss(
@@ -113,13 +123,21 @@ def _any_size_loss(*args: Any) -> torch.Tensor:
     return _loss(*args)
 
 
+def _other_shapes_loss(*args: Any) -> torch.Tensor:
+    return _loss(*args)
+
+
 @functools.cache
-def _compiled(dynamic: bool) -> Any:
-    """The compiled loss function, static or of any batch size. Two functions, two code
-    objects: dynamo keeps the graphs of each apart, so that a dynamic graph made while
-    profiling never stands in for a config's static one."""
-    if dynamic:
+def _compiled(kind: str) -> Any:
+    """The compiled loss function: ``"static"`` (a handle's first shape), ``"other"``
+    (every other shape: the batch and sequence dimensions symbolic) or ``"any_size"`` (a
+    profile's: the batch dimension symbolic). Three functions, three code objects: dynamo
+    keeps the graphs of each apart, so that a dynamic graph never stands in for a
+    config's static one."""
+    if kind == "any_size":
         return torch.compile(_any_size_loss)
+    if kind == "other":
+        return torch.compile(_other_shapes_loss)
     return torch.compile(_static_loss, dynamic=False)
 
 
@@ -128,15 +146,23 @@ def forget_graphs() -> None:
     measured). Dynamo allows a function few graphs (8) outside a tuning run, and one past
     them runs eagerly: a runner made after tuning, in the same process, compiles its own
     (from inductor's cache where it has it) instead."""
-    for fn in (_static_loss, _any_size_loss):
+    for fn in (_static_loss, _any_size_loss, _other_shapes_loss):
         torch._dynamo.eval_frame.remove_from_cache(fn)
 
 
-def _mark_batch_dynamic(chunk: Any) -> None:
-    """Mark dimension 0 of every tensor of ``chunk`` dynamic (a hint dynamo may refuse)."""
+def _shapes(chunk: Any) -> tuple[Any, ...]:
+    """The shapes of ``chunk``'s tensors, in order."""
+    return tuple(t.shape if isinstance(t, torch.Tensor) else None for t in tree_flatten(chunk)[0])
+
+
+def _mark_dynamic(chunk: Any, *, sequence: bool) -> None:
+    """Mark dimension 0 of every tensor of ``chunk`` dynamic, and dimension 1 of those of
+    two dimensions or more where ``sequence`` (hints dynamo may refuse)."""
     for t in tree_flatten(chunk)[0]:
         if isinstance(t, torch.Tensor) and t.dim():
             torch._dynamo.maybe_mark_dynamic(t, 0)
+            if sequence and t.dim() > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
 @contextlib.contextmanager
@@ -156,18 +182,47 @@ def _logging_ignored() -> Iterator[None]:
 
 
 def compile_forward(model: nn.Module) -> None:
-    """Compile ``model``'s forward in place, shapes static (a loop of one's own: the loss
-    its own code takes); undone by :func:`uncompile_forward`."""
+    """Compile ``model``'s forward in place (a loop of one's own: the loss its own code
+    takes), its first shape a static graph and every other one graph of symbolic batch and
+    sequence dimensions, as a runner's compiled loss; undone by :func:`uncompile_forward`."""
     if COMPILED_MODEL in model.__dict__:
         return
-    compiled = torch.compile(model.forward, dynamic=False)
-    replace_forward(model, functools.partial(_logging_stepped_over, compiled), COMPILED_MODEL)
+    replace_forward(model, _ShapeRouted(model.forward), COMPILED_MODEL)
 
 
-def _logging_stepped_over(compiled: Any, *args: Any, **kwargs: Any) -> Any:
-    """``compiled(*args, **kwargs)``, one graph where Hugging Face's loss warns."""
-    with _logging_ignored():
-        return compiled(*args, **kwargs)
+class _ShapeRouted:
+    """``forward`` compiled: its first call's shapes static, every other shape dynamic
+    (one graph where Hugging Face's loss warns)."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.first: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        shapes = _shapes((args, kwargs))
+        if self.first is None:
+            self.first = shapes
+        static = shapes == self.first
+        if not static:
+            _mark_dynamic((args, kwargs), sequence=True)
+        run = _static_forward if static else _other_forward
+        with _logging_ignored():
+            return _compiled_forward(run)(self.forward, *args, **kwargs)
+
+
+def _static_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def _other_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_forward(run: Any) -> Any:
+    """A forward's trampoline compiled, each its own code object, so that dynamo keeps
+    the static graphs and the dynamic ones apart."""
+    return torch.compile(run, dynamic=False if run is _static_forward else None)
 
 
 def uncompile_forward(model: nn.Module) -> None:

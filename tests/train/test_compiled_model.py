@@ -113,3 +113,33 @@ def test_a_block_that_updates_running_statistics_is_refused_inside_the_graph() -
     config = TrainConfig(micro_batch_size=4, compile_model=True, checkpoint=("1",))
     with pytest.raises(autotune.BlockError, match="updates running statistics"):
         autotune.prepare(copy.deepcopy(model), config, loss_fn=lambda out, b: out.mean())
+
+
+def test_a_stream_of_lengths_compiles_two_graphs_and_no_step_runs_eagerly() -> None:
+    """A padding collator's stream: 10 widths, more than dynamo's 8 graphs. The first
+    compiles the static graph the tuner measures, the second one graph of symbolic
+    lengths for every width after it; nothing reaches the recompile limit. Where a limit
+    is reached all the same, code runs eagerly and the runner says so, once."""
+    widths = [32, 24, 17, 30, 9, 28, 13, 21, 11, 26]
+
+    def rows(width: int) -> dict[str, torch.Tensor]:
+        ids = batch()["input_ids"][:, :width]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    config = TrainConfig(micro_batch_size=MICRO, grad_accum_steps=2, compile_model=True)
+    torch._dynamo.reset()  # the dynamic graph of an earlier test's stream
+    with autotune.prepare(gpt2(), config, lr=1e-3) as runner:
+        graphs = counters["stats"]["unique_graphs"]
+        for width in widths:
+            runner.step(rows(width))  # an AutotuneWarning would fail the test
+        assert counters["stats"]["unique_graphs"] - graphs <= 2
+        # Code dynamo must compile a graph per shape of (here a static function of the
+        # loop's own) reaches the limit: the steps after it say so, once.
+        doubled = torch.compile(lambda x: 2 * x, dynamic=False)
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for n in (1, 2, 3):
+                doubled(torch.ones(n))
+            with pytest.warns(autotune.AutotuneWarning, match="recompile limit .* eagerly"):
+                runner.step(rows(widths[0]))
+            doubled(torch.ones(4))
+            runner.step(rows(widths[1]))  # said once
