@@ -309,8 +309,72 @@ def test_a_sample_batch_the_model_rejects_says_how_it_was_called() -> None:
 def test_a_dict_batch_with_the_wrong_keys_names_them() -> None:
     model = tiny_gpt(n_layer=1, n_embd=16, n_head=2, block_size=8, vocab_size=32)
     x, y = gpt_batch(model.config, 4)
-    with pytest.raises(BatchError, match=r"GPT.forward\(input_ids=, labels=\) with the dict"):
+    called = r"GPT.forward\(input_ids=<tensor \(1, 8\) int64>, labels=<tensor \(1, 8\) int64>\)"
+    with pytest.raises(BatchError, match=called + " with the dict.*goes to a loss_fn only"):
         autotune.autotune(model, {"input_ids": x, "labels": y}, 1.0, device="cpu")
+
+
+def test_a_dict_batchs_target_goes_to_the_loss_fn_only() -> None:
+    """A diffusion job's batch carries its target (the noise) beside the model's
+    arguments: the model is not given it, the loss_fn reads it; tuned and trained."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+        pooled_projection_dim=8, out_channels=4, pos_embed_max_size=16,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "hidden_states": torch.randn(4, 4, 8, 8, generator=g),
+        "encoder_hidden_states": torch.randn(4, 4, 16, generator=g),
+        "pooled_projections": torch.randn(4, 8, generator=g),
+        "timestep": torch.randint(0, 1000, (4,), generator=g),
+        "target": torch.randn(4, 4, 8, 8, generator=g),
+    }
+
+    def mse(output, batch):  # type: ignore[no-untyped-def]
+        return nn.functional.mse_loss(output.sample, batch["target"])
+
+    space = autotune.SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+    result = autotune.autotune(
+        model, batch, 1.0, global_batch_size=4, device="cpu", loss_fn=mse, space=space,
+        n_trials=4,
+    )  # fmt: skip
+    with autotune.prepare(model, result, loss_fn=mse, lr=1e-3) as runner:
+        losses = [runner.step(batch).item() for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
+def test_a_seq2seq_wrappers_source_and_target_advice_works_as_written() -> None:
+    """``(src, tgt)`` with a loss_fn: the last item is the target, so the model gets
+    ``src`` alone; the message says so, and the batch it advises trains."""
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 16)
+            self.core = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(16, 16)
+
+        def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return self.head(self.core(self.embed(src), self.embed(tgt)))
+
+    def loss_fn(output, batch):  # type: ignore[no-untyped-def]
+        return nn.functional.cross_entropy(output.flatten(0, 1), batch[-1].flatten())
+
+    g = torch.Generator().manual_seed(0)
+    src, tgt = torch.randint(16, (4, 6), generator=g), torch.randint(16, (4, 7), generator=g)
+    with pytest.raises(BatchError, match=r"model\(\*batch\[:-1\]\): the last item is the"):
+        autotune.autotune(Seq2Seq(), (src, tgt), 1.0, device="cpu", loss_fn=loss_fn)
+    # The advice: the decoder's inputs beside the source, the target last.
+    batch = (src, tgt[:, :-1], tgt[:, 1:])
+    space = autotune.SearchSpace(precisions=("fp32",), micro_batch_sizes=(2,))
+    result = autotune.autotune(
+        Seq2Seq(), batch, 1.0, device="cpu", loss_fn=loss_fn, space=space, n_trials=4
+    )
+    with autotune.prepare(Seq2Seq(), result, loss_fn=loss_fn, lr=1e-3) as runner:
+        assert torch.isfinite(runner.step(batch))
 
 
 def test_a_failing_loss_fn_is_a_loss_error() -> None:

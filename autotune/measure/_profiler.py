@@ -407,7 +407,9 @@ def _model_errors(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Itera
                 f"the model's forward failed on the sample batch ({cut}): {call}, and it "
                 f"raised {failed}. Pass a sample batch as the training loop will, one the "
                 "model's forward takes: a tensor is fed as model(batch), a dict as "
-                "model(**batch), a tuple or list as model(*batch)."
+                "model(**batch) (with a loss_fn, its keys that are arguments of forward), "
+                "a tuple or list as model(*batch) (with a loss_fn, model(*batch[:-1]): "
+                "the last item is the target the loss_fn reads)."
             ) from exc
         if loss_fn is not None and raised_in(exc, compute_loss):
             raise LossError(

@@ -3,7 +3,9 @@
 The calling convention, used identically by tuning and by :func:`autotune.prepare`:
 
 * a Tensor ``x``: ``model(x)``;
-* a Mapping (dict, ``BatchEncoding``): ``model(**batch)``;
+* a Mapping (dict, ``BatchEncoding``): ``model(**batch)``; with a ``loss_fn``, a key that is
+  no argument of ``forward`` (a diffusion job's ``target``) goes to the ``loss_fn`` only
+  (said once, in the ``autotune`` log);
 * a tuple/list: ``model(*batch)``; with a ``loss_fn``, the last element is taken to be the
   target the loss reads, so the model gets ``model(*batch[:-1])`` (the ``(x, y)`` idiom),
   except in a batch of per-sample lists (:class:`~autotune.train._batch_layout.SampleLists`:
@@ -15,6 +17,9 @@ The loss: ``loss_fn(output, batch)`` when given; else a scalar output, ``output.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
@@ -37,6 +42,8 @@ __all__ = [
     "raised_in",
 ]
 
+log = logging.getLogger("autotune")
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 LossMean = Literal["samples", "tokens", "next_tokens"]
 """What the loss is a mean over, and so what a micro-batch weighs in the accumulated step:
@@ -56,11 +63,40 @@ def call_model(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> Any:
     if isinstance(batch, torch.Tensor):
         return model(batch)
     if isinstance(batch, Mapping):
+        left = _left_out(type(model), tuple(batch)) if has_loss_fn else ()
+        if left:
+            return model(**{k: v for k, v in batch.items() if k not in left})
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         target = has_loss_fn and len(batch) > 1 and not isinstance(layout_of(batch), SampleLists)
         return model(*(batch[:-1] if target else batch))
     return model(batch)
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+@functools.cache
+def _left_out(kind: type[nn.Module], keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``keys`` that are no arguments of ``kind.forward`` (none where it takes
+    ``**kwargs``): a batch's targets, which only the ``loss_fn`` reads. Said once."""
+    try:
+        parameters = inspect.signature(kind.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: every key goes to forward
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return ()
+    names = {p.name for p in parameters}
+    left = tuple(k for k in keys if k not in names)
+    if left:
+        log.info(
+            "autotune: the batch's %s %s no argument of %s.forward: the loss_fn reads %s, "
+            "the model is not given %s",
+            ", ".join(repr(k) for k in left),
+            "is" if len(left) == 1 else "are",
+            kind.__name__,
+            "it" if len(left) == 1 else "them",
+            "it" if len(left) == 1 else "them",
+        )
+    return left
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -153,11 +189,17 @@ def describe_call(model: nn.Module, batch: Any, *, has_loss_fn: bool) -> str:
     """How :func:`call_model` calls ``model`` on ``batch``, in words, with what to pass."""
     name = f"{type(model).__name__}.forward"
     if isinstance(batch, Mapping):
-        keys = ", ".join(f"{k}=" for k in batch)
-        return (
-            f"autotune called {name}({keys}) with the dict's items as keyword arguments; "
-            "the sample batch's keys must be the names of forward's arguments"
-        )
+        left = _left_out(type(model), tuple(batch)) if has_loss_fn else ()
+        keys = ", ".join(f"{k}={_describe_short(v)}" for k, v in batch.items() if k not in left)
+        also = ""
+        if left:
+            also = f" (the loss_fn alone reads {', '.join(repr(k) for k in left)})"
+        elif not has_loss_fn:
+            also = (
+                "; a key that is no argument of forward (a target) goes to a loss_fn only: "
+                f"pass {option('loss_fn=lambda output, batch: ...')} to read it there"
+            )
+        return f"autotune called {name}({keys}) with the dict's items as keyword arguments{also}"
     if isinstance(batch, (tuple, list)):
         args = batch[:-1] if has_loss_fn and len(batch) > 1 else batch
         how = f"{name}({', '.join(_describe_short(a) for a in args)})"
