@@ -228,7 +228,11 @@ class TuneResult:
     optimizer fused, the largest micro-batch that fits with no block or every block
     checkpointed, the faster of the two; on a CPU: the faster precision, eager),
     verified in the same run and timed the same way, the config to beat; ``None``: not
-    run (a plan, or data parallelism)."""
+    run (a plan: nothing ran; else ``expert_note`` says why)."""
+    expert_note: str = ""
+    """Why there is no expert's recipe (data parallelism, nothing of it fitted), or how
+    the one run differs from the expert's (eager where the compiled model was not
+    searched); empty: nothing to say."""
     figures_for: str = dataclasses.field(default="", compare=False)
     """The digest of the config the figures were made for (:meth:`TrainConfig.digest`),
     written with the file; empty: the config in hand."""

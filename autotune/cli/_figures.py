@@ -49,15 +49,18 @@ def figures(result: TuneResult) -> list[tuple[str, str]]:
 def _against_expert(result: TuneResult) -> list[tuple[str, str]]:
     """The row of the expert's recipe, measured in the same run: the config to beat."""
     expert, m = result.expert, result.measured
+    if expert is None and result.expert_note:
+        return [("expert's recipe", f"not run: {result.expert_note}")]
     if expert is None or expert.measured is None or m is None:
         return []
+    also = f" ({result.expert_note})" if result.expert_note else ""
     if expert.config == result.config:
-        return [("expert's recipe", "this config (nothing measured beat it)")]
+        return [("expert's recipe", f"this config (nothing measured beat it){also}")]
     speed = expert.measured.samples_per_s
     return [
         (
             "expert's recipe",
             f"{expert.config.describe()}: measured {speed:.1f} samples/s; this config "
-            f"{m.samples_per_s / speed:.2f}x",
+            f"{m.samples_per_s / speed:.2f}x{also}",
         )
     ]

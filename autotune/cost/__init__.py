@@ -22,7 +22,7 @@ from autotune.cost._bounds import chooser_of, choosers
 from autotune.cost._candidates import fallback_candidates, largest_fitting, micro_batch_candidates
 from autotune.cost._chooser import Candidate, Chooser
 from autotune.cost._cost_model import CostModel
-from autotune.cost._expert import expert_candidates
+from autotune.cost._expert import ExpertRecipe, expert_candidates
 from autotune.cost._search import search
 from autotune.cost._shortfall import too_small
 
@@ -30,6 +30,7 @@ __all__ = [
     "Candidate",
     "Chooser",
     "CostModel",
+    "ExpertRecipe",
     "chooser_of",
     "choosers",
     "expert_candidates",

@@ -6,43 +6,62 @@ where torch has the kernel, no block checkpointed or every one, the largest micr
 that fits; the faster of the two, timed. On a CPU: the faster precision, nothing compiled
 (compiling there costs more than it saves), no or every block checkpointed, the largest
 micro-batch that fits. Every tuning run verifies these beside its own candidates, so that
-the config it returns is never measured slower than the expert's beyond the noise.
+the config it returns is never measured slower than the expert's beyond the noise. As an
+expert finds it: each mask from the largest micro-batch predicted to fit down, the next
+size tried where one runs out of memory, until one runs. Where none can be had, or the
+recipe is not the one above (its compiled timeline not profiled), the run says why.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from autotune.config import (
     TrainConfig,
     timeline_chunked,
     timeline_key,
     timeline_knobs,
+    timeline_level,
     timeline_parts,
 )
 from autotune.cost._chooser import Candidate, Chooser
 
-__all__ = ["expert_candidates"]
+__all__ = ["ExpertRecipe", "expert_candidates"]
 
 _GPU_PRECISIONS = ("bf16", "fp16", "fp32")
 """A GPU expert's precision, first available first (nanoGPT: bf16 where supported)."""
 
 
-def expert_candidates(chooser: Chooser, device_type: str) -> list[Candidate]:
+@dataclass(frozen=True)
+class ExpertRecipe:
+    """The expert's configs over a chooser's space, and what to say of them."""
+
+    ladders: tuple[tuple[Candidate, ...], ...] = ()
+    """Per checkpoint mask (every block kept, every one checkpointed), its configs from
+    the largest micro-batch predicted to fit down: tried in turn until one runs."""
+    note: str = ""
+    """Why there are none, or how the recipe differs from the expert's; empty: it is it."""
+
+
+def expert_candidates(chooser: Chooser, device_type: str) -> ExpertRecipe:
     """The expert's recipe over ``chooser``'s space: every block kept, and every block
-    checkpointed, each at the largest micro-batch that fits (none where nothing fits, or
-    where the chooser's layout is data parallel: the expert's loop is one process)."""
+    checkpointed, each from the largest micro-batch that fits down (none where nothing
+    fits, or where the chooser's layout is data parallel: the expert's loop is one
+    process)."""
     if chooser.cost.layout.parallel != "none":
-        return []
+        return ExpertRecipe(note="data parallel: the expert's recipe is a loop of one process")
     key = _timeline(chooser, device_type)
     if key is None:
-        return []
+        return ExpertRecipe(note="no eager timeline was profiled to write it with")
+    note = ""
+    if device_type != "cpu" and timeline_level(key) != "model":
+        note = "eager: the whole model compiled was not profiled here (not searched)"
     blocks = chooser.cost.profile.blocks
     masks = [(), blocks] if blocks and chooser.checkpointing else [()]
-    out = []
-    for checkpoint in masks:
-        found = _largest(chooser, key, checkpoint)
-        if found is not None:
-            out.append(found)
-    return out
+    ladders = tuple(ladder for m in masks if (ladder := _fitting(chooser, key, m)))
+    if not ladders:
+        note = "no micro-batch of it is predicted to fit the budget"
+    return ExpertRecipe(ladders, note)
 
 
 def _timeline(chooser: Chooser, device_type: str) -> str | None:
@@ -66,10 +85,11 @@ def _timeline(chooser: Chooser, device_type: str) -> str | None:
     return min(eager, key=seconds)
 
 
-def _largest(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> Candidate | None:
-    """The config of timeline ``key`` with ``checkpoint`` at the largest micro-batch whose
-    predicted peak fits, with the user's optimizer on the device."""
+def _fitting(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> tuple[Candidate, ...]:
+    """The configs of timeline ``key`` with ``checkpoint`` whose predicted peak fits,
+    largest micro-batch first, with the user's optimizer on the device."""
     cost, optimizer = chooser.cost, chooser.optimizers[0]
+    out = []
     for b in sorted(chooser.sizes, reverse=True):
         config = TrainConfig(
             micro_batch_size=b,
@@ -80,5 +100,5 @@ def _largest(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> Candida
         )
         prediction = cost.predict(config)
         if prediction.measurement.peak_bytes <= chooser.limit:
-            return Candidate(config, prediction)
-    return None
+            out.append(Candidate(config, prediction))
+    return tuple(out)

@@ -190,6 +190,7 @@ def _result(problem: Problem, profile: Profile, verified: Verification) -> TuneR
         tied=tuple(verified.tied),
         noise=verified.noise,
         expert=verified.expert,
+        expert_note=verified.expert_note,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from autotune.cost import Candidate, Chooser, expert_candidates
+from autotune.cost import Chooser, ExpertRecipe, expert_candidates
 from autotune.result import TrialRecord
 from autotune.verify._winner import Measure
 
@@ -17,33 +17,42 @@ __all__ = ["baseline_candidates", "baseline_record", "verify_baseline"]
 log = logging.getLogger("autotune")
 
 
-def baseline_candidates(choosers: Sequence[Chooser], device_type: str) -> list[Candidate]:
-    """The expert's configs of a run's choosers (the one-process layout's)."""
-    return [c for p in choosers for c in expert_candidates(p, device_type)]
+def baseline_candidates(choosers: Sequence[Chooser], device_type: str) -> ExpertRecipe:
+    """The expert's configs of a run's choosers (the one-process layout's), and the note
+    of the first that has one."""
+    recipes = [expert_candidates(p, device_type) for p in choosers]
+    ladders = tuple(ladder for r in recipes for ladder in r.ladders)
+    notes = [r.note for r in recipes if r.note and (r.ladders or not ladders)]
+    return ExpertRecipe(ladders, notes[0] if notes else "")
 
 
 def verify_baseline(
-    measure: Measure, experts: Sequence[Candidate], tried: Sequence[TrialRecord]
+    measure: Measure, recipe: ExpertRecipe, tried: Sequence[TrialRecord]
 ) -> list[TrialRecord]:
-    """Run each of ``experts`` not ``tried`` already: their records."""
-    done = {r.config for r in tried}
+    """Run each of the recipe's ladders from its largest micro-batch down until a config
+    runs, as an expert finds it (a config ``tried`` already is not run again): their
+    records."""
+    done = {r.config: r for r in tried}
     out = []
-    for cand in experts:
-        if cand.config in done:
-            continue
-        log.info("verifying the expert's recipe: %s", cand.config.describe())
-        record = measure(cand.config, cand.prediction.measurement)
-        if record is not None:
-            out.append(record)
-            done.add(cand.config)
+    for ladder in recipe.ladders:
+        for cand in ladder:
+            record = done.get(cand.config)
+            if record is None:
+                log.info("verifying the expert's recipe: %s", cand.config.describe())
+                record = measure(cand.config, cand.prediction.measurement)
+                if record is None:  # another process runs it
+                    break
+                out.append(record)
+                done[cand.config] = record
+            if record.measured is not None:
+                break
+            log.info("the expert's recipe failed (%s): the next micro-batch down", record.error)
     return out
 
 
-def baseline_record(
-    records: Sequence[TrialRecord], experts: Sequence[Candidate]
-) -> TrialRecord | None:
+def baseline_record(records: Sequence[TrialRecord], recipe: ExpertRecipe) -> TrialRecord | None:
     """The fastest measured of the expert's configs among ``records`` (their last
-    timing), or ``None`` where none fitted."""
-    configs = {c.config for c in experts}
+    timing), or ``None`` where none ran."""
+    configs = {c.config for ladder in recipe.ladders for c in ladder}
     fitted = [r for r in records if r.config in configs and r.measured is not None]
     return max(fitted, key=lambda r: r.measured.samples_per_s if r.measured else 0.0, default=None)

@@ -66,6 +66,8 @@ class Verification:
     """The noise of one timing that decided."""
     expert: TrialRecord | None
     """The expert's recipe, verified: the config to beat."""
+    expert_note: str = ""
+    """Why there is no expert's recipe, or how it differs from the expert's."""
 
 
 def verification(
@@ -117,7 +119,10 @@ def verification(
     chosen = dataclasses.replace(chosen, config=sized[0])
     tied, sigma = tied_with(chosen, _predictable(records, [chooser]), noise)
     expert = baseline_record(records, experts)
-    return Verification(chosen, chooser, records, sized[1:], tied, sigma, expert)
+    note = experts.note
+    if expert is None and experts.ladders:
+        note = "it ran out of memory or over the budget at every micro-batch predicted to fit"
+    return Verification(chosen, chooser, records, sized[1:], tied, sigma, expert, note)
 
 
 def _predictable(records: list[TrialRecord], choosers: Sequence[Chooser]) -> list[TrialRecord]:

@@ -366,7 +366,7 @@ def tuned_end_to_end(case: Case) -> list[str]:
     block checkpointed (micro-batch 4, accumulation 2: gradients live beside the second
     micro-batch's activations, as in every accumulating config the search weighs); what
     went wrong: the winner over the budget, its peak not as predicted (3%), the user's
-    model changed."""
+    model changed, no expert's recipe beside it and no reason said."""
     import autotune
 
     model, batch, loss_fn = case.build()
@@ -395,6 +395,8 @@ def tuned_end_to_end(case: Case) -> list[str]:
         problems.append(f"measured {measured}, predicted {predicted}: over 3% apart")
     if not _same_tensors(before, _state(model)):
         problems.append("the user's model changed")
+    if result.expert is None and not result.expert_note:
+        problems.append("no expert's recipe, and no word of why")
     return problems
 
 

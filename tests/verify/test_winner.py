@@ -301,3 +301,31 @@ def test_the_plainest_candidate_is_verified_where_it_could_still_win() -> None:
     ran.clear()
     choose_winner(measure, [*mixed, ranked(70.0, micro_batch_size=16, grad_accum_steps=4)], top=2)
     assert len(ran) == 2
+
+
+def test_the_experts_recipe_is_found_as_an_expert_finds_it() -> None:
+    """From the largest micro-batch predicted to fit down: one that runs out of memory is
+    followed by the next size, until one runs; a mask none of whose sizes runs leaves the
+    recipe to the other; none at all says why."""
+    from autotune.cost import ExpertRecipe
+    from autotune.verify._baseline import baseline_record, verify_baseline
+
+    ran: list[int] = []
+
+    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+        ran.append(config.micro_batch_size)
+        if config.micro_batch_size > 4:
+            return TrialRecord(config, predicted, None, error="out of memory")
+        return TrialRecord(config, predicted, Measurement(100, 0.1, 10.0 * config.micro_batch_size))
+
+    ladder = tuple(candidate(b, 10.0, 100) for b in (16, 8, 4, 2))
+    recipe = ExpertRecipe((ladder,))
+    records = verify_baseline(measure, recipe, [])
+    assert ran == [16, 8, 4]  # 2 is not run: 4 ran
+    expert = baseline_record(records, recipe)
+    assert expert is not None and expert.config.micro_batch_size == 4
+    # Tried already (among the tuner's candidates): not run again.
+    ran.clear()
+    assert verify_baseline(measure, recipe, records) == [] and ran == []
+    failing = ExpertRecipe((ladder[:2],))
+    assert baseline_record(verify_baseline(measure, failing, []), failing) is None
