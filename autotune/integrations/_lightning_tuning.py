@@ -1,4 +1,4 @@
-"""Tuning a ``LightningModule`` through its own ``training_step``: the first batch, the
+"""Tuning a ``LightningModule`` through its own ``training_step``: the widest batch, the
 optimizer it configures, and the module seen as a model whose forward is the step's loss.
 """
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -15,10 +16,10 @@ import torch
 from torch import nn
 
 from autotune.config import FUSED_OPTIMIZERS
-from autotune.errors import ConfigError, LossError
-from autotune.train import OptimizerFactory, factory_name
+from autotune.errors import BatchError, ConfigError, LossError
+from autotune.train import OptimizerFactory, factory_name, sequence_length
 
-__all__ = ["as_a_model", "first_batch", "fuse", "fuses", "optimizer_name", "step_loss"]
+__all__ = ["as_a_model", "fuse", "fuses", "optimizer_name", "step_loss", "widest_batch"]
 
 _OPTIMIZERS = {  # optimizer class name -> the autotune optimizer with the same state
     "AdamW": "adamw",
@@ -43,19 +44,40 @@ def step_loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def first_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader, as ``training_step`` receives it."""
+SCANNED = 64
+"""Batches of the train loader read for the widest one to tune with."""
+
+
+def widest_batch(trainer: pl.Trainer, given: Any = None) -> Any:
+    """The batch to tune with, as ``training_step`` receives it: ``given``, else the
+    widest of the train dataloader's first :data:`SCANNED` batches (the longest padded
+    rows, where a collator pads each batch to its own longest: the one whose memory the
+    budget must hold; the first of them where the batches have no sequence dimension)."""
     trainer.fit_loop.setup_data()
-    loader = trainer.train_dataloader
-    if not isinstance(loader, torch.utils.data.DataLoader):
+    loader: Any = trainer.train_dataloader
+    if given is None and not isinstance(loader, torch.utils.data.DataLoader):
         raise ConfigError(
             "Autotune tunes with one train DataLoader; got "
             f"{type(loader).__name__}. Tune with autotune.autotune() instead."
         )
-    batch = next(iter(loader))
+    batch = (
+        given
+        if given is not None
+        else max(itertools.islice(loader, SCANNED), key=_width, default=None)
+    )
+    if batch is None:
+        raise ConfigError("the train DataLoader yields no batch to tune with.")
     module = trainer.lightning_module
     batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def _width(batch: Any) -> int:
+    """The padded length of ``batch``, 0 where it has no sequence dimension."""
+    try:
+        return sequence_length(batch)
+    except BatchError:
+        return 0
 
 
 def optimizer_name(

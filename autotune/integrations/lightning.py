@@ -3,13 +3,14 @@
 >>> trainer = Trainer(max_epochs=3, callbacks=[Autotune(budget_gb=24, global_batch_size=64)])
 >>> trainer.fit(module)  # tunes at fit start on module.training_step, then trains as tuned
 
-Used as Lightning's ``BatchSizeFinder`` is: at fit start it takes the first batch of the
-train dataloader and tunes on a copy of the module, through the module's own
-``training_step``, with the optimizer that ``configure_optimizers`` returned. Then it
-applies the result: the batch-size attribute (found where ``BatchSizeFinder`` finds it:
-the module, its ``hparams``, the datamodule or its ``hparams``), the dataloaders rebuilt
-with it, ``accumulate_grad_batches``, the precision, and the exact per-block checkpoint
-mask; and it logs the choice. The tuned config is ``callback.result``.
+Used as Lightning's ``BatchSizeFinder`` is: at fit start it takes the widest of the train
+dataloader's first batches (or the ``sample_batch`` given) and tunes on a copy of the
+module, through the module's own ``training_step``, with the optimizer that
+``configure_optimizers`` returned. Then it applies the result: the batch-size attribute
+(found where ``BatchSizeFinder`` finds it: the module, its ``hparams``, the datamodule or
+its ``hparams``), the dataloaders rebuilt with it, ``accumulate_grad_batches``, the
+precision, and the exact per-block checkpoint mask; and it logs the choice. The tuned
+config is ``callback.result``.
 
 Where ``training_step``'s loss is a mean over label tokens (the module's Hugging Face
 language model's own loss, or ``loss_mean=`` says so), the micro-batches of a step weigh
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,10 +40,10 @@ from autotune.integrations._lightning_fallback import Ladder, precision_plugin
 from autotune.integrations._lightning_tokens import TokenWindows, weighed_step
 from autotune.integrations._lightning_tuning import (
     as_a_model,
-    first_batch,
     fuse,
     fuses,
     optimizer_name,
+    widest_batch,
 )
 from autotune.integrations._one_process import per_process
 from autotune.result import TuneResult
@@ -77,6 +79,9 @@ class Autotune(pl.Callback):
             with (as for :func:`autotune.autotune`); default: the module's optimizer, by
             its class where autotune knows it (AdamW, SGD, ...), else
             ``configure_optimizers`` itself, on a copy of the module, measured.
+        sample_batch: The batch to tune with, as the train loader yields it (a batch at
+            the longest length you train on); default: the widest of the loader's first
+            64 batches.
         loss_mean: What ``training_step``'s loss is a mean over (``"samples"``,
             ``"tokens"``, ``"next_tokens"``: see :func:`autotune.prepare`), so what each
             micro-batch weighs in a step; default: the own loss's of the one Hugging
@@ -105,6 +110,7 @@ class Autotune(pl.Callback):
         eval_batch_arg_name: str | None = None,
         optimizer: OptimizerFactory | str | None = None,
         loss_mean: LossMean | None = None,
+        sample_batch: Any = None,
         space: SearchSpace | None = None,
         n_trials: int | None = None,
         timeout_s: float | None = None,
@@ -117,6 +123,7 @@ class Autotune(pl.Callback):
         self.optimizer = optimizer
         counted_offset(torch.nn.Module(), loss_mean)  # a bad value refused now
         self.loss_mean = loss_mean
+        self.sample_batch = sample_batch
         self.options = TuneOptions(
             budget_gb=budget_gb,
             global_batch_size=global_batch_size,
@@ -249,8 +256,8 @@ class Autotune(pl.Callback):
             )
 
     def _tune(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: str) -> TuneResult:
-        """Tune on the first batch, through the module's ``training_step``."""
-        sample = first_batch(trainer)
+        """Tune on the widest of the first batches, through the module's ``training_step``."""
+        sample = widest_batch(trainer, self.sample_batch)
         # Lightning steps the optimizer configure_optimizers returned, on the device.
         space = dataclasses.replace(
             self.options.space, optimizers=(optimizer,), offload_optimizer=False
