@@ -32,7 +32,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see run.py
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
