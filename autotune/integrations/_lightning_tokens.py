@@ -68,6 +68,8 @@ class TokenWindows:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:  # the loader's sampler, dataset, batch_size
+        if name == "loader":  # not set yet (a copy being made): no loader to ask
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
     def weight(self, batch_idx: int) -> float:
