@@ -79,6 +79,8 @@ class Applied:
         loss_mean: LossMean | None = None,
     ) -> None:
         every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
+        self.configs = every
+        """Every config the handle may train with: the config, its fallbacks, the rows'."""
         for c in every:  # now, not at the first OOM in the middle of training
             check_blocks(model, c)
         for name in {c.attention for c in every if c.attention} - {attention_of(model)}:

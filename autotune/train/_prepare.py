@@ -146,13 +146,6 @@ def apply(
     fallbacks = result.fallbacks if result is not None else ()
     units = _units(blocks, result)
     table = result.by_length if result is not None else ()
-    every = (config, *fallbacks, *(c for r in table for c in (r.config, *r.fallbacks)))
-    chunked = any(c.chunked_loss for c in every)
-    if chunked and language_model(model) is None:
-        warn(
-            "this config chunks the loss, which your loop takes: take it as "
-            "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
-        )
     handle = Applied(
         model,
         config,
@@ -166,9 +159,15 @@ def apply(
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))
-    if chunked and language_model(model) is not None:
-        # model(**batch).loss, while training, is the chunked loss where the config says
-        handle.on_undo(take_chunked_loss(model, lambda: handle.config.chunked_loss))
+    if any(c.chunked_loss for c in handle.configs):
+        if language_model(model) is not None:
+            # model(**batch).loss, while training, is the chunked loss where the config says
+            handle.on_undo(take_chunked_loss(model, lambda: handle.config.chunked_loss))
+        else:
+            warn(
+                "this config chunks the loss, which your loop takes: take it as "
+                "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
+            )
     _hold(handle, result, foreign)
     return handle
 

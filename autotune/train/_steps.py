@@ -104,14 +104,24 @@ def _not_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
 
 
 def _step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """``optimizer.step()``, which its fused kernel skips where ``found_inf`` is nonzero
-    (the contract fp16's GradScaler steps such an optimizer by)."""
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    """``optimizer.step()``, which its fused kernel skips where ``found_inf`` is nonzero."""
+    _arm(optimizer, found_inf)
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        _disarm(optimizer)
+
+
+def _arm(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Hand ``optimizer``'s next step ``found_inf`` (the contract fp16's GradScaler steps
+    a fused optimizer by: its kernel skips the update where the flag is nonzero)."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+
+
+def _disarm(optimizer: torch.optim.Optimizer) -> None:
+    """Take :func:`_arm`'s flag off ``optimizer``."""
+    del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 class LoopRefusals:
@@ -148,8 +158,7 @@ class LoopRefusals:
             return False
         found = _not_finite(optimizer)
         self.refusals.flag(found, GRADIENTS)
-        optimizer.found_inf = found  # type: ignore[attr-defined]
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        _arm(optimizer, found)
         self._armed = optimizer
         return True
 
@@ -168,7 +177,7 @@ class LoopRefusals:
         optimizer, self._armed = self._armed, None
         if optimizer is None:
             return False
-        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        _disarm(optimizer)
         return True
 
 
