@@ -54,7 +54,7 @@ from autotune.train import (
     LossMean,
     OptimizerFactory,
     apply,
-    counted_offset,
+    check_loss_mean,
     own_mean,
 )
 from autotune.tuning import TuneOptions, tune
@@ -121,7 +121,7 @@ class Autotune(pl.Callback):
         self.batch_arg_name = batch_arg_name
         self.eval_batch_arg_name = eval_batch_arg_name
         self.optimizer = optimizer
-        counted_offset(torch.nn.Module(), loss_mean)  # a bad value refused now
+        check_loss_mean(loss_mean)  # now, not at fit start
         self.loss_mean = loss_mean
         self.sample_batch = sample_batch
         self.options = TuneOptions(

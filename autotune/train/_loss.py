@@ -35,6 +35,7 @@ __all__ = [
     "LossFn",
     "LossMean",
     "call_model",
+    "check_loss_mean",
     "compute_loss",
     "counted_offset",
     "describe_call",
@@ -138,11 +139,21 @@ def counted_offset(model: nn.Module, loss_mean: LossMean | None = None) -> int |
     Raises:
         ConfigError: ``loss_mean`` is none of :data:`LossMean`'s.
     """
+    check_loss_mean(loss_mean)
+    mean = loss_mean or own_mean(model)
+    return None if mean is None else _OFFSETS[mean]
+
+
+def check_loss_mean(loss_mean: object) -> None:
+    """Refuse a ``loss_mean`` that is none of :data:`LossMean`'s (``None``: the model's
+    own loss's rule).
+
+    Raises:
+        ConfigError: it is none of them.
+    """
     if loss_mean is not None and loss_mean not in _OFFSETS:
         said = ", ".join(repr(m) for m in get_args(LossMean))
         raise ConfigError(f"{option('loss_mean')}={loss_mean!r} is none of {said}.")
-    mean = loss_mean or own_mean(model)
-    return None if mean is None else _OFFSETS[mean]
 
 
 def own_mean(model: nn.Module) -> LossMean | None:

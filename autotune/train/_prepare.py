@@ -19,7 +19,7 @@ from autotune.train._chunked_loss import language_model, take_chunked_loss
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
-from autotune.train._loss import LossFn, LossMean
+from autotune.train._loss import LossFn, LossMean, check_loss_mean
 from autotune.train._optimizers import (
     OptimizerFactory,
     factory_name,
@@ -88,6 +88,7 @@ def prepare(
     until the runner is closed. A result tuned per sequence length (``by_length``) trains
     each batch with the row of its padded length, each row with its own fallbacks.
     """
+    check_loss_mean(loss_mean)  # before the model moves
     config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=True)
     config, result, target, foreign = _setup(model, config, device, strict, "prepare")
     model.train()
@@ -141,6 +142,7 @@ def apply(
     the loss your loop takes is a mean over (default: the model's own loss's), which
     :meth:`Applied.micro_batches` weighs each micro-batch by.
     """
+    check_loss_mean(loss_mean)  # before the model moves
     config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=False)
     config, result, target, foreign = _setup(model, config, device, strict, "apply")
     fallbacks = result.fallbacks if result is not None else ()
