@@ -296,7 +296,9 @@ def _drop_slow(
     """Time each precision against the reference at its size ``at``; drop from
     ``feasible`` and ``times`` (with a note) a precision much slower than fp32 and a
     compiled timeline slower than its eager twin. A chunked loss is slower than its
-    plain twin by design (memory for time): it goes only where its twin went."""
+    plain twin by design (memory for time): it goes where its twin went for slowness
+    (where only the chunked loss fits, it stays)."""
+    slow = set()
     for p in list(feasible):
         if p == reference or timeline_chunked(p):
             continue
@@ -311,6 +313,7 @@ def _drop_slow(
         ):
             notes.append(_slow_note(p, ratio, device_name))
             del feasible[p], times[p]
+            slow.add(p)
         elif compiled and eager in feasible:
             twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
             times[eager][b] = twin
@@ -320,8 +323,9 @@ def _drop_slow(
                     f"{device_name}, not searched"
                 )
                 del feasible[p], times[p]
+                slow.add(p)
     for p in [p for p in feasible if timeline_chunked(p)]:
-        if timeline_unchunked(p) not in feasible:
+        if timeline_unchunked(p) in slow:
             del feasible[p], times[p]
 
 

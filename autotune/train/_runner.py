@@ -126,13 +126,18 @@ class Runner(Applied):
     def _loss_fn(self) -> LossFn | None:
         return self.loss_fn
 
-    def forward_loss(self, chunk: Any, weight: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """Forward of one micro-batch: its loss times ``weight``, ready for :meth:`backward`."""
+    def forward_loss(
+        self, chunk: Any, weight: float | torch.Tensor = 1.0, *, evaluating: bool = False
+    ) -> torch.Tensor:
+        """Forward of one micro-batch: its loss times ``weight``, ready for :meth:`backward`.
+        ``evaluating``: the model's own forward and loss, as a trainer's evaluation runs
+        them (the chunked loss trains only: an evaluation makes the logits)."""
         chunk = batching.to_device(chunk, self.device, non_blocking=True)
-        if self.compiled_loss is not None:  # the model and its loss, one graph
-            return self.compiled_loss(self.parallel.module, chunk) * weight
+        chunked = self.config.chunked_loss and not evaluating
+        if self.compiled_loss is not None and chunked == self.config.chunked_loss:
+            return self.compiled_loss(self.parallel.module, chunk) * weight  # one graph
         with self.autocast():
-            if self.config.chunked_loss:  # the logits a slice of the tokens at a time
+            if chunked:  # the logits a slice of the tokens at a time
                 return chunked_loss(self.parallel.module, chunk) * weight
             output = call_model(self.parallel.module, chunk, has_loss_fn=self.loss_fn is not None)
             # The output goes out of scope here, so what only it held is freed before backward.

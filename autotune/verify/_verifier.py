@@ -48,11 +48,12 @@ __all__ = ["Verifier"]
 
 
 def _evaluate(runner: Runner, batch: Any) -> None:
-    """An evaluation forward with its loss; where the model's output in eval mode holds
-    no loss to read (a detection model's detections), the forward alone, whose output was
-    alive when the loss was asked for."""
+    """An evaluation forward with the model's own loss (a trainer evaluates through the
+    model's forward, which makes the logits the chunked loss spares training); where the
+    model's output in eval mode holds no loss to read (a detection model's detections), the
+    forward alone, whose output was alive when the loss was asked for."""
     try:
-        runner.forward_loss(batch)
+        runner.forward_loss(batch, evaluating=True)
     except Exception as exc:
         if isinstance(exc, torch.OutOfMemoryError) or not raised_in(exc, compute_loss):
             raise

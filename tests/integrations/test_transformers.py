@@ -288,16 +288,18 @@ def vocab_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def test_evaluation_stays_in_the_budget_where_the_default_batch_goes_over(tmp_path) -> None:
     model = wide_vocab_gpt2()
     sample = {k: torch.stack([r[k] for r in vocab_rows(2, 0)]) for k in ("input_ids", "labels")}
-    floor, _ = autotune.estimate(model, sample, TrainConfig(micro_batch_size=2), device="cpu")
-    # One training config (none checkpointed, as the floor): the evaluation batch is sized
-    # beside it, not beside whichever mask the timings favour on a loaded machine.
+    plain, _ = autotune.estimate(model, sample, TrainConfig(micro_batch_size=2), device="cpu")
+    # One training config, none checkpointed: the plain loss goes over, the chunked loss
+    # fits. The evaluation batch is sized beside it with the logits the Trainer's own
+    # evaluation makes (the chunked loss trains only).
     space = autotune.SearchSpace(
         precisions=("fp32",), micro_batch_sizes=(2,), checkpointing=False,
-        selective_checkpointing=False,
+        selective_checkpointing=False, chunked_loss=True,
     )  # fmt: skip
     result = autotune.autotune(
-        model, sample, 1.1 * floor / 2**30, global_batch_size=2, space=space, device="cpu"
+        model, sample, 0.95 * plain / 2**30, global_batch_size=2, space=space, device="cpu"
     )
+    assert result.config.chunked_loss
     tuned = result.config.eval_batch_size
     assert tuned is not None and 2 <= tuned < 8  # HF's default of 8 does not fit here
 
