@@ -169,7 +169,8 @@ class Applied:
         if self.backend.pins:  # pinned once a step: each micro-batch's copy runs async
             batch = batching.pinned(batch)
         chunks = batching.split(batch, self.config.micro_batch_size)
-        weights = batching.shares(batch, chunks, self.token_offset)
+        ranks = self.parallel.mean_over_ranks if self.parallel.kind != "none" else None
+        weights = batching.shares(batch, chunks, self.token_offset, ranks)
         for i, (chunk, weight) in enumerate(zip(chunks, weights, strict=True)):
             self.last_micro_batch(i == len(chunks) - 1)
             try:

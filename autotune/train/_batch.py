@@ -228,7 +228,12 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     return [_map(batch, itemgetter(s), 1) for s in rows]
 
 
-def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[float | Tensor]:
+def shares(
+    batch: Batch,
+    parts: list[Batch],
+    offset: int | None = None,
+    over_ranks: Callable[[Tensor], Tensor] | None = None,
+) -> list[float | Tensor]:
     """What each part of ``batch`` weighs in the mean loss over them all: its share of the
     samples, or what the batch's layout weighs (a packed row's label tokens; a part of
     one sequence is a row of its own, but still weighs its tokens).
@@ -239,6 +244,9 @@ def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[
     tuple's last item) then weigh their counted tokens, each share a 0-dim tensor where
     the labels are, computed with no read on the host. A part without a counted token
     weighs nothing (its mean loss is not finite, as one batch of those rows would be).
+    ``over_ranks``: under data parallelism, from this rank's count of counted tokens, the
+    mean count over the ranks, which the parts' counts are then divided by: the ranks'
+    mean gradient is the whole step's, not a mean of the ranks' own token means.
 
     Raises:
         BatchError: ``offset`` is given, but a batch with no layout holds no token labels.
@@ -247,6 +255,9 @@ def shares(batch: Batch, parts: list[Batch], offset: int | None = None) -> list[
     if layout is None and offset is not None:
         labels = _token_labels(batch)
         counted = [counted_tokens(p, offset) for p in parts]
+        if over_ranks is not None:
+            tokens = over_ranks(torch.stack(counted).sum())
+            return [c / tokens for c in counted]
         if on_host(labels):  # read where they are, by Python: no device waits for it
             return _over_total([c.tolist() for c in counted])  # 0-dim: a number
         tokens = torch.stack(counted).sum()

@@ -137,6 +137,7 @@ class Parallel:
     ) -> None:
         self.kind = config.parallel
         self.module: nn.Module = model
+        self.device = device
         self._ddp: Any = None
         if self.kind == "none":
             return
@@ -164,6 +165,17 @@ class Parallel:
         of the buckets at once instead of being made beside them (same sum)."""
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = last or not self.keeps_gradients
+
+    def mean_over_ranks(self, count: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks of this rank's ``count`` (a 0-dim tensor): what a rank
+        divides its summed loss by, where the loss is a mean over what every rank counts,
+        so that the mean of the ranks' gradients (DDP's, FSDP2's) is the whole step's.
+        Reduced on the device without a read on the host."""
+        import torch.distributed as dist
+
+        total = count.to(self.device, torch.float32, non_blocking=True)
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
 
     def reset(self) -> None:
         """After an error in the middle of a step (an out-of-memory error before a

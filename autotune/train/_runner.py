@@ -92,7 +92,9 @@ class Runner(Applied):
             scheduler: A learning-rate scheduler of :attr:`optimizer`, stepped after it.
 
         Returns:
-            The mean loss over the batch (a detached scalar tensor, not synchronised).
+            The mean loss over the batch (a detached scalar tensor, not synchronised);
+            with data parallelism, this process's part of the global batch's: their mean
+            over the processes is the global batch's mean loss.
 
         Raises:
             NonFiniteError: a step was refused, its loss or gradients not finite: the

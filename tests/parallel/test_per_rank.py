@@ -20,6 +20,9 @@ CASES = [
     {"model": "mlp-frozen", "parallel": "fsdp", "micro": 16, "accum": 2},
     {"model": "mlp", "parallel": "fsdp", "micro": 16, "accum": 1, "offload": True},
     {"model": "gpt", "parallel": "ddp", "micro": 4, "accum": 2, "selective": ["blocks.0"]},
+    # Padded rows of very different lengths, a token mean: the ranks weigh their tokens
+    # against every rank's (not each its own mean), as one process over the global batch.
+    {"model": "gpt-padded", "parallel": "ddp", "micro": 2, "accum": 2, "loss_mean": "tokens"},
     {
         "model": "gpt",
         "parallel": "fsdp",
@@ -31,8 +34,9 @@ CASES = [
     },
 ]
 """One case of each kind (FSDP2 with blocks checkpointed and kept gathered, a frozen
-part, the optimizer offloaded, DDP with selective checkpointing, bf16 with every block
-choice); ``benchmarks/parallel.py`` predicts more configs and shapes at 1, 2 and 4 ranks."""
+part, the optimizer offloaded, DDP with selective checkpointing, a token mean over padded
+rows, bf16 with every block choice); ``benchmarks/parallel.py`` predicts more configs and
+shapes at 1, 2 and 4 ranks."""
 
 
 @pytest.mark.parametrize("world", sweep([2, 4], [2]))

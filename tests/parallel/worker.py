@@ -52,7 +52,12 @@ def model_and_data(name: str, n: int) -> tuple[nn.Module, Any, Any]:
         return model, mlp_loss, data
     layers = 6 if name == "gpt6" else 3
     model = tiny_gpt(n_layer=layers, n_embd=64, n_head=2, block_size=32, vocab_size=128)
-    return model, None, gpt_batch(model.config, n, seed=1)
+    x, y = gpt_batch(model.config, n, seed=1)
+    if name == "gpt-padded":  # rows of 2 to 32 tokens, long-tailed: the pads' labels -100
+        g = torch.Generator().manual_seed(2)
+        lengths = torch.exp(2.5 + 0.8 * torch.randn(n, generator=g)).long().clamp(2, 32)
+        y = y.masked_fill(torch.arange(32) >= lengths[:, None], -100)
+    return model, None, (x, y)
 
 
 def rows(batch: Any, start: int, stop: int) -> Any:
@@ -95,7 +100,8 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     model, loss_fn, data = model_and_data(spec["model"], local * world * 3)
     predicted, _ = autotune.estimate(model, rows(data, 0, 4), config, device="cpu", loss_fn=loss_fn)
     reference = copy.deepcopy(model)
-    runner = autotune.prepare(model, config, lr=1e-3, loss_fn=loss_fn, device="cpu")
+    mean = spec.get("loss_mean")  # "tokens": each rank's micro-batches weigh their tokens
+    runner = autotune.prepare(model, config, lr=1e-3, loss_fn=loss_fn, device="cpu", loss_mean=mean)
     losses, peaks = [], []
     for step in range(3):
         mine = rows(data, (step * world + rank) * local, (step * world + rank + 1) * local)
@@ -115,7 +121,9 @@ def case(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         keep_gathered=(),
         grad_accum_steps=config.grad_accum_steps * world,
     )
-    ref = autotune.prepare(reference, single, lr=1e-3, loss_fn=loss_fn, device="cpu")
+    ref = autotune.prepare(
+        reference, single, lr=1e-3, loss_fn=loss_fn, device="cpu", loss_mean=mean
+    )
     expected = [
         float(ref.step(rows(data, step * world * local, (step + 1) * world * local)))
         for step in range(3)
