@@ -15,6 +15,7 @@ from torch import nn
 
 import autotune
 from autotune import ConfigError, SearchSpace, TrainConfig
+from autotune.config import timeline_key
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.measure._memory_profile import memory_profile
@@ -185,26 +186,32 @@ def test_autotune_searches_compiled_blocks_and_verifies_what_it_predicts() -> No
     assert not any(is_compiled(m) for m in work.modules())
 
 
-def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte() -> None:
-    """The model and its loss compiled whole: a timeline of its own beside the eager one,
-    planned at a profiled size, and the verifier measures the planned config's peak."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte(
+    chunked: bool,
+) -> None:
+    """The model and its loss compiled whole, the plain loss or the chunked one: a
+    timeline of its own beside the eager one, planned at a profiled size, and the
+    verifier measures the planned config's peak."""
     from tiny_gpt2 import MICRO, SEQ, VOCAB, gpt2
 
     ids = torch.randint(VOCAB, (2 * MICRO, SEQ), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids}
     profiler = Profiler(gpt2(), sample, (), device=torch.device("cpu"), loss_fn=None)
+    eager, whole = timeline_key("fp32", "none", chunked), timeline_key("fp32", "model", chunked)
     with measured_compiling():
         profile, notes = memory_profile(
-            profiler, ("fp32",), ("adamw_fused",), device_name="cpu", context_bytes=0,
-            whole=("fp32",),
+            profiler, (eager,), ("adamw_fused",), device_name="cpu", context_bytes=0,
+            whole=("fp32",), chunked=chunked,
         )  # fmt: skip
-    assert set(profile.precisions) == {"fp32", "fp32+model"} and not notes
+    assert set(profile.precisions) == {eager, whole} and not notes
     chooser = Chooser(
-        cost=CostModel(profile), sizes=(MICRO,), precisions=("fp32+model",),
+        cost=CostModel(profile), sizes=(MICRO,), precisions=(whole,),
         optimizers=("adamw_fused",), global_batch_size=2 * MICRO, limit=2**30,
     )  # fmt: skip
-    config = chooser.config("fp32+model", "adamw_fused", MICRO)
+    config = chooser.config(whole, "adamw_fused", MICRO)
     assert config is not None and config.compile_model and not config.compile_blocks
+    assert config.chunked_loss == chunked
     verifier = Verifier(gpt2(), sample, device=torch.device("cpu"), budget_bytes=2**30,
                         loss_fn=None, blocks=())  # fmt: skip
     with measured_compiling():

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotune._profile_data import OptimizerProfile, PrecisionProfile, Profile, Transfer
-from autotune.config import timeline_key, timeline_parts
+from autotune.config import timeline_chunked, timeline_key, timeline_parts
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profiler import Profiler
@@ -47,6 +47,7 @@ def memory_profile(
     selective: bool = False,
     compiled: Sequence[str] = (),
     whole: Sequence[str] = (),
+    chunked: bool = False,
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
@@ -57,14 +58,18 @@ def memory_profile(
     for each of the precisions ``compiled``, its timeline with every block compiled (kept
     and checkpointed), for each of ``whole``, with the model compiled whole with its
     loss (every block kept, and checkpointed), unless compiling fails (a note says why).
+    ``chunked``: the compiled timelines with the chunked loss (``precisions`` are then
+    the eager chunked timelines' keys); each compiled timeline is profiled where its eager
+    twin fitted.
 
     Raises:
         ProfileError: nothing fits the device.
     """
     notes: list[str] = []
+    loss = " with the chunked loss" if chunked else ""
     extra = {
-        "compiled blocks": tuple(timeline_key(p, "blocks") for p in compiled),
-        "the model compiled whole": tuple(timeline_key(p, "model") for p in whole),
+        f"compiled blocks{loss}": tuple(timeline_key(p, "blocks", chunked) for p in compiled),
+        f"the model compiled whole{loss}": tuple(timeline_key(p, "model", chunked) for p in whole),
     }
     with written_buffers(profiler.model) as written:
         memory, measured = _measure(
@@ -77,6 +82,11 @@ def memory_profile(
         )
     profile = _profile(profiler, memory, measured, context_bytes, transfer)
     return _with_written(profile, profiler.model, written), notes
+
+
+def _eager_twin(key: str) -> str:
+    """The eager timeline of compiled timeline ``key``, with the same loss."""
+    return timeline_key(timeline_parts(key)[0], "none", timeline_chunked(key))
 
 
 def _with_written(profile: Profile, model: nn.Module, written: Sequence[str]) -> Profile:
@@ -118,7 +128,7 @@ def _measure(
                 profiler, precisions, optimizers, transfer, selective, b1, b2, notes
             )
             for what, keys in extra.items():
-                if memory and (ranked := [k for k in keys if timeline_parts(k)[0] in memory]):
+                if memory and (ranked := [k for k in keys if _eager_twin(k) in memory]):
                     eager = {"offload": transfer is not None, "selective": selective}
                     knobs = {} if timeline_parts(ranked[0])[1] else eager
                     sizes = (b1, b2)

@@ -26,14 +26,23 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import (
+    COMPILED_MODEL,
     apply_checkpointing,
     apply_offloading,
     check_blocks,
     named_recompute_errors,
     remove_checkpointing,
+    replace_forward,
+    restore_forwards,
+)
+from autotune.train._chunked_loss import (
+    ChunkedLoss,
+    chunked_loss,
+    language_model,
+    taking_chunked_loss,
 )
 from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
-from autotune.train._compiled_model import CompiledLoss, compile_forward, uncompile_forward
+from autotune.train._compiled_model import CompiledLoss, ShapeRouted
 from autotune.train._fallback import Ladder, snapshot
 from autotune.train._loss import LossMean, counted_offset
 from autotune.train._offload_activations import ActivationOffloader
@@ -107,7 +116,16 @@ class Applied:
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
         self.compiled_loss: CompiledLoss | None = None
-        """The forward and loss compiled as one graph (a runner's, with ``compile_model``)."""
+        """The forward and loss compiled as one graph (with ``compile_model``: a runner's,
+        or the chunked loss a loop of one's own takes)."""
+        self.takes_chunked_loss = (
+            not self.compiles_loss
+            and any(c.chunked_loss for c in every)
+            and language_model(model) is not None
+        )
+        """Whether, in a loop of one's own, ``model(**batch).loss`` is the chunked loss
+        while a config with ``chunked_loss`` trains (a Hugging Face causal language
+        model's forward then returns it, without logits)."""
         self._wrap(config)
         own = loss_mean is None and self._loss_fn() is None  # the model's own loss
         self.token_offset = counted_offset(model, loss_mean) if own or loss_mean else None
@@ -334,17 +352,48 @@ class Applied:
         apply_offloading(model, config.offload_activations, self.offloader)
 
     def _compile_model(self, config: TrainConfig) -> None:
-        """The model compiled whole, with its loss where the handle takes the loss, or not."""
+        """The model compiled whole with its loss, where the handle takes the loss (a
+        runner's) or the loss is chunked; and in a loop of one's own, the forward the loop
+        calls: compiled whole (:class:`ShapeRouted`) and returning the chunked loss while
+        it trains (:attr:`takes_chunked_loss`), as ``config`` says."""
         self.compiled_loss = None
-        if not config.compile_model or self.compiles_loss:
-            uncompile_forward(self.model)
-        if config.compile_model and self.compiles_loss:
+        restore_forwards(self.model, COMPILED_MODEL)
+        if config.compile_model and (self.compiles_loss or config.chunked_loss):
             dtype = _DTYPES.get(config.precision)
             self.compiled_loss = CompiledLoss(
                 self.device.type, dtype, self._loss_fn(), chunked=config.chunked_loss
             )
-        elif config.compile_model:
-            compile_forward(self.model)
+        if self.compiles_loss or not (config.compile_model or self.takes_chunked_loss):
+            return
+        forward = self.model.forward
+        if config.compile_model:
+            forward = ShapeRouted(forward)
+        if self.takes_chunked_loss:
+            forward = taking_chunked_loss(self.model, forward, self.chunked_training_loss)
+        replace_forward(self.model, forward, COMPILED_MODEL)
+
+    def chunked_training_loss(self) -> ChunkedLoss | None:
+        """The chunked loss a training forward returns under the config in force
+        (:func:`~autotune.train._chunked_loss.taking_chunked_loss`): compiled with the model
+        where the config compiles it, as tuned; ``None`` where the loss is not chunked."""
+        if not self.config.chunked_loss:
+            return None
+        compiled = self.compiled_loss
+        if compiled is None:
+            return chunked_loss
+
+        def compiled_chunked(
+            model: nn.Module, batch: Any, num_items: torch.Tensor | int | None = None
+        ) -> torch.Tensor:
+            mean = compiled(model, batch)  # over the batch's counted tokens
+            if num_items is None:
+                return mean
+            # Its sum over the step's tokens, outside the graph (a number passed into it
+            # would compile a graph per value).
+            summed = mean * batching.counted_tokens(batch, 1).clamp(min=1)
+            return summed / num_items
+
+        return compiled_chunked
 
     def _loss_fn(self) -> Any:
         """The loss function a compiled loss takes (a runner's)."""
@@ -397,7 +446,7 @@ class Applied:
             self.host.close()
         remove_checkpointing(self.model)
         uncompile_blocks(self.model)
-        uncompile_forward(self.model)
+        restore_forwards(self.model, COMPILED_MODEL)
         self._budget.close()  # the allocator's cap as it was before
         self._closed = True
 

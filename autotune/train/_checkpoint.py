@@ -40,8 +40,8 @@ _ORIGINAL = "_autotune_original_forward"
 COMPILED = "_autotune_eager_forward"
 """Where a compiled block keeps its eager ``forward`` (see :mod:`autotune.train._compiled`)."""
 COMPILED_MODEL = "_autotune_model_forward"
-"""Where a model compiled whole keeps its eager ``forward`` (see
-:mod:`autotune.train._compiled_model`)."""
+"""Where a model keeps its own ``forward`` while a loop of one's own trains it with another
+(compiled whole, returning the chunked loss; see :class:`~autotune.train._applied.Applied`)."""
 
 
 def apply_checkpointing(

@@ -27,7 +27,14 @@ from torch.utils.checkpoint import checkpoint
 from autotune.errors import LossError
 from autotune.train._loss import own_mean
 
-__all__ = ["CHUNKS", "chunked_loss", "language_model", "take_chunked_loss", "why_not_chunked"]
+__all__ = [
+    "CHUNKS",
+    "ChunkedLoss",
+    "chunked_loss",
+    "language_model",
+    "taking_chunked_loss",
+    "why_not_chunked",
+]
 
 CHUNKS = 8
 """Slices of the tokens: a slice's logits are an eighth of the whole."""
@@ -108,36 +115,29 @@ def chunked_loss(
     return mean
 
 
-def take_chunked_loss(model: nn.Module, wanted: Callable[[], bool]) -> Callable[[], None]:
-    """Make ``model``'s forward return the chunked loss, in an output without logits,
-    where ``wanted()`` says so and it trains on a dict of arguments with ``labels``, so
-    that a loop that takes ``model(**batch).loss`` (Hugging Face's Trainer, one's own)
-    trains with it; ``num_items_in_batch`` (the Trainer's count of the step's tokens)
-    divides the summed loss. Any other call runs the forward as it was.
+ChunkedLoss = Callable[[nn.Module, Any, Any], torch.Tensor]
+"""A chunked loss, as :func:`chunked_loss` (or its graph compiled with the model's)."""
 
-    Returns:
-        The function that puts the forward back.
-    """
+
+def taking_chunked_loss(
+    model: nn.Module, forward: Callable[..., Any], loss: Callable[[], ChunkedLoss | None]
+) -> Callable[..., Any]:
+    """``model``'s ``forward`` returning, in an output without logits, the chunked loss
+    ``loss()`` gives, where it gives one and the model trains on a dict of arguments with
+    ``labels``, so that a loop that takes ``model(**batch).loss`` (Hugging Face's Trainer,
+    one's own) trains with it; ``num_items_in_batch`` (the Trainer's count of the step's
+    tokens) divides the summed loss. Any other call runs ``forward``."""
     outputs = importlib.import_module("transformers.modeling_outputs")
-    forward = model.forward
-    own = "forward" in vars(model)  # an instance's forward of its own (a compiled one)
 
     def chunked_forward(*args: Any, **kwargs: Any) -> Any:
         taken = not args and "labels" in kwargs and model.training and torch.is_grad_enabled()
-        if not (taken and wanted()):
+        chunked = loss() if taken else None
+        if chunked is None:
             return forward(*args, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
-        return outputs.CausalLMOutputWithPast(loss=chunked_loss(model, kwargs, num_items))
+        return outputs.CausalLMOutputWithPast(loss=chunked(model, kwargs, num_items))
 
-    model.forward = chunked_forward
-
-    def put_back() -> None:
-        if own:
-            model.forward = forward
-        else:
-            vars(model).pop("forward", None)
-
-    return put_back
+    return chunked_forward
 
 
 def _summed(

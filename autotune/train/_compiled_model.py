@@ -9,8 +9,8 @@ called on a micro-batch under autocast and its loss taken (``output.loss``, or t
 recomputation is part of the graph (a plain non-reentrant checkpoint, which dynamo traces:
 :func:`~autotune.train._checkpoint.apply_checkpointing` with ``plain``). The loss's weight
 (its share of the step's samples) multiplies it outside: a float inside would be a graph
-per value. :func:`compile_forward` compiles the forward alone, in place, for a loop of
-one's own (:func:`autotune.apply`), whose loss is its own.
+per value. :class:`ShapeRouted` compiles the forward alone, for a loop of one's own
+(:func:`autotune.apply`), whose loss is its own.
 
 Each micro-batch shape a handle meets first is a static graph of its own, compiled at its
 first call, as a config is verified and as it trains. A tuning run profiles many sizes:
@@ -34,16 +34,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from autotune.train._checkpoint import COMPILED_MODEL, replace_forward, restore_forwards
 from autotune.train._chunked_loss import chunked_loss
 from autotune.train._loss import LossFn, call_model, compute_loss
 
 __all__ = [
     "CompiledLoss",
+    "ShapeRouted",
     "any_batch_size",
-    "compile_forward",
     "forget_graphs",
-    "uncompile_forward",
 ]
 
 _dynamic_depth = 0
@@ -181,18 +179,11 @@ def _logging_ignored() -> Iterator[None]:
             ignored.discard(warn)
 
 
-def compile_forward(model: nn.Module) -> None:
-    """Compile ``model``'s forward in place (a loop of one's own: the loss its own code
-    takes), its first shape a static graph and every other one graph of symbolic batch and
-    sequence dimensions, as a runner's compiled loss; undone by :func:`uncompile_forward`."""
-    if COMPILED_MODEL in model.__dict__:
-        return
-    replace_forward(model, _ShapeRouted(model.forward), COMPILED_MODEL)
-
-
-class _ShapeRouted:
-    """``forward`` compiled: its first call's shapes static, every other shape dynamic
-    (one graph where Hugging Face's loss warns)."""
+class ShapeRouted:
+    """A model's ``forward`` compiled, for a loop of one's own (the loss its own code
+    takes): its first call's shapes a static graph, every other shape one graph of
+    symbolic batch and sequence dimensions, as a runner's compiled loss (one graph where
+    Hugging Face's loss warns)."""
 
     def __init__(self, forward: Any) -> None:
         self.forward = forward
@@ -223,8 +214,3 @@ def _compiled_forward(run: Any) -> Any:
     """A forward's trampoline compiled, each its own code object, so that dynamo keeps
     the static graphs and the dynamic ones apart."""
     return torch.compile(run, dynamic=False if run is _static_forward else None)
-
-
-def uncompile_forward(model: nn.Module) -> None:
-    """Undo :func:`compile_forward`."""
-    restore_forwards(model, COMPILED_MODEL)

@@ -15,7 +15,6 @@ from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._batch_layout import layouts_of_model
-from autotune.train._chunked_loss import language_model, take_chunked_loss
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
@@ -161,15 +160,11 @@ def apply(
     )
     handle.on_undo(disable_kv_cache(model))
     handle.on_undo(disable_hf_checkpointing(model))
-    if any(c.chunked_loss for c in handle.configs):
-        if language_model(model) is not None:
-            # model(**batch).loss, while training, is the chunked loss where the config says
-            handle.on_undo(take_chunked_loss(model, lambda: handle.config.chunked_loss))
-        else:
-            warn(
-                "this config chunks the loss, which your loop takes: take it as "
-                "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
-            )
+    if any(c.chunked_loss for c in handle.configs) and not handle.takes_chunked_loss:
+        warn(
+            "this config chunks the loss, which your loop takes: take it as "
+            "autotune.chunked_loss(model, batch) (the whole logits hold more than tuned).",
+        )
     _hold(handle, result, foreign)
     return handle
 

@@ -160,8 +160,9 @@ this share of what the sample holds through its step."""
 def _with_chunked_loss(
     profiler: Profiler, problem: Problem, draft: Profile, notes: list[str]
 ) -> Profile:
-    """``draft`` with the chunked loss's timeline of each eager precision where it is
-    searched (:attr:`SearchSpace.chunked_loss`) and the model takes it."""
+    """``draft`` with the chunked loss's timeline of each of its timelines (eager, and
+    compiled at each level profiled) where it is searched
+    (:attr:`SearchSpace.chunked_loss`) and the model takes it."""
     wanted = problem.space.chunked_loss
     why = why_not_chunked(profiler.model, profiler.sample, profiler.loss_fn is not None)
     if wanted is False or why is not None:
@@ -181,6 +182,9 @@ def _with_chunked_loss(
             context_bytes=problem.target.context_bytes,
             transfer=draft.transfer,
             selective=problem.space.selective_checkpointing,
+            compiled=[p for p in eager if timeline_key(p, "blocks") in draft.precisions],
+            whole=[p for p in eager if timeline_key(p, "model") in draft.precisions],
+            chunked=True,
         )
     except AutotuneError as exc:  # it does not fit, or the model refuses it: not searched
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""

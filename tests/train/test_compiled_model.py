@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from counted_ops import CountedOps
-from tiny_gpt2 import MICRO, SEQ, VOCAB, gpt2
+from tiny_gpt2 import MICRO, SEQ, VOCAB, gpt2, padded_rows
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -113,6 +113,46 @@ def test_a_block_that_updates_running_statistics_is_refused_inside_the_graph() -
     config = TrainConfig(micro_batch_size=4, compile_model=True, checkpoint=("1",))
     with pytest.raises(autotune.BlockError, match="updates running statistics"):
         autotune.prepare(copy.deepcopy(model), config, loss_fn=lambda out, b: out.mean())
+
+
+def test_the_chunked_loss_compiled_with_the_model_steps_as_one_plain_batch() -> None:
+    """The chunked loss inside the model's graph (``compile_model`` with ``chunked_loss``,
+    timelines the tuner searches): an SGD step over 8 padded rows of 3 to 32 label tokens
+    in micro-batches of 4 is one plain PyTorch step of the 8 rows, through the runner and
+    through ``apply()`` in a loop that takes ``model(**batch).loss`` over the step's
+    tokens as Hugging Face's Trainer does (``num_items_in_batch``), the logits never
+    made whole; the model's forward given back."""
+    rows, model = padded_rows(), gpt2()
+    reference = copy.deepcopy(model)
+    reference(**rows).loss.backward()
+    update = torch.cat([-p.grad.flatten() for p in reference.parameters()])  # SGD at lr 1
+
+    def error(work: nn.Module) -> float:
+        pairs = zip(work.parameters(), model.parameters(), strict=True)
+        moved = torch.cat([(a - b).detach().flatten() for a, b in pairs])
+        return float((moved - update).norm() / update.norm())
+
+    config = TrainConfig(
+        micro_batch_size=MICRO, grad_accum_steps=2, optimizer="sgd", compile_model=True,
+        chunked_loss=True,
+    )  # fmt: skip
+    work = copy.deepcopy(model)
+    with measured_compiling(), autotune.prepare(work, config, lr=1.0, device="cpu") as runner:
+        runner.step(rows)
+    assert error(work) <= 1e-5
+    work = copy.deepcopy(model)
+    tokens = (rows["labels"][:, 1:] != -100).sum()  # the step's, the Trainer's count
+    with measured_compiling(), autotune.apply(work, config, lr=1.0, device="cpu") as handle:
+        graphs = counters["stats"]["unique_graphs"]
+        optimizer = torch.optim.SGD(work.parameters(), lr=1.0)
+        for chunk, _ in handle.micro_batches(rows):
+            output = work(**chunk, num_items_in_batch=tokens)
+            assert output.logits is None
+            output.loss.backward()
+        optimizer.step()
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # the compiled chunked loss
+    assert error(work) <= 1e-5
+    assert not any("forward" in vars(m) for m in work.modules())
 
 
 def test_a_stream_of_lengths_compiles_two_graphs_and_no_step_runs_eagerly() -> None:
