@@ -26,7 +26,7 @@ from autotune.result import LengthRow
 from autotune.train import _batch as batching
 from autotune.train._attention import attention_of, set_attention
 from autotune.train._checkpoint import (
-    COMPILED_MODEL,
+    MODEL_FORWARD,
     apply_checkpointing,
     apply_offloading,
     check_blocks,
@@ -357,7 +357,7 @@ class Applied:
         calls: compiled whole (:class:`ShapeRouted`) and returning the chunked loss while
         it trains (:attr:`takes_chunked_loss`), as ``config`` says."""
         self.compiled_loss = None
-        restore_forwards(self.model, COMPILED_MODEL)
+        restore_forwards(self.model, MODEL_FORWARD)
         if config.compile_model and (self.compiles_loss or config.chunked_loss):
             dtype = _DTYPES.get(config.precision)
             self.compiled_loss = CompiledLoss(
@@ -370,7 +370,7 @@ class Applied:
             forward = ShapeRouted(forward)
         if self.takes_chunked_loss:
             forward = taking_chunked_loss(self.model, forward, self.chunked_training_loss)
-        replace_forward(self.model, forward, COMPILED_MODEL)
+        replace_forward(self.model, forward, MODEL_FORWARD)
 
     def chunked_training_loss(self) -> ChunkedLoss | None:
         """The chunked loss a training forward returns under the config in force
@@ -446,7 +446,7 @@ class Applied:
             self.host.close()
         remove_checkpointing(self.model)
         uncompile_blocks(self.model)
-        restore_forwards(self.model, COMPILED_MODEL)
+        restore_forwards(self.model, MODEL_FORWARD)
         self._budget.close()  # the allocator's cap as it was before
         self._closed = True
 

@@ -25,7 +25,7 @@ from autotune.train._selective import selective_contexts
 
 __all__ = [
     "COMPILED",
-    "COMPILED_MODEL",
+    "MODEL_FORWARD",
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
@@ -39,7 +39,7 @@ __all__ = [
 _ORIGINAL = "_autotune_original_forward"
 COMPILED = "_autotune_eager_forward"
 """Where a compiled block keeps its eager ``forward`` (see :mod:`autotune.train._compiled`)."""
-COMPILED_MODEL = "_autotune_model_forward"
+MODEL_FORWARD = "_autotune_model_forward"
 """Where a model keeps its own ``forward`` while a loop of one's own trains it with another
 (compiled whole, returning the chunked loss; see :class:`~autotune.train._applied.Applied`)."""
 
