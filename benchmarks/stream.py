@@ -2,7 +2,7 @@
 of padded rows of long-tailed lengths, as a user's trainer feeds them, against a plain
 PyTorch loop trained without autotune on the same batches.
 
-    python benchmarks/stream.py --out benchmarks/results/stream-cpu.json   # ~6 min, 2 cores
+    python benchmarks/stream.py --out benchmarks/results/stream-cpu.json   # ~10 min, 2 cores
 
 The job: a 2-layer Llama of 128 positions; 1,000 rows of log-normal lengths (median 40
 tokens, clipped to 16..128, seeded), padded per batch to its longest row by a collator
@@ -12,13 +12,16 @@ longest batch the stream can hold (16 rows of 128 tokens) at a budget where it n
 accumulation, fp32 and AdamW (the reference's math). Then each path trains 300 steps:
 the runner (``prepare().step``), the runner with the model compiled whole (the compile
 level forced on: the CPU's search leaves it off), ``apply()`` in a loop of one's own,
-Hugging Face's ``Trainer`` with ``AutotuneCallback``, and Lightning's ``Autotune``
-(which tunes itself, through ``training_step``). Per path: the peak of the whole run
+Hugging Face's ``Trainer`` with ``AutotuneCallback``, TRL's ``SFTTrainer`` with it (its
+own collator; tuned on its own step, whose fused output layer holds workspaces of its
+own, at a budget as far below that step's one-batch peak as the others'), and
+Lightning's ``Autotune`` (which tunes itself, through ``training_step``). Per path: the peak of the whole run
 under the CPU's live-bytes tracker against the budget and the prediction at the longest
 length; the graphs compiled and whether dynamo reached its recompile limit; samples/s
-against the tuned config's on fixed batches padded to the stream's mean width (a second,
-untracked run); the largest relative gap of the step losses (and evaluation losses) to
-the reference's.
+against the tuned config's at the same lengths (fixed batches padded to five quantiles
+of the stream's widths, each step's seconds interpolated at its width; measured three
+times after the path: the median, and the range the machine's noise spans); the
+largest relative gap of the step losses (and evaluation losses) to the reference's.
 
 Targets: every peak within the budget, graphs at most 2 (two kinds of shape: the first,
 and every other), no recompile limit reached, samples/s at least 0.9x, losses within 1%
@@ -33,12 +36,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see run.py
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import math
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -227,6 +232,77 @@ def hf_path(
     return run, reading.peak_bytes
 
 
+def sft_trainer(model: nn.Module, args: Any, data: list[Any], held_rows: list[Any]) -> Any:
+    """TRL's ``SFTTrainer`` on the rows already tokenized, in order, padded by its own
+    collator (labels -100 at the pads); it computes the loss through its own fused output
+    layer (``fused_lm_head``), patched into ``model``."""
+    import datasets
+    import tokenizers
+    import trl
+
+    class InOrder(trl.SFTTrainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="t0", eos_token="t1"
+    )
+    rows = {"input_ids": [r["input_ids"].tolist() for r in data]}
+    held = {"input_ids": [r["input_ids"].tolist() for r in held_rows]}
+    return InOrder(
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows),
+        eval_dataset=datasets.Dataset.from_dict(held), processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def trl_tuned(longest: Any, shortfall: float, data: list[Any], held_rows: list[Any]) -> Any:
+    """The config tuned for TRL's step, as its users tune (the trainer's own batch, with
+    ``fused_lm_head``: TRL's output layer holds workspaces of its own), on the longest
+    batch, at a budget as far below its one-batch peak as the other paths'."""
+    import trl
+
+    model = llama()
+    sft_trainer(model, trl.SFTConfig(tempfile.mkdtemp(), use_cpu=True), data, held_rows)
+    sample = {**longest, "fused_lm_head": True}
+    plain = autotune.TrainConfig(micro_batch_size=GLOBAL, optimizer="adamw")
+    peak, _ = autotune.estimate(model, sample, plain, device="cpu")
+    space = autotune.SearchSpace(precisions=("fp32",), optimizers=("adamw",))
+    budget_gb = (peak - shortfall) / 2**30
+    return autotune.autotune(
+        model, sample, budget_gb, global_batch_size=GLOBAL, device="cpu", space=space
+    )
+
+
+def trl_path(
+    result: Any, data: list[Any], held_rows: list[Any], steps: int, out: str, tracked: bool
+) -> tuple[Run, int | None]:
+    """``SFTTrainer`` with ``AutotuneCallback`` and the exported ``SFTConfig``."""
+    import trl
+
+    from autotune.integrations.transformers import AutotuneCallback, training_arguments
+
+    model, run = llama(), Run()
+    args = training_arguments(
+        result, out, args_class=trl.SFTConfig, learning_rate=LR,
+        lr_scheduler_type="constant", max_steps=steps, max_grad_norm=0.0, logging_steps=1,
+        report_to=[], save_strategy="no", disable_tqdm=True, eval_strategy="steps",
+        eval_steps=EVAL_EVERY, per_device_eval_batch_size=len(held_rows),
+        dataloader_drop_last=False, max_length=CONTEXT, packing=False,
+    )  # fmt: skip
+    trainer = sft_trainer(model, args, data, held_rows)
+    trainer.add_callback(AutotuneCallback(result))
+    trainer.add_callback(_Losses(run))
+    if not tracked:
+        trainer.train()
+        return run, None
+    with autotune.peak_memory(model) as reading:
+        trainer.train()
+    return run, reading.peak_bytes
+
+
 def lightning_path(
     given: Any, budget_gb: float, data: list[Any], held: Any, steps: int, longest: Any = None
 ) -> tuple[Run, Any, int | None]:
@@ -301,30 +377,66 @@ def gap(run: Run, ref: Run) -> tuple[float, float]:
     return steps, evals
 
 
-def fixed_speed(result: Any, width: int) -> float:
-    """The tuned config's samples/s on batches of one shape, padded to ``width``."""
-    rows = corpus(GLOBAL, seed=7)
-    batch = collate([{"input_ids": r["input_ids"][:width]} for r in rows])
-    batch = {k: nn.functional.pad(v, (0, width - v.shape[1])) for k, v in batch.items()}
-    config = result.config
-    config = config.replace(checkpoint=tuple(b.removeprefix("model.") for b in config.checkpoint))
-    runner = autotune.prepare(llama(), config, lr=LR)
-    for _ in range(3):
-        runner.step(batch)
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        runner.step(batch)
-        times.append(time.perf_counter() - start)
+def fixed_speed(result: Any, stream: list[Any], path: str) -> float:
+    """The tuned config's samples/s at the stream's lengths, from fixed batches: the
+    seconds of a step of 16 rows padded to each quantile of the stream's widths (through
+    the runner, one runner for all, as the job meets them), interpolated at every step's
+    width, each step's rows counted (the model of ``path``: TRL's with its fused output
+    layer; Lightning's blocks named inside its module)."""
+    widths = [b["input_ids"].shape[1] for b in stream[WARM:]]
+    at = sorted({int(statistics.quantiles(widths, n=4, method="inclusive")[i]) for i in range(3)})
+    at = sorted({min(widths), *at, max(widths)})
+    config, model = result.config, llama()
+    if path == "lightning":
+        blocks = tuple(b.removeprefix("model.") for b in config.checkpoint)
+        config = config.replace(checkpoint=blocks)
+    extra: dict[str, Any] = {}
+    if path == "trl":
+        import trl
+
+        rows_given = corpus(4, seed=9)
+        sft_trainer(model, trl.SFTConfig(tempfile.mkdtemp(), use_cpu=True), rows_given, rows_given)
+        extra["fused_lm_head"] = True
+    runner = autotune.prepare(model, config, lr=LR)
+    seconds = []
+    for width in at:
+        rows = corpus(GLOBAL, seed=7)
+        batch = collate([{"input_ids": r["input_ids"][:width]} for r in rows])
+        batch = {k: nn.functional.pad(v, (0, width - v.shape[1])) for k, v in batch.items()}
+        batch.update(extra)
+        for _ in range(2):
+            runner.step(batch)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            runner.step(batch)
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
     runner.close()
-    return GLOBAL / statistics.median(times)
+    total = sum(
+        len(b["input_ids"]) / GLOBAL * _interpolated(at, seconds, b["input_ids"].shape[1])
+        for b in stream[WARM:]
+    )
+    return sum(len(b["input_ids"]) for b in stream[WARM:]) / total
+
+
+def _interpolated(xs: list[int], ys: list[float], x: int) -> float:
+    """``ys`` at ``x``, linearly between the nearest of ``xs`` (sorted)."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    for (x0, y0), (x1, y1) in itertools.pairwise(zip(xs, ys, strict=True)):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
-        "--paths", nargs="*", default=["runner", "compiled", "apply", "hf", "lightning"]
+        "--paths",
+        nargs="*",
+        default=["runner", "compiled", "apply", "hf", "trl", "lightning"],
     )
     parser.add_argument(
         "--lightning-sample",
@@ -359,6 +471,8 @@ def main() -> int:
         f"tuned in {tuning_s:.0f} s: {result.config.describe()}, predicted peak "
         f"{result.predicted.peak_bytes / 2**20:.2f} MiB at {CONTEXT} tokens, budget {budget_gb * 2**30 / 2**20:.2f} MiB"
     )
+    shortfall = peak - budget_gb * 2**30
+    trl_result = trl_tuned(longest, shortfall, data, held_rows) if "trl" in args.paths else None
     ref = reference(stream, held)
     rows: dict[str, Any] = {}
     tracked_steps = stream[:60]
@@ -367,6 +481,8 @@ def main() -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", AutotuneWarning)
             tuned = result
+            if path == "trl":
+                tuned = trl_result
             if path == "compiled":
                 config = result.config.replace(compile_model=True)
                 tuned = dataclasses.replace(result, config=config, fallbacks=())
@@ -374,8 +490,10 @@ def main() -> int:
                 run, handle = runner_path(tuned, stream, held)
             elif path == "apply":
                 run, handle = apply_path(tuned, stream, held)
-            elif path == "hf":
-                run, _ = hf_path(tuned, data, held_rows, args.steps, "/tmp/stream-hf", False)
+            elif path in ("hf", "trl"):
+                trainer_path = hf_path if path == "hf" else trl_path
+                out = tempfile.mkdtemp(prefix=f"stream-{path}-")
+                run, _ = trainer_path(tuned, data, held_rows, args.steps, out, False)
             else:
                 sample = longest if args.lightning_sample == "longest" else None
                 run, tuned, _ = lightning_path(None, budget_gb, data, held, args.steps, sample)
@@ -389,12 +507,16 @@ def main() -> int:
                 _, again = rerun(tuned, tracked_steps, held)
             peak = reading.peak_bytes
             again.close() if hasattr(again, "close") else again.undo()
-        elif path == "hf":
-            _, peak = hf_path(tuned, data, held_rows, len(tracked_steps), "/tmp/stream-hf", True)
+        elif path in ("hf", "trl"):
+            trainer_path = hf_path if path == "hf" else trl_path
+            out = tempfile.mkdtemp(prefix=f"stream-{path}-")
+            _, peak = trainer_path(tuned, data, held_rows, len(tracked_steps), out, True)
         else:
             _, _, peak = lightning_path(tuned, budget_gb, data, held, len(tracked_steps))
         steps_gap, evals_gap = gap(run, ref)
-        speed, fixed = run.speed(stream), fixed_speed(tuned, mean_width)
+        # The tuned config at the stream's lengths, three times: the machine's spread.
+        speed = run.speed(stream)
+        fixed = sorted(fixed_speed(tuned, stream, path) for _ in range(3))
         rows[path] = {
             "config": tuned.config.describe(),
             "peak_mib": None if peak is None else peak / 2**20,
@@ -404,7 +526,8 @@ def main() -> int:
             "recompile_limit_said": any("recompile limit" in s for s in said),
             "samples_per_s": speed,
             "fixed_samples_per_s": fixed,
-            "speed_ratio": speed / fixed,
+            "speed_ratio": speed / fixed[1],
+            "speed_ratio_range": [speed / fixed[2], speed / fixed[0]],
             "loss_gap": steps_gap,
             "eval_gap": evals_gap,
             "steps": len(run.losses),
