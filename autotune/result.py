@@ -148,6 +148,9 @@ class TrialRecord:
     timings: tuple[float, ...] = ()
     """Seconds per step of each timing whose median is ``measured`` (the first run's and
     every re-timing), when it was timed again; empty when timed once."""
+    peak_only: bool = False
+    """Only its peak was measured (a fallback's, kept for its memory: steps of two
+    micro-batches, the whole batch held); ``measured``'s speed is then 0, not a figure."""
 
 
 @dataclasses.dataclass(frozen=True)

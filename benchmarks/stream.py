@@ -17,7 +17,8 @@ own collator; tuned on its own step, whose fused output layer holds workspaces o
 own, at a budget as far below that step's one-batch peak as the others'), and
 Lightning's ``Autotune`` (which tunes itself, through ``training_step``). Per path: the peak of the whole run
 under the CPU's live-bytes tracker against the budget and the prediction at the longest
-length; the graphs compiled and whether dynamo reached its recompile limit; samples/s
+length (for the trainers, which evaluate at their last step too, also without
+evaluations); the graphs compiled and whether dynamo reached its recompile limit; samples/s
 against the tuned config's at the same lengths (fixed batches padded to five quantiles
 of the stream's widths, each step's seconds interpolated at its width; measured three
 times after the path: the median, and the range the machine's noise spans); the
@@ -209,7 +210,13 @@ class _Losses(transformers.TrainerCallback):
 
 
 def hf_path(
-    result: Any, data: list[Any], held_rows: list[Any], steps: int, out: str, tracked: bool
+    result: Any,
+    data: list[Any],
+    held_rows: list[Any],
+    steps: int,
+    out: str,
+    tracked: bool,
+    evaluating: bool = True,
 ) -> tuple[Run, int | None]:
     from autotune.integrations.transformers import AutotuneCallback, training_arguments
 
@@ -217,8 +224,9 @@ def hf_path(
     args = training_arguments(
         result, out, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
-        disable_tqdm=True, eval_strategy="steps", eval_steps=EVAL_EVERY,
-        per_device_eval_batch_size=len(held_rows), dataloader_drop_last=False,
+        disable_tqdm=True, eval_strategy="steps" if evaluating else "no",
+        eval_steps=EVAL_EVERY, per_device_eval_batch_size=len(held_rows),
+        dataloader_drop_last=False,
     )  # fmt: skip
     trainer = _InOrder(
         model=model, args=args, train_dataset=data, eval_dataset=held_rows,
@@ -277,7 +285,13 @@ def trl_tuned(longest: Any, shortfall: float, data: list[Any], held_rows: list[A
 
 
 def trl_path(
-    result: Any, data: list[Any], held_rows: list[Any], steps: int, out: str, tracked: bool
+    result: Any,
+    data: list[Any],
+    held_rows: list[Any],
+    steps: int,
+    out: str,
+    tracked: bool,
+    evaluating: bool = True,
 ) -> tuple[Run, int | None]:
     """``SFTTrainer`` with ``AutotuneCallback`` and the exported ``SFTConfig``."""
     import trl
@@ -288,8 +302,9 @@ def trl_path(
     args = training_arguments(
         result, out, args_class=trl.SFTConfig, learning_rate=LR,
         lr_scheduler_type="constant", max_steps=steps, max_grad_norm=0.0, logging_steps=1,
-        report_to=[], save_strategy="no", disable_tqdm=True, eval_strategy="steps",
-        eval_steps=EVAL_EVERY, per_device_eval_batch_size=len(held_rows),
+        report_to=[], save_strategy="no", disable_tqdm=True,
+        eval_strategy="steps" if evaluating else "no", eval_steps=EVAL_EVERY,
+        per_device_eval_batch_size=len(held_rows),
         dataloader_drop_last=False, max_length=CONTEXT, packing=False,
     )  # fmt: skip
     trainer = sft_trainer(model, args, data, held_rows)
@@ -478,6 +493,7 @@ def main() -> int:
     tracked_steps = stream[:60]
     for path in args.paths:
         graphs = counters["stats"]["unique_graphs"]
+        trained = None  # the training steps' peak, where evaluations are in the peak
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", AutotuneWarning)
             tuned = result
@@ -511,6 +527,10 @@ def main() -> int:
             trainer_path = hf_path if path == "hf" else trl_path
             out = tempfile.mkdtemp(prefix=f"stream-{path}-")
             _, peak = trainer_path(tuned, data, held_rows, len(tracked_steps), out, True)
+            # The training steps alone (the Trainer evaluates at its last step too).
+            _, trained = trainer_path(
+                tuned, data, held_rows, len(tracked_steps), out, True, evaluating=False
+            )
         else:
             _, _, peak = lightning_path(tuned, budget_gb, data, held, len(tracked_steps))
         steps_gap, evals_gap = gap(run, ref)
@@ -520,6 +540,7 @@ def main() -> int:
         rows[path] = {
             "config": tuned.config.describe(),
             "peak_mib": None if peak is None else peak / 2**20,
+            "training_peak_mib": None if trained is None else trained / 2**20,
             "budget_mib": tuned.budget_bytes / 2**20,
             "predicted_mib": tuned.predicted.peak_bytes / 2**20,
             "graphs_compiled": compiled,

@@ -74,6 +74,9 @@ def point(result: TuneResult, r: TrialRecord) -> _Point:
     fallback = next((i for i, f in enumerate(result.fallbacks, 1) if f == r.config), None)
     role = "chosen" if r.config == result.config else "fits" if fallback is None else "fallback"
     note = f"fallback {fallback}" if fallback is not None else role
+    if r.peak_only:  # its peak alone was measured: drawn at its predicted speed, said so
+        note += ", speed predicted"
+        return _Point(r.config, r.measured.peak_bytes, r.predicted.samples_per_s, role, note)
     return _Point(r.config, r.measured.peak_bytes, r.measured.samples_per_s, role, note)
 
 

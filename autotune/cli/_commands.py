@@ -346,6 +346,12 @@ def _trial(r: TrialRecord) -> str:
     m = r.measured
     if m is None:
         return f"{r.config.describe()}: rejected, {r.error}"
+    if r.peak_only:
+        return (
+            f"{r.config.describe()}: peak {format_bytes(m.peak_bytes)} (its peak alone, "
+            f"over two micro-batches a step; speed not timed, predicted "
+            f"{r.predicted.samples_per_s:.1f} samples/s)"
+        )
     timed = f" (median of {len(r.timings)} timings)" if r.timings else ""
     return (
         f"{r.config.describe()}: {m.samples_per_s:.1f} samples/s{timed}, "

@@ -190,14 +190,15 @@ def _trials(result: TuneResult) -> str:
     rows = []
     for r in records(result):
         m = r.measured
+        timed = m is not None and not r.peak_only  # a fallback's peak alone: not timed
         rows.append(
             (
                 _esc(r.config.describe()),
                 _num(format_bytes(r.predicted.peak_bytes)),
                 _num(format_bytes(m.peak_bytes) if m else "-"),
                 _num(f"{r.predicted.samples_per_s:.1f}"),
-                _num(f"{m.samples_per_s:.1f}" if m else "-"),
-                _num(str(len(r.timings) or 1) if m else "-"),
+                _num(f"{m.samples_per_s:.1f}" if m and timed else "-"),
+                _num(str(len(r.timings) or 1) if timed else "-"),
                 _esc(point(result, r).note),
             )
         )

@@ -26,8 +26,9 @@ def fallback_ladder(
     config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
     with at most 64 accumulation steps, every block checkpointed, the precision that
     needs least); each only if no verified config goes as low as it is predicted to.
-    ``measure`` runs them (a fallback's speed only orders the ladder: the tuner times it
-    over one step). ``records`` gains their trials.
+    ``measure`` runs them for their peak alone (``peak_only``: two micro-batches a
+    step). ``records`` gains their trials. The ladder is ordered by predicted speed, the
+    one figure every rung has.
     """
     config = winner.config
     assert winner.measured is not None
@@ -52,7 +53,7 @@ def fallback_ladder(
         if (record := measure(cand.config, cand.prediction.measurement)) is not None:
             records.append(record)
     ladder = same(records)
-    ladder.sort(key=lambda r: -r.measured.samples_per_s if r.measured else 0.0)
+    ladder.sort(key=lambda r: -r.predicted.samples_per_s)
     out: list[TrainConfig] = []
     last = winner.measured.peak_bytes
     for r in ladder:

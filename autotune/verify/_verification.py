@@ -113,11 +113,11 @@ def verification(
     )
     chosen = fastest(_predictable(records, choosers) or records, noise)
     chooser = chooser_of(choosers, chosen.config)
-    # A fallback's peak is verified as any config's; one step times it, for the order.
+    tied, sigma = tied_with(chosen, _predictable(records, [chooser]), noise)
+    # A fallback's peak is verified as any config's, over two micro-batches a step.
     ladder = fallback_ladder(_measured(verifier, jobs, timed=False), chooser, chosen, records)
     sized = with_eval_batches(verifier, [chosen.config, *ladder], eval_batch, most)
     chosen = dataclasses.replace(chosen, config=sized[0])
-    tied, sigma = tied_with(chosen, _predictable(records, [chooser]), noise)
     expert = baseline_record(records, experts)
     note = experts.note
     if expert is None and experts.ladders:
@@ -159,7 +159,7 @@ def _load(stage: str, jobs: JobStore, started: CpuClock | None, device: torch.de
 
 def _measured(verifier: Verifier, jobs: JobStore, *, timed: bool = True) -> Measure:
     """Run configs for real, each once among the processes that share the jobs.
-    ``timed=False``: their speed from one step (see :meth:`Verifier.run`)."""
+    ``timed=False``: their peak alone (see :meth:`Verifier.run`)."""
     kind = "verify" if timed else "verify-once"
 
     def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:

@@ -40,6 +40,7 @@ from autotune.train import (
     raised_in,
     resize,
     snapshot,
+    split,
     step_batch,
     tensors_on,
 )
@@ -138,21 +139,25 @@ class Verifier:
     ) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected).
 
-        ``timed=False``: its peak as always, its speed from one step instead of a window
-        of them (a fallback's, which only orders the ladder).
+        ``timed=False``: its peak alone (a fallback's, kept for its memory), over steps
+        of two micro-batches (the peak of any accumulation: every later micro-batch holds
+        what the second held) and the whole batch held, as a step of it holds it; the
+        measurement's speed is then 0 (not measured).
         """
         n = config.effective_batch_size
         batch = step_batch(self.sample, n, config.micro_batch_size)
         if n < batch_size(self.sample):  # views: they would hold the whole sample
             batch = map_tensors(batch, torch.clone)  # a loader's batch holds n rows
+        # Views of the batch: it stays held whole, as a step of all of it holds it.
+        parts = [batch] if timed else split(batch, 2 * config.micro_batch_size)[:1]
         runner: Runner | None = None
         error: str | None = None
-        peak, step_s = 0, 0.0
+        peak, step_s = 0, None
         self._release(before=True)  # no cached blocks of earlier runs in this config's peak
         try:
             with self._together(config):
                 runner = self._prepare(config)
-                peak, step_s = self._measure(runner, batch, timed)
+                peak, step_s = self._measure(runner, batch, parts[0])
                 runner.check_steps()  # a step the device refused (fp16 overflowing, say)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
@@ -175,6 +180,8 @@ class Verifier:
                 f"measured peak {format_bytes(peak)} exceeds the budget of "
                 f"{format_bytes(self.budget_bytes)}"
             )
+        if step_s is None:  # a peak alone
+            return Measurement(peak, 0.0, 0.0), None
         return Measurement(peak, step_s, config.global_batch_size / step_s), None
 
     @staticmethod
@@ -192,8 +199,14 @@ class Verifier:
             model, config, lr=lr, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )
 
-    def _measure(self, runner: Runner, batch: Any, timed: bool = True) -> tuple[int, float]:
+    def _measure(self, runner: Runner, batch: Any, part: Any) -> tuple[int, float | None]:
+        """The peak of ``runner``'s steps on ``batch`` and their median seconds; where
+        ``part`` is not the batch (a peak alone: the first micro-batches of it), the peak
+        of a step on ``part`` with the batch held, after a step on one micro-batch that
+        makes the optimizer's state, and no seconds."""
         budget = self.budget_bytes
+        timed = part is batch
+        warm = batch if timed else split(part, runner.config.micro_batch_size)[0]
         if self.backend.caching:
             with measure_peak(
                 self.device,
@@ -201,28 +214,27 @@ class Verifier:
                 context_bytes=self.context_bytes,
                 foreign_bytes=self.foreign_bytes,
             ) as reading:
-                self._step(runner, batch)  # warm-up: allocates optimizer state
-                times = self._timed_steps(runner, batch, timed)
+                self._step(runner, warm)  # warm-up: allocates optimizer state
+                seconds = None
+                if timed:
+                    seconds = statistics.median(self._timed_steps(runner, batch))
+                else:
+                    self._step(runner, part)
                 _next_batch(batch)
-            return reading.peak_bytes, statistics.median(times)
+            return reading.peak_bytes, seconds
         # CPU: the first step allocates the optimizer state under the guard, the second
         # is measured at steady state; the timed steps run without the tracker's overhead.
         # The batch counts: training holds it through the step (on CUDA it is in the
-        # reserved bytes already where it lives on the device). Without a timing window
-        # (a fallback's) the first step is the one timed, without the tracker.
+        # reserved bytes already where it lives on the device).
         held = tensors_on(batch, self.device)
         compiled = runner.config.compile_level != "none"
-        once: list[float] = []
-        if timed:
-            with measure_peak(
-                self.device,
-                existing=[*self._state(runner), *held],
-                budget_bytes=budget,
-                compiled=compiled,
-            ):
-                self._step(runner, batch)
-        else:
-            once = self._timed_steps(runner, batch, window=False)
+        with measure_peak(
+            self.device,
+            existing=[*self._state(runner), *held],
+            budget_bytes=budget,
+            compiled=compiled,
+        ):
+            self._step(runner, warm)
         peak = 0
         # DDP builds its buckets again in its second step, steady from its third: both count.
         for _ in range(2 if runner.config.parallel == "ddp" else 1):
@@ -233,10 +245,10 @@ class Verifier:
                 gathering=[runner.model],
                 compiled=compiled,
             ) as reading:
-                self._step(runner, batch)
+                self._step(runner, part)
                 _next_batch(batch)
             peak = max(peak, reading.peak_bytes)
-        return peak, statistics.median(once or self._timed_steps(runner, batch))
+        return peak, statistics.median(self._timed_steps(runner, batch)) if timed else None
 
     def _step(self, runner: Runner, batch: Any) -> None:
         """One training step, as a runner with fallbacks takes it: the buffers the step
@@ -245,12 +257,11 @@ class Verifier:
         runner.step(batch)
         del kept
 
-    def _timed_steps(self, runner: Runner, batch: Any, window: bool = True) -> list[float]:
+    def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
-        at most 20 steps or 3 s (one step when a step alone is that long; one step
-        without a ``window``). With data parallelism each step's time is the slowest
-        rank's, so that every rank takes as many steps (a rank stepping alone would wait
-        for the others forever)."""
+        at most 20 steps or 3 s (one step when a step alone is that long). With data
+        parallelism each step's time is the slowest rank's, so that every rank takes as
+        many steps (a rank stepping alone would wait for the others forever)."""
 
         def timed() -> float:
             seconds = self._timed(lambda: self._step(runner, batch))
@@ -260,8 +271,7 @@ class Verifier:
 
         times = [timed()]
         while (
-            window
-            and sum(times) < _TIMED_S
+            sum(times) < _TIMED_S
             and len(times) < _MAX_TIMED_STEPS
             and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
         ):
@@ -339,9 +349,9 @@ class Verifier:
         self, config: TrainConfig, predicted: Measurement, *, timed: bool = True
     ) -> TrialRecord:
         """Run ``config`` and wrap the outcome as a :class:`TrialRecord` (``timed``: as
-        :meth:`run`)."""
+        :meth:`run`; not timed, its record is ``peak_only``)."""
         measured, error = self.run(config, timed=timed)
-        return TrialRecord(config, predicted, measured, error)
+        return TrialRecord(config, predicted, measured, error, peak_only=not timed)
 
     @staticmethod
     def _state(runner: Runner) -> list[torch.Tensor]:

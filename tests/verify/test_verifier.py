@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from autotune.config import TrainConfig
@@ -53,3 +54,31 @@ def test_an_oom_mid_step_leaves_no_gradient_on_either_side(monkeypatch) -> None:
     assert measured is None and error is not None and "out of memory" in error
     assert all(p.grad is None for p in v.model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(micro_batch_size=2, grad_accum_steps=8, checkpoint=("blocks.0",)),
+        TrainConfig(micro_batch_size=2, grad_accum_steps=8, offload_optimizer=True),
+    ],
+    ids=["checkpointed", "optimizer-offloaded"],
+)
+def test_a_fallbacks_peak_alone_runs_two_micro_batches_a_step_and_is_the_whole_steps(
+    config: TrainConfig,
+) -> None:
+    """A fallback is kept for its memory: its verification runs one micro-batch (the
+    optimizer's state made), then two and a step under the tracker, with the step's whole
+    batch held; the peak is the whole accumulation's, and no speed is claimed."""
+    v = verifier()
+    rows: list[int] = []
+    hook = v.model.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
+    alone, error = v.run(config, timed=False)
+    assert error is None and alone is not None
+    assert rows == [2, 2, 2]  # one micro-batch, then two and the step
+    assert alone.samples_per_s == 0.0 and alone.step_s == 0.0
+    rows.clear()
+    whole, error = v.run(config)  # every micro-batch of every step
+    hook.remove()
+    assert error is None and whole is not None and len(rows) >= 2 * 8
+    assert alone.peak_bytes == whole.peak_bytes
