@@ -116,16 +116,12 @@ class Applied:
         self._undo: list[Callable[[], None]] = []
         self.attention_put_back: Callable[[], None] | None = None
         self.compiled_loss: CompiledLoss | None = None
-        """The forward and loss compiled as one graph (with ``compile_model``: a runner's,
-        or the chunked loss a loop of one's own takes)."""
-        self.takes_chunked_loss = (
-            not self.compiles_loss
-            and any(c.chunked_loss for c in every)
-            and language_model(model) is not None
-        )
-        """Whether, in a loop of one's own, ``model(**batch).loss`` is the chunked loss
-        while a config with ``chunked_loss`` trains (a Hugging Face causal language
-        model's forward then returns it, without logits)."""
+        """The forward and loss compiled as one graph (``compile_model``): a runner's, or
+        the chunked loss a loop of one's own takes."""
+        chunks = not self.compiles_loss and any(c.chunked_loss for c in every)
+        self.takes_chunked_loss = chunks and language_model(model) is not None
+        """Whether in a loop of one's own ``model(**batch).loss`` is the chunked loss (no
+        logits made) while a config with ``chunked_loss`` trains."""
         self._wrap(config)
         own = loss_mean is None and self._loss_fn() is None  # the model's own loss
         self.token_offset = counted_offset(model, loss_mean) if own or loss_mean else None

@@ -1,0 +1,106 @@
+"""Where a tuning run's seconds go (issue 57): each case of the CPU benchmark at each of
+its budgets, tuned once in a fresh process, the stages' seconds (``result.spent``) and the
+configs run for real (timed, or for their peak alone: a fallback's).
+
+    python benchmarks/tuning_time.py --out benchmarks/results/tuning-time-cpu.json  # ~4 min
+
+Target: at most 30 s a run and 15 s median on the 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see run.py
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def one(case_name: str, budget_name: str) -> dict[str, Any]:
+    """Tune one case at one budget in this process (a fresh one: ``--one``)."""
+    import torch
+
+    sys.path.insert(0, str(_ROOT))
+    from benchmarks.budgets import budgets_for
+    from benchmarks.cases import cases_for
+    from benchmarks.tuning import tune
+
+    torch.set_num_threads(2)
+    device = torch.device("cpu")
+    case = next(c for c in cases_for(device) if c.name == case_name)
+    model = case.build()
+    budget = next(b for b in budgets_for(case, model, device) if b.name == budget_name)
+    started = time.perf_counter()
+    result, _ = tune(case, model, budget, device)
+    wall = time.perf_counter() - started
+    spent = result.spent
+    return {
+        "case": case_name,
+        "budget": budget_name,
+        "tuned": result.config.describe(),
+        "tuning_s": result.tuning_s,
+        "wall_s": wall,
+        "profile_s": spent.profile_s,
+        "search_s": spent.search_s,
+        "verification_s": spent.verification_s,
+        "timed": sum(t.measured is not None and not t.peak_only for t in result.trials),
+        "peak_only": sum(t.peak_only for t in result.trials),
+        "rejected": sum(t.measured is None for t in result.trials),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "BUDGET"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(one(*args.one)), flush=True)
+        return 0
+    pairs = [
+        (c, b)
+        for c in ("tiny_gpt", "hf-gpt2-small", "hf-llama-small", "resnet-small")
+        for b in ("fp32-no-G", "tight")
+    ]
+    rows = []
+    for case, budget in pairs:
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", case, budget],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        row = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("ROW "))[4:])
+        rows.append(row)
+        print(
+            f"{case:15} {budget:10} {row['tuning_s']:5.1f} s (profile {row['profile_s']:.1f}, "
+            f"verification {row['verification_s']:.1f}; {row['timed']} timed, "
+            f"{row['peak_only']} peak only)  {row['tuned']}",
+            flush=True,
+        )
+    seconds = [r["tuning_s"] for r in rows]
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "median_s": statistics.median(seconds),
+        "max_s": max(seconds),
+        "rows": rows,
+    }
+    print(f"median {report['median_s']:.1f} s, max {report['max_s']:.1f} s")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
