@@ -78,6 +78,14 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
         spent=watch.spent(),
         busy=_busy(cpu, result.noise) if result.measured is not None else None,
     )
+    s = result.spent
+    log.info(
+        "tuned in %.1f s: profile %.1f s, search %.1f s, verification %.1f s",
+        result.tuning_s,
+        s.profile_s,
+        s.search_s,
+        s.verification_s,
+    )
     return broadcast(result) if group_size() > 1 else result  # the same on every rank
 
 

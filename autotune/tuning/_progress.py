@@ -11,6 +11,7 @@ import contextlib
 import logging
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -82,6 +83,7 @@ class Progress(logging.Handler):
         self.current = ""
         self.speeds: dict[str, float] = {}  # config -> its latest samples/s
         self._drawn = False
+        self.started = time.monotonic()
 
     @property
     def best(self) -> tuple[float, str] | None:
@@ -118,14 +120,17 @@ class Progress(logging.Handler):
             self.speeds[str(args[0])] = float(args[1])
 
     def status(self) -> str:
-        """The status line: bar, stage, verified count and the best so far."""
+        """The status line: bar, seconds so far, stage, verified count and the best so
+        far (the stages' seconds are a line of their own once the run ends)."""
         done = self.stage / len(self.STAGES)
         if self.stage == 3 and self.n_trials:
             done += min(self.trial / self.n_trials, 1) / len(self.STAGES)
         if self.stage == 4:
             done += min(self.fitted / 3, 1) / len(self.STAGES)  # the tuner verifies ~3
         filled = round(done * self.width)
-        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.STAGES[self.stage]}"
+        elapsed = time.monotonic() - self.started
+        text = f"[{'#' * filled}{'.' * (self.width - filled)}] {elapsed:.0f} s"
+        text += f" {self.STAGES[self.stage]}"
         if self.stage == 3 and self.n_trials:
             text += f" {self.trial}/{self.n_trials}"
         if self.verified:
