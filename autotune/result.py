@@ -236,6 +236,10 @@ class TuneResult:
     """Why there is no expert's recipe (data parallelism, nothing of it fitted), or how
     the one run differs from the expert's (eager where the compiled model was not
     searched); empty: nothing to say."""
+    skipped: tuple[str, ...] = ()
+    """What verification did not run for the run's time budget (``max_tuning_s``): more
+    candidates, the expert's recipe, re-timing, fallbacks, the evaluation batch; empty:
+    nothing was skipped."""
     figures_for: str = dataclasses.field(default="", compare=False)
     """The digest of the config the figures were made for (:meth:`TrainConfig.digest`),
     written with the file; empty: the config in hand."""

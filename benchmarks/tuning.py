@@ -38,9 +38,14 @@ class Searched:
 
 
 def tune(
-    case: Case, model: torch.nn.Module, budget: Budget, device: torch.device
+    case: Case,
+    model: torch.nn.Module,
+    budget: Budget,
+    device: torch.device,
+    max_tuning_s: float | None = None,
 ) -> tuple[autotune.TuneResult, Searched]:
-    """Run the tuner; also return the precisions and optimizers it searched (from its log)."""
+    """Run the tuner (within ``max_tuning_s`` where given); also return the precisions
+    and optimizers it searched (from its log)."""
     with _tuner_log() as messages:
         result = autotune.autotune(
             model,
@@ -51,6 +56,7 @@ def tune(
             device=device,
             space=case.space,
             seed=0,
+            max_tuning_s=max_tuning_s,
         )
     space = case.space or autotune.SearchSpace()
     precisions, optimizers = list(space.precisions), list(space.optimizers)

@@ -164,6 +164,30 @@ def test_progress_is_shown_when_asked_and_silent_when_not(capsys) -> None:
     assert "verifying" not in capsys.readouterr().err
 
 
+def test_max_tuning_s_verifies_one_winner_and_says_what_it_skipped(gpt, tmp_path) -> None:
+    """Spent before the first candidate (profiling always runs): that candidate is
+    verified, and every later run is skipped and named (the result and ``show``)."""
+    sample = gpt_batch(gpt.config, 4)
+    with pytest.raises(ConfigError, match="max_tuning_s must be a positive number"):
+        tune(gpt, sample, GIB, max_tuning_s=0)
+    result = tune(gpt, sample, GIB, global_batch_size=8, max_tuning_s=1e-3)
+    assert result.measured is not None and result.measured.peak_bytes <= result.budget_bytes
+    assert [t.config for t in result.trials] == [result.config]  # one run, the winner
+    kinds = [s.split(" micro_batch=")[0] for s in result.skipped]
+    # Each of the expert's ladders (none and every block checkpointed) at its top rung.
+    assert kinds[0] == "candidates after the 1 run" and kinds[1] == "the expert's recipe"
+    retimed = kinds.index("re-timing the contenders")
+    assert set(kinds[1:retimed]) == {"the expert's recipe"}
+    assert set(kinds[retimed + 1 : -1]) <= {"the fallback"}
+    assert kinds[-1] == "sizing the evaluation batch"
+    assert result.expert is None and "max_tuning_s" in result.expert_note
+    assert result.config.eval_batch_size is None and not result.fallbacks
+    assert autotune.load(result.save(tmp_path / "r.yaml")).skipped == result.skipped
+    from autotune.cli._commands import _describe
+
+    assert "skipped     for the time limit: candidates after the 1 run" in _describe(result)
+
+
 def test_progress_by_default_where_a_person_watches_and_has_no_logging(monkeypatch) -> None:
     import logging
 

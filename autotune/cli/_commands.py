@@ -99,6 +99,7 @@ def _options(
         space=space_of(args),
         n_trials=args.trials,
         timeout_s=args.timeout,
+        max_tuning_s=args.max_tuning_time,
         seed=args.seed,
         storage=args.storage,
         study_name=args.study,
@@ -318,6 +319,8 @@ def _describe(result: TuneResult) -> str:
         f"profile {s.profile_s:.1f} s, search {s.search_s:.1f} s, verification "
         f"{s.verification_s:.1f} s"
     )
+    if result.skipped:  # for max_tuning_s
+        lines.append(f"skipped     for the time limit: {'; '.join(result.skipped)}")
     if ran or not planned:
         lines.append(f"verified    {len(ran)} configs run for real:")
         lines += [f"  {_trial(r)}" for r in ran]

@@ -30,6 +30,7 @@ FLAGS: dict[str, str] = {
     "sequence_lengths": "--sequence-lengths",
     "global_batch_size": "--global-batch",
     "eval_batch_size": "--eval-batch",
+    "max_tuning_s": "--max-tuning-time",
     "budget_gb": "--budget-gb",
     "budget_gb=24": "--budget-gb 24",
     "loss_fn": "--loss",

@@ -191,6 +191,7 @@ def _add_tune(sub: Any) -> None:
         help="Optuna trials on the cost model, for a space too large to enumerate",
     )
     tune.add_argument("--timeout", type=seconds, help="time limit of the search, seconds")
+    tune.add_argument("--max-tuning-time", type=seconds, help="seconds the whole run may take")
     tune.add_argument("--seed", type=int, default=0, help="seed of the study (default 0)")
     _add_space(tune)
     tune.add_argument(

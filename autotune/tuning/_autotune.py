@@ -45,6 +45,7 @@ def autotune(
     space: SearchSpace | None = None,
     n_trials: int | None = None,
     timeout_s: float | None = None,
+    max_tuning_s: float | None = None,
     seed: int = 0,
     storage: str | None = None,
     study_name: str | None = None,
@@ -91,6 +92,11 @@ def autotune(
             (default: scaled to the space); a space of up to 4096 settings that can fit
             is enumerated exactly.
         timeout_s: Time limit of the Optuna study (a large space only).
+        max_tuning_s: Seconds the whole run may take. Profiling and the first
+            candidate's verification always run; after them each run of a config (more
+            candidates, the expert's recipe, re-timing, fallbacks, the evaluation batch)
+            starts only where one as long as the longest so far still ends in time, and
+            ``result.skipped`` says what was not run. ``None``: no limit.
         seed: Seed of the study; the same profile gives the same configuration.
         storage: Where to keep the study, to resume it or share it between processes: an
             Optuna URL (``sqlite:///tune.db``, ``postgresql://...``), a ``*.journal`` file
@@ -132,6 +138,7 @@ def autotune(
         space=with_optimizer(space or SearchSpace(), optimizer),
         n_trials=n_trials,
         timeout_s=timeout_s,
+        max_tuning_s=max_tuning_s,
         seed=seed,
         storage=storage,
         study_name=study_name,

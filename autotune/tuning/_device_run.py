@@ -65,7 +65,8 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
     whole = whole_fits(model, problem.target.free_bytes, problem.world)
     on_device = rank() == 0 and whole
     work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
-    stages = DeviceRun(work, jobs, options, cpu, whole)
+    ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
+    stages = DeviceRun(work, jobs, options, cpu, whole, ends)
     try:
         result = run(contextlib.nullcontext(problem), stages, watch)
     finally:
@@ -121,6 +122,8 @@ class DeviceRun:
         options: The run's options.
         cpu: The CPU's clock when the run began (how busy the machine was since).
         whole: Whether the model fits the device whole (else shallow copies).
+        ends: When the run must end (``max_tuning_s``, on ``time.perf_counter``'s clock);
+            ``None``: no limit.
     """
 
     def __init__(
@@ -130,9 +133,10 @@ class DeviceRun:
         options: TuneOptions,
         cpu: CpuClock | None,
         whole: bool,
+        ends: float | None = None,
     ) -> None:
         self.work, self.jobs, self.options = work, jobs, options
-        self.cpu, self.whole = cpu, whole
+        self.cpu, self.whole, self.ends = cpu, whole, ends
         self.leader = Relayed(jobs, rank_zero)  # profiling and search: rank 0's, sent to all
 
     @contextlib.contextmanager
@@ -174,6 +178,7 @@ class DeviceRun:
             started=self.cpu,
             eval_batch=self.options.eval_batch_size,
             most=problem.space.max_micro_batch_size,
+            ends=self.ends,
         )
         return _result(problem, profile, verified)
 
@@ -199,6 +204,7 @@ def _result(problem: Problem, profile: Profile, verified: Verification) -> TuneR
         noise=verified.noise,
         expert=verified.expert,
         expert_note=verified.expert_note,
+        skipped=verified.skipped,
     )
 
 

@@ -43,6 +43,8 @@ class TuneOptions:
     space: SearchSpace = field(default_factory=SearchSpace)
     n_trials: int | None = None
     timeout_s: float | None = None
+    max_tuning_s: float | None = None
+    """Seconds the whole run may take (see :func:`autotune.autotune`); ``None``: no limit."""
     seed: int = 0
     storage: str | None = None
     study_name: str | None = None
@@ -77,6 +79,14 @@ class TuneOptions:
             raise ConfigError(
                 f"{option('eval_batch_size')} must be a positive integer, got "
                 f"{str(self.eval_batch_size)[:40]}; or None for the largest that fits."
+            )
+        limit = self.max_tuning_s
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+        ):
+            raise ConfigError(
+                f"{option('max_tuning_s')} must be a positive number of seconds, got "
+                f"{str(limit)[:40]}; or None for no limit."
             )
         if self.world_size is not None and not _count(self.world_size, most=2**20):
             raise ConfigError(

@@ -8,6 +8,7 @@
 * ``_fallbacks``: the fallback ladder, verified the same way.
 * ``_baseline``: the expert's recipe, verified in every run: the config to beat.
 * ``_evaluation``: the evaluation batch of the winner and its fallbacks.
+* ``_time_budget``: ``max_tuning_s``, the runs it still allows and what it skipped.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).

@@ -29,6 +29,7 @@ from autotune.verify._baseline import baseline_candidates, baseline_record, veri
 from autotune.verify._evaluation import with_eval_batches
 from autotune.verify._fallbacks import fallback_ladder
 from autotune.verify._noise import BUSY, QUIET, Noise
+from autotune.verify._time_budget import TimeBudget
 from autotune.verify._verifier import Verifier
 from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
 
@@ -68,6 +69,8 @@ class Verification:
     """The expert's recipe, verified: the config to beat."""
     expert_note: str = ""
     """Why there is no expert's recipe, or how it differs from the expert's."""
+    skipped: tuple[str, ...] = ()
+    """What was not run for the run's time budget (``max_tuning_s``)."""
 
 
 def verification(
@@ -80,6 +83,7 @@ def verification(
     started: CpuClock | None,
     eval_batch: int | None,
     most: int,
+    ends: float | None = None,
 ) -> Verification:
     """Run the best ``candidates`` for real (``plan``'s config first, where there is
     one), the expert's recipe beside them, and decide.
@@ -93,36 +97,52 @@ def verification(
         started: The CPU's clock when the run began (how busy the machine has been).
         eval_batch: The evaluation batch the user wants (``None``: the largest that fits).
         most: The largest micro-batch (and evaluation batch) the space allows.
+        ends: When the run must end (``max_tuning_s``, ``time.perf_counter``'s clock):
+            past the first candidate, each run of a config only where one as long as the
+            longest so far still ends in time (:class:`TimeBudget`); what was not run is
+            in the verification's ``skipped``. ``None``: no limit.
     """
+    budget = TimeBudget(ends)
     device = verifier.device
-    measure = _measured(verifier, jobs)
+    measure = _measured(verifier, jobs, budget)
     first = _plan_first(measure, plan)
     if plan is not None:
         candidates = [c for c in candidates if c.config != plan.config]
     # Other work on the cores while profiling: the calibrated predictions are looser.
     slack = _load("profiled", jobs, started, device).slack
-    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack)
+    tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack, budget=budget)
     experts = baseline_candidates(choosers, device.type)
-    tried += verify_baseline(measure, experts, tried)  # the config to beat, every run
+    # The config to beat, every run (the budget allowing).
+    tried += verify_baseline(_within(measure, budget, "the expert's recipe"), experts, tried)
     noise = _load("verified", jobs, started, device)  # and while verifying: raced harder
-    records = jobs.once(
-        job_key("settle", *(r.config for r in tried)),
-        lambda: settle(verifier, tried, noise),
-        "re-timing the contenders",
-        _RECORDS,
-    )
+    records = tried
+    if budget.allows("re-timing the contenders"):
+        records = jobs.once(
+            job_key("settle", *(r.config for r in tried)),
+            lambda: settle(verifier, tried, noise),
+            "re-timing the contenders",
+            _RECORDS,
+        )
     chosen = fastest(_predictable(records, choosers) or records, noise)
     chooser = chooser_of(choosers, chosen.config)
     tied, sigma = tied_with(chosen, _predictable(records, [chooser]), noise)
     # A fallback's peak is verified as any config's, over two micro-batches a step.
-    ladder = fallback_ladder(_measured(verifier, jobs, timed=False), chooser, chosen, records)
-    sized = with_eval_batches(verifier, [chosen.config, *ladder], eval_batch, most)
+    peaks = _within(_measured(verifier, jobs, budget, timed=False), budget, "the fallback")
+    ladder = fallback_ladder(peaks, chooser, chosen, records)
+    sized = [chosen.config, *ladder]
+    if budget.allows("sizing the evaluation batch"):
+        sized = with_eval_batches(verifier, sized, eval_batch, most)
     chosen = dataclasses.replace(chosen, config=sized[0])
     expert = baseline_record(records, experts)
     note = experts.note
-    if expert is None and experts.ladders:
+    if any(s.startswith("the expert's recipe") for s in budget.skipped):
+        # Not found as an expert finds it (from the largest micro-batch down): none.
+        expert, note = None, "not run: max_tuning_s was spent before it"
+    elif expert is None and experts.ladders:
         note = "it ran out of memory or over the budget at every micro-batch predicted to fit"
-    return Verification(chosen, chooser, records, sized[1:], tied, sigma, expert, note)
+    return Verification(
+        chosen, chooser, records, sized[1:], tied, sigma, expert, note, tuple(budget.skipped)
+    )
 
 
 def _predictable(records: list[TrialRecord], choosers: Sequence[Chooser]) -> list[TrialRecord]:
@@ -157,18 +177,35 @@ def _load(stage: str, jobs: JobStore, started: CpuClock | None, device: torch.de
     return BUSY if loaded else QUIET
 
 
-def _measured(verifier: Verifier, jobs: JobStore, *, timed: bool = True) -> Measure:
-    """Run configs for real, each once among the processes that share the jobs.
-    ``timed=False``: their peak alone (see :meth:`Verifier.run`)."""
+def _measured(
+    verifier: Verifier, jobs: JobStore, budget: TimeBudget, *, timed: bool = True
+) -> Measure:
+    """Run configs for real, each once among the processes that share the jobs, each
+    run's seconds counted in ``budget``. ``timed=False``: their peak alone (see
+    :meth:`Verifier.run`)."""
     kind = "verify" if timed else "verify-once"
 
     def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
-        record: TrialRecord = jobs.once(
-            job_key(kind, config),
-            lambda: verifier.record(config, predicted, timed=timed),
-            f"verifying {config.describe()}",
-            _RECORD,
+        record: TrialRecord = budget.timed(
+            lambda: jobs.once(
+                job_key(kind, config),
+                lambda: verifier.record(config, predicted, timed=timed),
+                f"verifying {config.describe()}",
+                _RECORD,
+            )
         )
         return record
 
     return measure
+
+
+def _within(measure: Measure, budget: TimeBudget, what: str) -> Measure:
+    """``measure`` where ``budget`` allows a run; where it does not, ``what`` and the
+    config are recorded as skipped and the run is ``None`` (as one another process has)."""
+
+    def run(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
+        if not budget.allows(f"{what} {config.describe()}"):
+            return None
+        return measure(config, predicted)
+
+    return run

@@ -17,6 +17,7 @@ from autotune.errors import VerificationError
 from autotune.result import Measurement, TrialRecord
 from autotune.verify import _noise
 from autotune.verify._noise import QUIET, Noise, ahead, lead
+from autotune.verify._time_budget import TimeBudget
 from autotune.verify._verifier import Verifier
 
 __all__ = [
@@ -40,7 +41,12 @@ Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
 
 
 def choose_winner(
-    measure: Measure, candidates: list[Candidate], *, top: int, slack: float = QUIET.slack
+    measure: Measure,
+    candidates: list[Candidate],
+    *,
+    top: int,
+    slack: float = QUIET.slack,
+    budget: TimeBudget | None = None,
 ) -> list[TrialRecord]:
     """Run distinct good candidates until ``top`` of them fit (or ``3 * top`` ran).
 
@@ -60,16 +66,24 @@ def choose_winner(
     it by more than the noise to win, and the same inputs then give the same winner even
     where the profile's timings move the others' ranking from run to run.
 
+    With a ``budget`` (``max_tuning_s``), a candidate after the first that fits runs only
+    where the budget allows it.
+
     Returns:
         The verification records, rejected ones included; the caller picks the winner.
     """
+    budget = budget or TimeBudget()
     race = _Race(measure, slack)
+
+    def allowed() -> bool:
+        return not race.fitted or budget.allows(f"candidates after the {len(race.records)} run")
+
     for cand in _tie_frugal(candidates):
-        if len(race.fitted) >= top or len(race.records) >= 3 * top:
+        if len(race.fitted) >= top or len(race.records) >= 3 * top or not allowed():
             break
         race.attempt(cand)
     plainest = next((c for c in candidates if _plain(c.config)), None)
-    if plainest is not None and not any(_plain(f) for f in race.fitted):
+    if plainest is not None and not any(_plain(f) for f in race.fitted) and allowed():
         race.attempt(plainest)
     if race.hopeless:
         log.info(

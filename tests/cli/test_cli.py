@@ -128,8 +128,8 @@ def test_tune_quiet_json(capsys: pytest.CaptureFixture[str], tuned: Tuned, tmp_p
     args = [*tuned.inputs(), "--budget-gb", "0.004", "--global-batch", "2", "--device", "cpu"]
     code, out, err = run(capsys, "tune", *args, "--quiet", "--json", "-o", str(out_path))
     assert code == 0
-    # No progress: a warning at most (a machine busy with other work is said even so).
-    assert all(line.startswith("autotune: warning: ") for line in err.splitlines()), err
+    # No progress (a machine busy with other work is said even so).
+    assert not any(w in err for w in ("profiling", "searching", "verifying", "[")), err
     data = json.loads(out)
     assert data["config"]["effective_batch_size"] == 2
     assert autotune.load(out_path).to_dict() == data
