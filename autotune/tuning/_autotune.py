@@ -96,7 +96,9 @@ def autotune(
             candidate's verification always run; after them each run of a config (more
             candidates, the expert's recipe, re-timing, fallbacks, the evaluation batch)
             starts only where one as long as the longest so far still ends in time, and
-            ``result.skipped`` says what was not run. ``None``: no limit.
+            ``result.skipped`` says what was not run (each length of a table, and each
+            attention tried, a run of its own; not in a process group, whose ranks
+            verify in step). ``None``: no limit.
         seed: Seed of the study; the same profile gives the same configuration.
         storage: Where to keep the study, to resume it or share it between processes: an
             Optuna URL (``sqlite:///tune.db``, ``postgresql://...``), a ``*.journal`` file

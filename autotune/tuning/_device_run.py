@@ -24,6 +24,7 @@ from autotune._version import __version__
 from autotune.config import TrainConfig
 from autotune.cost import CostModel
 from autotune.device import CpuClock, backend_for, busy_note
+from autotune.errors import warn
 from autotune.jobs import (
     Codec,
     JobStore,
@@ -66,6 +67,9 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
     on_device = rank() == 0 and whole
     work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
     ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
+    if ends is not None and group_size() > 1:  # each rank's clock would decide apart
+        ends = None
+        warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
     stages = DeviceRun(work, jobs, options, cpu, whole, ends)
     try:
         result = run(contextlib.nullcontext(problem), stages, watch)
