@@ -81,10 +81,15 @@ def test_predicted_peak_is_within_three_percent(gpt_result) -> None:
 
 
 def test_winner_is_the_fastest_verified_config(gpt_result) -> None:
-    """Fastest measured; a config within 1% of it with a smaller peak may win the tie."""
+    """Fastest measured, unless the fastest is as fast within the timing noise (then in
+    ``tied``: the simplest won); a config within 1% of it with a smaller peak may win the
+    tie. A fallback's peak alone is no speed."""
     result, _ = gpt_result
-    passed = [t for t in result.trials if t.measured is not None]
-    best = max(t.measured.samples_per_s for t in passed)
+    passed = [t for t in result.trials if t.measured is not None and not t.peak_only]
+    fastest = max(passed, key=lambda t: t.measured.samples_per_s)
+    best = fastest.measured.samples_per_s
+    if fastest.config != result.config and fastest.config in result.tied:
+        return  # not known to be ahead of the winner, which is simpler
     tied = [t for t in passed if t.measured.samples_per_s >= 0.99 * best]
     assert result.measured.samples_per_s >= 0.99 * best
     assert result.measured.peak_bytes == min(t.measured.peak_bytes for t in tied)
