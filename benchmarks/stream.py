@@ -209,6 +209,31 @@ class _Losses(transformers.TrainerCallback):
             self.run.evals.append(float(logs["eval_loss"]))
 
 
+def trainer_arguments(
+    result: Any, out: str, steps: int, held_rows: list[Any], evaluating: bool, **more: Any
+) -> Any:
+    """The exported arguments both trainers run with (``more``: a trainer's own)."""
+    from autotune.integrations.transformers import training_arguments
+
+    return training_arguments(
+        result, out, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
+        disable_tqdm=True, eval_strategy="steps" if evaluating else "no",
+        eval_steps=EVAL_EVERY, per_device_eval_batch_size=len(held_rows),
+        dataloader_drop_last=False, **more,
+    )  # fmt: skip
+
+
+def trained(trainer: Any, model: nn.Module, tracked: bool) -> int | None:
+    """Train; the peak under the tracker where ``tracked``."""
+    if not tracked:
+        trainer.train()
+        return None
+    with autotune.peak_memory(model) as reading:
+        trainer.train()
+    return reading.peak_bytes
+
+
 def hf_path(
     result: Any,
     data: list[Any],
@@ -218,26 +243,15 @@ def hf_path(
     tracked: bool,
     evaluating: bool = True,
 ) -> tuple[Run, int | None]:
-    from autotune.integrations.transformers import AutotuneCallback, training_arguments
+    from autotune.integrations.transformers import AutotuneCallback
 
     model, run = llama(), Run()
-    args = training_arguments(
-        result, out, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
-        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
-        disable_tqdm=True, eval_strategy="steps" if evaluating else "no",
-        eval_steps=EVAL_EVERY, per_device_eval_batch_size=len(held_rows),
-        dataloader_drop_last=False,
-    )  # fmt: skip
+    args = trainer_arguments(result, out, steps, held_rows, evaluating)
     trainer = _InOrder(
         model=model, args=args, train_dataset=data, eval_dataset=held_rows,
         data_collator=collate, callbacks=[AutotuneCallback(result), _Losses(run)],
     )  # fmt: skip
-    if not tracked:
-        trainer.train()
-        return run, None
-    with autotune.peak_memory(model) as reading:
-        trainer.train()
-    return run, reading.peak_bytes
+    return run, trained(trainer, model, tracked)
 
 
 def sft_trainer(model: nn.Module, args: Any, data: list[Any], held_rows: list[Any]) -> Any:
@@ -296,26 +310,21 @@ def trl_path(
     """``SFTTrainer`` with ``AutotuneCallback`` and the exported ``SFTConfig``."""
     import trl
 
-    from autotune.integrations.transformers import AutotuneCallback, training_arguments
+    from autotune.integrations.transformers import AutotuneCallback
 
     model, run = llama(), Run()
-    args = training_arguments(
-        result, out, args_class=trl.SFTConfig, learning_rate=LR,
-        lr_scheduler_type="constant", max_steps=steps, max_grad_norm=0.0, logging_steps=1,
-        report_to=[], save_strategy="no", disable_tqdm=True,
-        eval_strategy="steps" if evaluating else "no", eval_steps=EVAL_EVERY,
-        per_device_eval_batch_size=len(held_rows),
-        dataloader_drop_last=False, max_length=CONTEXT, packing=False,
+    args = trainer_arguments(
+        result, out, steps, held_rows, evaluating, args_class=trl.SFTConfig,
+        max_length=CONTEXT, packing=False,
     )  # fmt: skip
     trainer = sft_trainer(model, args, data, held_rows)
     trainer.add_callback(AutotuneCallback(result))
     trainer.add_callback(_Losses(run))
-    if not tracked:
-        trainer.train()
-        return run, None
-    with autotune.peak_memory(model) as reading:
-        trainer.train()
-    return run, reading.peak_bytes
+    return run, trained(trainer, model, tracked)
+
+
+TRAINERS = {"hf": hf_path, "trl": trl_path}
+"""The paths through a Hugging Face trainer, by name."""
 
 
 def lightning_path(
@@ -493,7 +502,7 @@ def main() -> int:
     tracked_steps = stream[:60]
     for path in args.paths:
         graphs = counters["stats"]["unique_graphs"]
-        trained = None  # the training steps' peak, where evaluations are in the peak
+        training_peak = None  # the training steps' peak, where evaluations are in the peak
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", AutotuneWarning)
             tuned = result
@@ -506,10 +515,9 @@ def main() -> int:
                 run, handle = runner_path(tuned, stream, held)
             elif path == "apply":
                 run, handle = apply_path(tuned, stream, held)
-            elif path in ("hf", "trl"):
-                trainer_path = hf_path if path == "hf" else trl_path
+            elif path in TRAINERS:
                 out = tempfile.mkdtemp(prefix=f"stream-{path}-")
-                run, _ = trainer_path(tuned, data, held_rows, args.steps, out, False)
+                run, _ = TRAINERS[path](tuned, data, held_rows, args.steps, out, False)
             else:
                 sample = longest if args.lightning_sample == "longest" else None
                 run, tuned, _ = lightning_path(None, budget_gb, data, held, args.steps, sample)
@@ -523,12 +531,12 @@ def main() -> int:
                 _, again = rerun(tuned, tracked_steps, held)
             peak = reading.peak_bytes
             again.close() if hasattr(again, "close") else again.undo()
-        elif path in ("hf", "trl"):
-            trainer_path = hf_path if path == "hf" else trl_path
+        elif path in TRAINERS:
+            trainer_path = TRAINERS[path]
             out = tempfile.mkdtemp(prefix=f"stream-{path}-")
             _, peak = trainer_path(tuned, data, held_rows, len(tracked_steps), out, True)
             # The training steps alone (the Trainer evaluates at its last step too).
-            _, trained = trainer_path(
+            _, training_peak = trainer_path(
                 tuned, data, held_rows, len(tracked_steps), out, True, evaluating=False
             )
         else:
@@ -540,7 +548,7 @@ def main() -> int:
         rows[path] = {
             "config": tuned.config.describe(),
             "peak_mib": None if peak is None else peak / 2**20,
-            "training_peak_mib": None if trained is None else trained / 2**20,
+            "training_peak_mib": None if training_peak is None else training_peak / 2**20,
             "budget_mib": tuned.budget_bytes / 2**20,
             "predicted_mib": tuned.predicted.peak_bytes / 2**20,
             "graphs_compiled": compiled,

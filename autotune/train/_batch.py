@@ -255,12 +255,11 @@ def shares(
     if layout is None and offset is not None:
         labels = _token_labels(batch)
         counted = [counted_tokens(p, offset) for p in parts]
-        if over_ranks is not None:
-            tokens = over_ranks(torch.stack(counted).sum())
-            return [c / tokens for c in counted]
-        if on_host(labels):  # read where they are, by Python: no device waits for it
+        if over_ranks is None and on_host(labels):  # read by Python: no device waits
             return _over_total([c.tolist() for c in counted])  # 0-dim: a number
         tokens = torch.stack(counted).sum()
+        if over_ranks is not None:
+            tokens = over_ranks(tokens)
         return [c / tokens for c in counted]
     sizes = [layout.share(p) if layout is not None else float(batch_size(p)) for p in parts]
     return _over_total(sizes)

@@ -47,6 +47,8 @@ _RECORDS = Codec(
     lambda plain: [_RECORD.decode(p) for p in plain],
 )
 """The contenders' records, re-timed."""
+_EXPERT = "the expert's recipe"
+"""What a skipped run of the expert's recipe is named by (``max_tuning_s``)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def verification(
     tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack, budget=budget)
     experts = baseline_candidates(choosers, device.type)
     # The config to beat, every run (the budget allowing).
-    tried += verify_baseline(_within(measure, budget, "the expert's recipe"), experts, tried)
+    tried += verify_baseline(_within(measure, budget, _EXPERT), experts, tried)
     noise = _load("verified", jobs, started, device)  # and while verifying: raced harder
     records = tried
     if budget.allows("re-timing the contenders"):
@@ -135,7 +137,7 @@ def verification(
     chosen = dataclasses.replace(chosen, config=sized[0])
     expert = baseline_record(records, experts)
     note = experts.note
-    if any(s.startswith("the expert's recipe") for s in budget.skipped):
+    if any(s.startswith(_EXPERT) for s in budget.skipped):
         # Not found as an expert finds it (from the largest micro-batch down): none.
         expert, note = None, "not run: max_tuning_s was spent before it"
     elif expert is None and experts.ladders:
