@@ -48,13 +48,19 @@ def config_from_dict(data: Any) -> TrainConfig:
 
 def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out = {f.name: _encode(getattr(value, f.name)) for f in _plain_fields(value)}
         if isinstance(value, TrainConfig):
             out["effective_batch_size"] = value.effective_batch_size
         return out
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
     return value
+
+
+def _plain_fields(cls: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of a dataclass (or instance) that its plain form holds (not those
+    marked ``metadata={"plain": False}``, kept elsewhere)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("plain", True)]
 
 
 def _decode(tp: Any, value: Any, key: str) -> Any:
@@ -96,7 +102,7 @@ def _decode_dataclass(cls: Any, value: Any, key: str) -> Any:
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a mapping, got {_kind(value)}.")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in _plain_fields(cls)}
     data = dict(value)
     # TrainConfig's YAML also shows the derived effective batch, checked once decoded.
     effective = data.pop("effective_batch_size", None) if cls is TrainConfig else None

@@ -7,6 +7,7 @@ an unknown key, a missing required key or a value of the wrong type is a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import stat
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "TargetInfo",
     "TrialRecord",
     "TuneResult",
+    "compile_cache_path",
     "load",
 ]
 
@@ -240,6 +242,13 @@ class TuneResult:
     """What verification did not run for the run's time budget (``max_tuning_s``): more
     candidates, the expert's recipe, re-timing, fallbacks, the evaluation batch; empty:
     nothing was skipped."""
+    compile_cache: bytes = dataclasses.field(
+        default=b"", compare=False, repr=False, metadata={"plain": False}
+    )
+    """The code the tuning run compiled (torch's cache artifacts), where the config or a
+    fallback compiles: :meth:`save` writes it beside the YAML (:func:`compile_cache_path`),
+    :func:`load` reads it back, and ``prepare()`` and ``apply()`` start from it; empty:
+    none. Not in the YAML."""
     figures_for: str = dataclasses.field(default="", compare=False)
     """The digest of the config the figures were made for (:meth:`TrainConfig.digest`),
     written with the file; empty: the config in hand."""
@@ -263,7 +272,21 @@ class TuneResult:
         """
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
         header = "# autotune result; train with autotune.prepare(model, autotune.load(path))\n"
-        return write_atomic(path, header + text)
+        written = write_atomic(path, header + text)
+        if not written.is_file():  # /dev/null, a pipe: no place beside it
+            return written
+        beside = compile_cache_path(written)
+        if self.compile_cache and self.compiles:
+            write_atomic(beside, self.compile_cache)
+        elif beside.is_file():  # an earlier run's, for a config this file no longer holds
+            with contextlib.suppress(OSError):
+                beside.unlink()
+        return written
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the config or a fallback runs compiled code."""
+        return any(c.compile_level != "none" for c in (self.config, *self.fallbacks))
 
     def to_dict(self) -> dict[str, Any]:
         """The plain-data form written to YAML (with the digest of the config its figures
@@ -300,12 +323,25 @@ def load(path: str | Path) -> TuneResult:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}.") from None
     data = read_yaml(text, str(path))
+    cache = compile_cache_path(path)
     if isinstance(data, dict) and data.get("version", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise ConfigError(
             f"{path} has schema version {str(data.get('version'))[:20]}; this autotune reads "
             f"version {SCHEMA_VERSION}. Tune again with this version."
         )
     try:
-        return TuneResult.from_dict(data)
+        result = TuneResult.from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if result.compiles and cache.is_file():
+        try:
+            return dataclasses.replace(result, compile_cache=cache.read_bytes())
+        except OSError:  # unreadable: the job compiles anew, as it would without it
+            pass
+    return result
+
+
+def compile_cache_path(path: str | Path) -> Path:
+    """Where the compile cache of the result at ``path`` is kept: beside it, named
+    after it (``tuned.yaml``: ``tuned.compile-cache``)."""
+    return Path(path).with_suffix(".compile-cache")

@@ -1,6 +1,6 @@
 """Compiled blocks as a knob the tuner searches: a compiled timeline of its own, its peaks
 predicted to the byte at sizes never profiled, applied and undone by the config, switched
-by the fallback ladder, and searched end to end.
+by the fallback ladder, searched end to end, and handed to the job compiled.
 
 These compile with inductor's C++ backend; every test compiles the same small block, whose
 code inductor caches.
@@ -8,8 +8,15 @@ code inductor caches.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from pointwise_chain import chained
 from sweeps import sweep
 from torch import nn
 
@@ -167,23 +174,68 @@ def test_compile_blocks_is_validated() -> None:
         )
 
 
-def test_autotune_searches_compiled_blocks_and_verifies_what_it_predicts() -> None:
-    """Searched on the CPU when asked: every verified config (compiled or not, whichever
-    the timings favour on this machine) measures the peak it was predicted, and the
-    result, applied, trains as tuned."""
-    sample = torch.randn(16, 16, 32)
-    result = autotune.autotune(
-        model(), sample, budget_gb=0.0015, loss_fn=loss, device="cpu", global_batch_size=16,
-        space=SearchSpace(precisions=("fp32",), compile_blocks=True),
-    )  # fmt: skip
+TUNE = """
+import sys, torch
+import autotune
+from pointwise_chain import chained, loss
+torch.set_num_threads(1)
+result = autotune.autotune(
+    chained(), torch.randn(16, 16, 32), budget_gb=0.0015, loss_fn=loss, device="cpu",
+    global_batch_size=16, space=autotune.SearchSpace(precisions=("fp32",), compile_blocks=True),
+)
+result.save(sys.argv[1])
+"""
+FIRST_STEP = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+import autotune
+from pointwise_chain import chained, loss
+torch.set_num_threads(1)
+runner = autotune.prepare(chained(), autotune.load(sys.argv[1]), loss_fn=loss)
+runner.step(torch.randn(16, 16, 32))
+print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd")}))
+"""
+
+
+def test_autotune_searches_compiled_blocks_and_the_job_starts_from_its_compiles(
+    tmp_path: Path,
+) -> None:
+    """Tuned in one process, trained in another, as a user's job is. Compiled blocks are
+    searched on the CPU when asked, and every verified config measures the peak it was
+    predicted. The compiled winner, applied, trains as tuned. Its first step in a new
+    process, with an empty inductor cache, compiles nothing anew: every graph comes out
+    of the compile cache saved beside the YAML.
+
+    Both processes run one thread (inductor's CPU code is made for a thread count) and
+    Python's own warning filters (under the suite's, which turn warnings into errors,
+    torch's tracing builds other graphs)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+    }
+    path = tmp_path / "tuned.yaml"
+    run = [sys.executable, "-c", TUNE, str(path)]
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = autotune.load(path)
     for trial in result.trials:
         assert trial.measured is not None and trial.error is None
         assert trial.measured.peak_bytes == trial.predicted.peak_bytes, trial.config.describe()
-    work = model()
+    assert result.config.compile_blocks == ("0", "1")
+    assert len(result.compile_cache) == (tmp_path / "tuned.compile-cache").stat().st_size > 0
+    work = chained()
     with autotune.apply(work, result) as handle:
-        assert all(is_compiled(work[i]) for i in range(3)) == bool(result.config.compile_blocks)
+        assert all(is_compiled(work[i]) for i in range(2))
         assert handle.config == result.config
     assert not any(is_compiled(m) for m in work.modules())
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "job")  # nothing cached here
+    run = [sys.executable, "-c", FIRST_STEP, str(path)]
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["inductor"].get("fxgraph_cache_hit", 0) > 0, counts
+    assert counts["inductor"].get("fxgraph_cache_miss", 0) == 0, counts
+    assert counts["aot_autograd"].get("autograd_cache_miss", 0) == 0, counts
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -6,7 +6,8 @@
   switches its own config mid-training).
 * ``_checkpoint``, ``_selective``: checkpointed and offloaded blocks;
   ``_offload_activations`` and ``_offload_optimizer``: offload to host memory;
-  ``_compiled``: compiled blocks.
+  ``_compiled``: compiled blocks; ``_compile_cache``: the tuner's compiled code handed
+  to the job.
 * ``_parallel``: DDP and FSDP2 as a config says, and the process group's helpers.
 * ``_optimizers``, ``_batch``, ``_loss``, ``_steps``, ``_lengths``, ``_sampler``:
   optimizers by name, batches of any structure, the calling convention and the loss, the
@@ -39,6 +40,7 @@ from autotune.train._batch import (
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
 from autotune.train._chunked_loss import chunked_loss, why_not_chunked
+from autotune.train._compile_cache import compile_artifacts, load_compile_cache
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
 from autotune.train._compiled_model import any_batch_size
 from autotune.train._fallback import snapshot, written_buffers
@@ -100,6 +102,7 @@ __all__ = [
     "check_loss_mean",
     "chunked_loss",
     "collective",
+    "compile_artifacts",
     "compiled_parts",
     "compute_loss",
     "copy_model",
@@ -113,6 +116,7 @@ __all__ = [
     "fused_runs",
     "group_size",
     "layouts_of_model",
+    "load_compile_cache",
     "map_tensors",
     "measured_compiling",
     "not_at_hand",

@@ -15,6 +15,7 @@ from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
 from autotune.train._batch_layout import layouts_of_model
+from autotune.train._compile_cache import load_compile_cache
 from autotune.train._hf_checkpointing import disable_hf_checkpointing
 from autotune.train._identity import differences
 from autotune.train._kv_cache import disable_kv_cache
@@ -85,7 +86,9 @@ def prepare(
     step runs out of memory (see :meth:`Runner.step`), and on a device with a caching
     allocator (CUDA) it caps the allocator at the result's budget, as verification did,
     until the runner is closed. A result tuned per sequence length (``by_length``) trains
-    each batch with the row of its padded length, each row with its own fallbacks.
+    each batch with the row of its padded length, each row with its own fallbacks. A
+    result whose configs compile starts from the code its tuning run compiled
+    (:attr:`TuneResult.compile_cache`, saved beside its YAML).
     """
     check_loss_mean(loss_mean)  # before the model moves
     config = _optimizer_in(config, optimizer, lr, other_optimizer, needed=True)
@@ -260,6 +263,8 @@ def _setup(
             raise ConfigError(message)
         warn(message)
     foreign = _foreign_bytes(model, target) if result is not None else 0
+    if result is not None and result.compiles:  # before anything compiles
+        load_compile_cache(result.compile_cache)
     # fully_shard puts each rank's shards on the device. A model already there is left be:
     # a model of fake tensors (traced, never materialised) cannot be moved at all.
     if config.parallel != "fsdp" and not _on(model, target):

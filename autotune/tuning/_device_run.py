@@ -38,6 +38,7 @@ from autotune.measure import measure_collectives, whole_fits, working_copy
 from autotune.result import TuneResult
 from autotune.train import (
     broadcast,
+    compile_artifacts,
     group_size,
     measured_compiling,
     rank,
@@ -209,7 +210,18 @@ def _result(problem: Problem, profile: Profile, verified: Verification) -> TuneR
         expert=verified.expert,
         expert_note=verified.expert_note,
         skipped=verified.skipped,
+        compile_cache=_compile_cache(verified),
     )
+
+
+def _compile_cache(verified: Verification) -> bytes:
+    """The run's compiled code (:func:`~autotune.train.compile_artifacts`) where a
+    verified config compiled: what the winner or a fallback the job switches to
+    compiles again, out of the cache."""
+    configs = [*(r.config for r in verified.records if r.measured), *verified.fallbacks]
+    if not any(c.compile_level != "none" for c in configs):
+        return b""
+    return compile_artifacts()
 
 
 def _allocator_note(cost: CostModel, config: TrainConfig) -> None:

@@ -1,0 +1,32 @@
+"""A model whose blocks compiling speeds up by far more than any CPU's noise: a helper
+module, not a test module, so that a new process builds the same graphs the tuner did
+(pytest rewrites a test module's code)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Chain(nn.Module):
+    """A norm and a chain of pointwise ops: a kernel each in eager code, one fused kernel
+    compiled, so that compiling wins by far more than the noise on any CPU."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        for _ in range(12):
+            h = torch.tanh(h) * 1.5 + h.sigmoid()
+        return x + h
+
+
+def chained() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Chain(), Chain(), nn.Linear(32, 1))
+
+
+def loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
