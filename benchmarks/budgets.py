@@ -28,9 +28,12 @@ from autotune.verify._verifier import Verifier
 
 from .cases import Case
 
-__all__ = ["Budget", "budgets_for"]
+__all__ = ["HALF_AND_TIGHT", "Budget", "budgets_for"]
 
 _FRACTIONS = (("fp32-no-G", 0.75), ("tight", 0.19))
+HALF_AND_TIGHT = (("half", 0.5), ("tight", 0.19))
+"""The held-out kinds' budgets (:mod:`benchmarks.kinds`): half the global batch fits as
+one fp32 micro-batch, and the tight one."""
 _PROBE_BUDGET = 1 << 50  # effectively none: the probe must not be cut short
 
 
@@ -48,8 +51,14 @@ class Budget:
         return self.budget_bytes / GIB
 
 
-def budgets_for(case: Case, model: nn.Module, device: torch.device) -> list[Budget]:
-    """The case's budgets, largest first (derived from a probe when not fixed).
+def budgets_for(
+    case: Case,
+    model: nn.Module,
+    device: torch.device,
+    fractions: tuple[tuple[str, float], ...] = _FRACTIONS,
+) -> list[Budget]:
+    """The case's budgets, largest first (derived from a probe when not fixed: named
+    and placed by ``fractions``, each ``(name, share of the global batch)``).
 
     The probe runs on a copy of ``model`` on ``device``, freed before returning.
     """
@@ -86,5 +95,5 @@ def budgets_for(case: Case, model: nn.Module, device: torch.device) -> list[Budg
             f"static {static / 2**20:.1f} MiB + {fraction:g} x G={g} x "
             f"{per_sample / 2**20:.2f} MiB/sample (fp32, no checkpointing)",
         )
-        for name, fraction in _FRACTIONS
+        for name, fraction in fractions
     ]
