@@ -187,11 +187,13 @@ def _measured(
     :meth:`Verifier.run`)."""
     kind = "verify" if timed else "verify-once"
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
+    def measure(
+        config: TrainConfig, predicted: Measurement, /, beat: float = 0.0
+    ) -> TrialRecord | None:
         record: TrialRecord = budget.timed(
             lambda: jobs.once(
                 job_key(kind, config),
-                lambda: verifier.record(config, predicted, timed=timed),
+                lambda: verifier.record(config, predicted, timed=timed, beat=beat),
                 f"verifying {config.describe()}",
                 _RECORD,
             )
@@ -205,9 +207,11 @@ def _within(measure: Measure, budget: TimeBudget, what: str) -> Measure:
     """``measure`` where ``budget`` allows a run; where it does not, ``what`` and the
     config are recorded as skipped and the run is ``None`` (as one another process has)."""
 
-    def run(config: TrainConfig, predicted: Measurement) -> TrialRecord | None:
+    def run(
+        config: TrainConfig, predicted: Measurement, /, beat: float = 0.0
+    ) -> TrialRecord | None:
         if not budget.allows(f"{what} {config.describe()}"):
             return None
-        return measure(config, predicted)
+        return measure(config, predicted, beat)
 
     return run

@@ -66,6 +66,9 @@ _TIMED_S = 3.0
 """Stop timing a configuration once its timed steps add up to this many seconds."""
 _MIN_TIMED_S = 1.0
 _MAX_TIMED_STEPS = 20
+LOST_BY = 0.15
+"""A config whose fastest timed step is this much slower than the best speed so far has
+lost: twice the lead (7%) that re-timing races after one timing each."""
 
 
 class Verifier:
@@ -135,7 +138,7 @@ class Verifier:
         )
 
     def run(
-        self, config: TrainConfig, *, timed: bool = True
+        self, config: TrainConfig, *, timed: bool = True, beat: float = 0.0
     ) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected).
 
@@ -143,6 +146,11 @@ class Verifier:
         of two micro-batches (the peak of any accumulation: every later micro-batch holds
         what the second held) and the whole batch held, as a step of it holds it; the
         measurement's speed is then 0 (not measured).
+
+        ``beat``: the best speed measured so far (samples/s; 0: none). A config whose
+        fastest of two or more timed steps is :data:`LOST_BY` slower than it has lost (a
+        lead no re-timing races) and stops being timed: its speed is the median of the
+        steps timed.
         """
         n = config.effective_batch_size
         batch = step_batch(self.sample, n, config.micro_batch_size)
@@ -157,7 +165,8 @@ class Verifier:
         try:
             with self._together(config):
                 runner = self._prepare(config)
-                peak, step_s = self._measure(runner, batch, parts[0])
+                lost_s = config.global_batch_size / beat * (1 + LOST_BY) if beat > 0 else None
+                peak, step_s = self._measure(runner, batch, parts[0], lost_s)
                 runner.check_steps()  # a step the device refused (fp16 overflowing, say)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
@@ -199,11 +208,14 @@ class Verifier:
             model, config, lr=lr, loss_fn=self.loss_fn, device=self.device, blocks=self.blocks
         )
 
-    def _measure(self, runner: Runner, batch: Any, part: Any) -> tuple[int, float | None]:
-        """The peak of ``runner``'s steps on ``batch`` and their median seconds; where
-        ``part`` is not the batch (a peak alone: the first micro-batches of it), the peak
-        of a step on ``part`` with the batch held, after a step on one micro-batch that
-        makes the optimizer's state, and no seconds."""
+    def _measure(
+        self, runner: Runner, batch: Any, part: Any, lost_s: float | None = None
+    ) -> tuple[int, float | None]:
+        """The peak of ``runner``'s steps on ``batch`` and their median seconds (timed
+        until two or more steps say it is slower than ``lost_s`` a step, where given);
+        where ``part`` is not the batch (a peak alone: the first micro-batches of it), the
+        peak of a step on ``part`` with the batch held, after a step on one micro-batch
+        that makes the optimizer's state, and no seconds."""
         budget = self.budget_bytes
         timed = part is batch
         warm = batch if timed else split(part, runner.config.micro_batch_size)[0]
@@ -217,7 +229,7 @@ class Verifier:
                 self._step(runner, warm)  # warm-up: allocates optimizer state
                 seconds = None
                 if timed:
-                    seconds = statistics.median(self._timed_steps(runner, batch))
+                    seconds = statistics.median(self._timed_steps(runner, batch, lost_s))
                 else:
                     self._step(runner, part)
                 _next_batch(batch)
@@ -248,7 +260,8 @@ class Verifier:
                 self._step(runner, part)
                 _next_batch(batch)
             peak = max(peak, reading.peak_bytes)
-        return peak, statistics.median(self._timed_steps(runner, batch)) if timed else None
+        seconds = statistics.median(self._timed_steps(runner, batch, lost_s)) if timed else None
+        return peak, seconds
 
     def _step(self, runner: Runner, batch: Any) -> None:
         """One training step, as a runner with fallbacks takes it: the buffers the step
@@ -257,11 +270,12 @@ class Verifier:
         runner.step(batch)
         del kept
 
-    def _timed_steps(self, runner: Runner, batch: Any) -> list[float]:
+    def _timed_steps(self, runner: Runner, batch: Any, lost_s: float | None = None) -> list[float]:
         """Timed steps: at least ``steps`` and 1 s of them (a window a hiccup cannot own),
-        at most 20 steps or 3 s (one step when a step alone is that long). With data
-        parallelism each step's time is the slowest rank's, so that every rank takes as
-        many steps (a rank stepping alone would wait for the others forever)."""
+        at most 20 steps or 3 s (one step when a step alone is that long), or two where
+        both took more than ``lost_s``. With data parallelism each step's time is the
+        slowest rank's, so that every rank takes as many steps (a rank stepping alone
+        would wait for the others forever)."""
 
         def timed() -> float:
             seconds = self._timed(lambda: self._step(runner, batch))
@@ -271,7 +285,8 @@ class Verifier:
 
         times = [timed()]
         while (
-            sum(times) < _TIMED_S
+            (lost_s is None or len(times) < 2 or min(times) <= lost_s)
+            and sum(times) < _TIMED_S
             and len(times) < _MAX_TIMED_STEPS
             and (len(times) < self.steps or sum(times) < _MIN_TIMED_S)
         ):
@@ -346,11 +361,11 @@ class Verifier:
             self._release()
 
     def record(
-        self, config: TrainConfig, predicted: Measurement, *, timed: bool = True
+        self, config: TrainConfig, predicted: Measurement, *, timed: bool = True, beat: float = 0.0
     ) -> TrialRecord:
-        """Run ``config`` and wrap the outcome as a :class:`TrialRecord` (``timed``: as
-        :meth:`run`; not timed, its record is ``peak_only``)."""
-        measured, error = self.run(config, timed=timed)
+        """Run ``config`` and wrap the outcome as a :class:`TrialRecord` (``timed`` and
+        ``beat``: as :meth:`run`; not timed, its record is ``peak_only``)."""
+        measured, error = self.run(config, timed=timed, beat=beat)
         return TrialRecord(config, predicted, measured, error, peak_only=not timed)
 
     @staticmethod

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Callable
+from typing import Protocol
 
 from autotune._format import format_bytes
 from autotune.config import TrainConfig
@@ -36,8 +36,15 @@ log = logging.getLogger("autotune")
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
 
-Measure = Callable[[TrainConfig, Measurement], "TrialRecord | None"]
-"""Runs a config for real (or reads its outcome from a study); None: another process has it."""
+
+class Measure(Protocol):
+    """Runs a config for real (or reads its outcome from a study); None: another process
+    has it. ``beat``: the best speed measured so far (samples/s; 0: none), which a config
+    clearly slower stops being timed at (see :meth:`Verifier.run`)."""
+
+    def __call__(
+        self, config: TrainConfig, predicted: Measurement, /, beat: float = 0.0
+    ) -> TrialRecord | None: ...
 
 
 def choose_winner(
@@ -121,7 +128,7 @@ class _Race:
             return
         log.info("verifying %s", cand.config.describe())
         self.tried.add(cand.config)
-        record = self.measure(cand.config, cand.prediction.measurement)
+        record = self.measure(cand.config, cand.prediction.measurement, beat=self.best)
         if record is None:
             log.info("  another process is verifying it")
             return

@@ -82,3 +82,20 @@ def test_a_fallbacks_peak_alone_runs_two_micro_batches_a_step_and_is_the_whole_s
     hook.remove()
     assert error is None and whole is not None and len(rows) >= 2 * 8
     assert alone.peak_bytes == whole.peak_bytes
+
+
+def test_a_config_slower_than_the_best_so_far_stops_after_two_timed_steps() -> None:
+    """Timed against a speed it cannot reach, a config runs two timed steps after its
+    peak's (its fastest already far behind), and its speed is still measured; against
+    none, at least three."""
+    v = verifier()
+    steps: list[int] = []
+    hook = v.model.register_forward_pre_hook(lambda m, args: steps.append(1))
+    config = TrainConfig(micro_batch_size=4)
+    lost, error = v.run(config, beat=1e9)
+    assert error is None and lost is not None and lost.samples_per_s > 0
+    assert len(steps) == 2 + 2  # the warm-up and the peak's step, then two timed
+    steps.clear()
+    plain, error = v.run(config)
+    hook.remove()
+    assert error is None and plain is not None and len(steps) >= 2 + 3

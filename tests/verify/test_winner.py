@@ -55,7 +55,7 @@ def test_the_frugal_sibling_of_a_rejected_candidate_is_verified() -> None:
     one like a candidate that fitted is skipped."""
     ran: list[int] = []
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append(config.micro_batch_size)
         if config.micro_batch_size > 24:  # the prediction was wrong: it does not fit
             return TrialRecord(config, predicted, None, "out of memory")
@@ -73,7 +73,7 @@ def test_another_data_parallel_layout_is_another_idea() -> None:
     memory and collectives: each is verified; a second DDP candidate like the first is not."""
     ran: list[tuple[str, bool, int]] = []
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append((config.parallel, bool(config.keep_gathered), config.micro_batch_size))
         return TrialRecord(config, predicted, predicted, None)
 
@@ -97,7 +97,7 @@ def fits(config: TrainConfig, predicted: Measurement) -> TrialRecord:
 def test_candidates_that_cannot_beat_the_measured_best_are_not_verified() -> None:
     ran: list[int] = []
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append(config.micro_batch_size)
         return fits(config, predicted)
 
@@ -283,7 +283,7 @@ def test_the_plainest_candidate_is_verified_where_it_could_still_win() -> None:
     a config with more parts then wins only by more than the noise, run after run."""
     ran: list[str] = []
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append(config.describe().split(" adamw")[0])
         return fits(config, predicted)
 
@@ -312,7 +312,7 @@ def test_the_experts_recipe_is_found_as_an_expert_finds_it() -> None:
 
     ran: list[int] = []
 
-    def measure(config: TrainConfig, predicted: Measurement) -> TrialRecord:
+    def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append(config.micro_batch_size)
         if config.micro_batch_size > 4:
             return TrialRecord(config, predicted, None, error="out of memory")
