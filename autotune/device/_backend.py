@@ -31,6 +31,11 @@ __all__ = [
 ]
 
 
+_NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+"""The x86 CPU flags (as ``torch.cpu.get_capabilities()`` names them) of instructions that
+compute in each half precision."""
+
+
 class Backend:
     """The CPU: no caching allocator, nothing asynchronous, nothing to cap."""
 
@@ -70,6 +75,17 @@ class Backend:
     def supports_bf16(self) -> bool:
         """Whether bf16 autocast runs here."""
         return True
+
+    def emulates(self, precision: str) -> bool:
+        """Whether the device has no arithmetic of its own for ``precision``'s
+        half-precision type (it converts to fp32 and back: several times slower than
+        fp32, not worth timing). An x86 CPU computes bf16 with AVX-512 BF16 or AMX, fp16
+        with AVX-512 FP16 or AMX-FP16; of another CPU nothing is known (``False``: timed)."""
+        flags = _NATIVE.get(precision)
+        caps = torch.cpu.get_capabilities()
+        if flags is None or caps.get("architecture") != "x86_64":
+            return False
+        return not any(caps.get(f, False) for f in flags)
 
     def free(self) -> int:
         """Device memory free now, to this process and others (0: no memory of its own)."""
@@ -197,6 +213,9 @@ class CudaBackend(Backend):
 
     def supports_bf16(self) -> bool:
         return bool(torch.cuda.is_bf16_supported())
+
+    def emulates(self, precision: str) -> bool:
+        return False  # every CUDA GPU computes fp16; bf16 where supports_bf16 says
 
     def free(self) -> int:
         return int(torch.cuda.mem_get_info(self.device)[0])

@@ -19,6 +19,7 @@ import torch
 
 from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, PrecisionProfile, Profile, TimeCurve
 from autotune.config import timeline_chunked, timeline_parts, timeline_unchunked
+from autotune.device import backend_for
 from autotune.errors import BatchError, ProfileError
 from autotune.measure._profiler import Profiler
 
@@ -61,7 +62,8 @@ def fast_precisions(
 
     Timed before anything else is measured, so that a precision the device only emulates
     (fp16 on most CPUs: several times slower) costs one small pass, not a memory profile
-    and a time probe. The time profile checks again at a larger micro-batch, where a
+    and a time probe; one the device says it emulates (:meth:`Backend.emulates`) is not
+    timed at all. The time profile checks again at a larger micro-batch, where a
     precision that pays off on a device shows it; at the smallest it is at worst as fast
     as fp32. The first pass also finds the smallest size of the space that trains: a
     model may not train on one sample (BatchNorm over a 1x1 feature map), which rules
@@ -71,6 +73,7 @@ def fast_precisions(
         ProfileError: the model trains on none of the smallest sizes of the space.
     """
     reference = "fp32" if "fp32" in precisions else precisions[0]
+    backend = backend_for(profiler.device)
     untrainable: list[int] = []
     notes: list[str] = []
     timed: dict[str, dict[int, float]] = {}
@@ -83,6 +86,9 @@ def fast_precisions(
                 continue
             if reference != "fp32":  # no fp32 to compare with: time decides later
                 kept.append(p)
+                continue
+            if backend.emulates(p):  # no pass to time: it cannot be fast here
+                notes.append(f"{p}: {device_name} has no {p} arithmetic of its own, not searched")
                 continue
             timed[p] = {b: profiler.fwd_bwd_time(p, b)}
             ratio = _ratio(profiler, p, reference, b, timed[p][b] / seconds)

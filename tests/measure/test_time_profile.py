@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from autotune.device._backend import Backend
 from autotune.errors import BatchError
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
@@ -72,6 +73,7 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
         return 0.01 * b * slowdown.get(precision, 1.0)
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
+    monkeypatch.setattr(Backend, "emulates", lambda self, precision: False)  # any CPU's flags
     found, untrainable, notes, _ = fast_precisions(
         profiler, ("fp32", "bf16", "fp16"), (1, 2, 4), device_name="cpu"
     )
@@ -82,6 +84,23 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
     else:
         assert found == kept
         assert len(notes) == 1 and notes[0].startswith("fp16: ") and "not searched" in notes[0]
+
+
+def test_a_precision_the_cpu_has_no_arithmetic_for_is_not_timed(setup, monkeypatch) -> None:
+    """On an x86 CPU without AVX-512 FP16 or AMX-FP16, fp16 is converted to fp32 and back
+    around every op: not one pass of it is timed, and a note says why."""
+    profiler, _ = setup
+    asked: list[str] = []
+    monkeypatch.setattr(
+        profiler, "fwd_bwd_time", lambda p, b, every=0: asked.append(p) or 0.01
+    )  # fmt: skip
+    flags = {**torch.cpu.get_capabilities(), "architecture": "x86_64"}
+    monkeypatch.setattr(
+        torch.cpu, "get_capabilities", lambda: {**flags, "avx512_fp16": False, "amx_fp16": False}
+    )  # fmt: skip
+    found, _, notes, _ = fast_precisions(profiler, ("fp32", "fp16"), (1, 2), device_name="cpu")
+    assert found == ("fp32",) and asked == ["fp32"]
+    assert notes == ["fp16: cpu has no fp16 arithmetic of its own, not searched"]
 
 
 def test_without_fp32_or_with_one_precision_one_pass_finds_the_smallest_size(
