@@ -37,6 +37,11 @@ _COMPILED_PAYS = 0.97
 """Compiled blocks are timed in full where a pass takes at most this share of the eager
 pass's time at the probe's micro-batch (they may still save memory; that alone is not
 worth a search of its own)."""
+_VARIANT_PASS_S = 0.5
+"""The checkpointed variants are timed at the ladder's second size and at the largest
+whose pass is predicted to take at most this (the ladder's last where every pass is that
+short): their cost over the kept pass is a ratio, interpolated in size, which larger
+passes only make slower to measure (three more of them per precision)."""
 _TRIED_SIZES = 3
 """The smallest sizes tried before a failure is the model's, not a size's."""
 
@@ -196,9 +201,9 @@ def _time_ladder(
 ) -> list[int]:
     """Time forward+backward up the ladder into ``times``; returns the sizes timed.
 
-    At the ladder's second and last sizes, ``variants`` (every block checkpointed, or
-    selectively) are timed on the same runner, in turn with the kept pass, into
-    ``wrapped[b]`` (by variant, the kept one too).
+    At the ladder's second size and at its last cheap one (:func:`_last_cheap`),
+    ``variants`` (every block checkpointed, or selectively) are timed on the same runner,
+    in turn with the kept pass, into ``wrapped[b]`` (by variant, the kept one too).
 
     An out-of-memory error past the first size ends the ladder there, with a note; a
     size the model fails on otherwise goes into ``untrainable``, with a note.
@@ -209,11 +214,16 @@ def _time_ladder(
     spend minutes on them.
     """
     done: list[int] = []
-    paired = {ladder[min(1, len(ladder) - 1)], ladder[-1]} if variants else set()
-    for b in ladder:
-        if b not in times:
+    second = ladder[min(1, len(ladder) - 1)]
+    for i, b in enumerate(ladder):
+        paired = (
+            bool(variants)
+            and wrapped is not None
+            and (b == second or (len(wrapped) < 2 and _last_cheap(ladder, i, times, done)))
+        )
+        if b not in times or paired:
             try:
-                if b in paired and wrapped is not None:
+                if paired and wrapped is not None:
                     wrapped[b] = profiler.fwd_bwd_times(precision, b, (KEEP, *variants))
                     times[b] = wrapped[b][KEEP]
                 else:
@@ -243,6 +253,20 @@ def _time_ladder(
             if times[b] / b > 0.97 * times[previous] / previous:
                 break
     return done
+
+
+def _last_cheap(
+    ladder: Sequence[int], i: int, times: Mapping[int, float], done: Sequence[int]
+) -> bool:
+    """Whether ``ladder[i]`` is the largest size whose pass, predicted in proportion to
+    the last one timed, takes at most :data:`_VARIANT_PASS_S`: the next size's would take
+    more, or it is the ladder's last."""
+    if not done:
+        return i + 1 >= len(ladder)
+    per_sample = times[done[-1]] / done[-1]
+    if per_sample * ladder[i] > _VARIANT_PASS_S:
+        return False
+    return i + 1 >= len(ladder) or per_sample * ladder[i + 1] > _VARIANT_PASS_S
 
 
 def _previous_size(ladder: Sequence[int], b: int) -> int | None:
@@ -368,7 +392,9 @@ def _timed(
     planned = _ladder(allowed, cap)
     ladder = _time_ladder(profiler, p, planned, times, notes, untrainable, variants, wrapped)
     xs = tuple(sorted(times))
-    ckpt_points = sorted({ladder[min(1, len(ladder) - 1)], ladder[-1]}) if variants else []
+    ckpt_points = []
+    if variants:  # where the ladder timed them, else (it stopped before) at its last size
+        ckpt_points = sorted(wrapped) or [ladder[-1]]
     for b in ckpt_points:
         if b not in wrapped:  # the ladder stopped early, or timed it before
             wrapped[b] = {KEEP: times[b], **profiler.fwd_bwd_times(p, b, variants)}
