@@ -323,7 +323,6 @@ def load(path: str | Path) -> TuneResult:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}.") from None
     data = read_yaml(text, str(path))
-    cache = compile_cache_path(path)
     if isinstance(data, dict) and data.get("version", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise ConfigError(
             f"{path} has schema version {str(data.get('version'))[:20]}; this autotune reads "
@@ -333,6 +332,7 @@ def load(path: str | Path) -> TuneResult:
         result = TuneResult.from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    cache = compile_cache_path(path)
     if result.compiles and cache.is_file():
         try:
             return dataclasses.replace(result, compile_cache=cache.read_bytes())

@@ -25,18 +25,6 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 
-TUNE = """
-import sys, torch
-import autotune
-from pointwise_chain import chained, loss
-torch.set_num_threads(1)
-result = autotune.autotune(
-    chained(), torch.randn(16, 16, 32), budget_gb=0.0015, loss_fn=loss, device="cpu",
-    global_batch_size=16, space=autotune.SearchSpace(precisions=("fp32",), compile_blocks=True),
-)
-result.save(sys.argv[1])
-print("TUNED", result.config.describe())
-"""
 FIRST_STEP = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -61,14 +49,14 @@ print("ROW " + json.dumps({
 """
 
 
-def _run(code: str, path: Path, cache_dir: Path) -> str:
+def _run(code: list[str], path: Path, cache_dir: Path) -> str:
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "PYTHONPATH": os.pathsep.join([str(_ROOT / "tests"), *sys.path]),
     }
     done = subprocess.run(
-        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env
+        [sys.executable, *code, str(path)], capture_output=True, text=True, env=env
     )
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
@@ -83,7 +71,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         path = work / "tuned.yaml"
-        tuned = _run(TUNE, path, work / "tuner")
+        tuned = _run([str(_ROOT / "tests" / "pointwise_chain.py")], path, work / "tuner")
         config = next(x for x in tuned.splitlines() if x.startswith("TUNED "))[6:]
         cache = path.with_suffix(".compile-cache")
         size = cache.stat().st_size
@@ -93,7 +81,7 @@ def main() -> int:
                 if name == "without_cache":
                     cache.rename(work / "kept")
                 try:
-                    out = _run(FIRST_STEP, path, work / f"job-{name}-{i}")
+                    out = _run(["-c", FIRST_STEP], path, work / f"job-{name}-{i}")
                 finally:
                     if name == "without_cache":
                         (work / "kept").rename(cache)

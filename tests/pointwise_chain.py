@@ -4,8 +4,12 @@ module, not a test module, so that a new process builds the same graphs the tune
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
+
+import autotune
 
 
 class Chain(nn.Module):
@@ -30,3 +34,19 @@ def chained() -> nn.Sequential:
 
 def loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return output.pow(2).mean()
+
+
+def tune_and_save(path: str) -> autotune.TuneResult:
+    """Tune :func:`chained` with compiled blocks searched, on one thread, and save it at
+    ``path`` (with its compile cache beside it): what a user's tuning process does."""
+    torch.set_num_threads(1)
+    result = autotune.autotune(
+        chained(), torch.randn(16, 16, 32), budget_gb=0.0015, loss_fn=loss, device="cpu",
+        global_batch_size=16, space=autotune.SearchSpace(precisions=("fp32",), compile_blocks=True),
+    )  # fmt: skip
+    result.save(path)
+    return result
+
+
+if __name__ == "__main__":  # python pointwise_chain.py PATH: tune and save, in a process of its own
+    print("TUNED", tune_and_save(sys.argv[1]).config.describe())

@@ -174,17 +174,6 @@ def test_compile_blocks_is_validated() -> None:
         )
 
 
-TUNE = """
-import sys, torch
-import autotune
-from pointwise_chain import chained, loss
-torch.set_num_threads(1)
-result = autotune.autotune(
-    chained(), torch.randn(16, 16, 32), budget_gb=0.0015, loss_fn=loss, device="cpu",
-    global_batch_size=16, space=autotune.SearchSpace(precisions=("fp32",), compile_blocks=True),
-)
-result.save(sys.argv[1])
-"""
 FIRST_STEP = """
 import json, sys, torch
 from torch._dynamo.utils import counters
@@ -214,7 +203,7 @@ def test_autotune_searches_compiled_blocks_and_the_job_starts_from_its_compiles(
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
     }
     path = tmp_path / "tuned.yaml"
-    run = [sys.executable, "-c", TUNE, str(path)]
+    run = [sys.executable, str(Path(__file__).parent / "pointwise_chain.py"), str(path)]
     done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     result = autotune.load(path)

@@ -149,8 +149,8 @@ class LiveBytesTracker(TorchDispatchMode):
             Life(born, n, end, clock < self.phases[end].peak_at, drop(born))
             for born, n, end, clock in self._freed
         ]
-        born = list((self.born or {}).items())  # a finalizer may drop one meanwhile
-        alive = ((b, self._sizes[key]) for key, b in born if key in self._sizes)
+        births = list((self.born or {}).items())  # a finalizer may drop one meanwhile
+        alive = ((born, self._sizes[key]) for key, born in births if key in self._sizes)
         return out + [Life(born, n, None, False, drop(born)) for born, n in alive]
 
     def phase(self, key: PhaseKey, *, grads: int = 0) -> None:

@@ -66,7 +66,7 @@ _TIMED_S = 3.0
 """Stop timing a configuration once its timed steps add up to this many seconds."""
 _MIN_TIMED_S = 1.0
 _MAX_TIMED_STEPS = 20
-LOST_BY = 0.15
+_LOST_BY = 0.15
 """A config whose fastest timed step is this much slower than the best speed so far has
 lost: twice the lead (7%) that re-timing races after one timing each."""
 
@@ -148,7 +148,7 @@ class Verifier:
         measurement's speed is then 0 (not measured).
 
         ``beat``: the best speed measured so far (samples/s; 0: none). A config whose
-        fastest of two or more timed steps is :data:`LOST_BY` slower than it has lost (a
+        fastest of two or more timed steps is :data:`_LOST_BY` slower than it has lost (a
         lead no re-timing races) and stops being timed: its speed is the median of the
         steps timed.
         """
@@ -165,7 +165,7 @@ class Verifier:
         try:
             with self._together(config):
                 runner = self._prepare(config)
-                lost_s = config.global_batch_size / beat * (1 + LOST_BY) if beat > 0 else None
+                lost_s = config.global_batch_size / beat * (1 + _LOST_BY) if beat > 0 else None
                 peak, step_s = self._measure(runner, batch, parts[0], lost_s)
                 runner.check_steps()  # a step the device refused (fp16 overflowing, say)
         except torch.OutOfMemoryError as exc:
