@@ -212,6 +212,11 @@ def test_autotune_searches_compiled_blocks_and_the_job_starts_from_its_compiles(
         assert trial.measured.peak_bytes == trial.predicted.peak_bytes, trial.config.describe()
     assert result.config.compile_blocks == ("0", "1")
     assert len(result.compile_cache) == (tmp_path / "tuned.compile-cache").stat().st_size > 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "show", str(path)],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "of the tuner's compiled code beside this file" in shown
     work = chained()
     with autotune.apply(work, result) as handle:
         assert all(is_compiled(work[i]) for i in range(2))

@@ -321,6 +321,11 @@ def _describe(result: TuneResult) -> str:
     )
     if result.skipped:  # for max_tuning_s
         lines.append(f"skipped     for the time limit: {'; '.join(result.skipped)}")
+    if result.compile_cache:  # read beside the file: the job compiles out of it
+        lines.append(
+            f"compiled    {format_bytes(len(result.compile_cache))} of the tuner's compiled "
+            "code beside this file: prepare() and apply() start from it"
+        )
     if ran or not planned:
         lines.append(f"verified    {len(ran)} configs run for real:")
         lines += [f"  {_trial(r)}" for r in ran]
