@@ -7,18 +7,18 @@ Random weights from configs (nothing downloads); every case takes a global batch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .cases import Case, _classification_loss, _image_batch, _small_resnet, hf_gpt2, lm_batch
+from .cases import Case, cases_for, lm_batch
 
 __all__ = ["kind_cases"]
 
 _VOCAB, _SEQ = 2048, 128
-_GPT2 = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 128, "vocab_size": _VOCAB}
 _LLAMA = {
     "hidden_size": 128,
     "intermediate_size": 352,
@@ -131,13 +131,14 @@ def _lm(n: int) -> dict[str, torch.Tensor]:
 
 
 def kind_cases() -> list[Case]:
-    """One case per held-out kind."""
+    """One case per held-out kind (the decoder and the CNN: the CPU benchmark's own)."""
+    cpu = {c.name: c for c in cases_for(torch.device("cpu"))}
     return [
-        Case("decoder-gpt2", hf_gpt2(**_GPT2), _lm, 32, extra={**_GPT2, "seq": _SEQ}),
+        dataclasses.replace(cpu["hf-gpt2-small"], name="decoder-gpt2"),
         Case("encoder-bert", _seeded(_bert), _masked_batch, 32, extra={"seq": _SEQ}),
         Case("seq2seq-t5", _seeded(_t5), _seq2seq_batch, 32, extra={"source": _SEQ, "target": 32}),
         Case("vit", _seeded(_vit), _vit_batch, 32, extra={"image": 64, "patch": 8}),
-        Case("cnn-resnet", _small_resnet, _image_batch, 32, loss_fn=_classification_loss),
+        dataclasses.replace(cpu["resnet-small"], name="cnn-resnet"),
         Case("unet-diffusers", _seeded(_unet), _latents, 32, loss_fn=_denoising_mse),
         Case("moe-mixtral", _seeded(_mixtral), _lm, 32, extra={"experts": 4, "top": 2}),
         Case("lora-llama", _seeded(_lora_llama), _lm, 32, notes="LoRA r=8 on q, v"),

@@ -37,7 +37,7 @@ def one(case_name: str, budget_name: str, limit: float | None, kinds: bool) -> d
     import torch
 
     sys.path.insert(0, str(_ROOT))
-    from benchmarks.budgets import _FRACTIONS, HALF_AND_TIGHT, budgets_for
+    from benchmarks.budgets import HALF_AND_TIGHT, budgets_for
     from benchmarks.cases import cases_for
     from benchmarks.kinds import kind_cases
     from benchmarks.tuning import tune
@@ -47,8 +47,12 @@ def one(case_name: str, budget_name: str, limit: float | None, kinds: bool) -> d
     cases = kind_cases() if kinds else cases_for(device)
     case = next(c for c in cases if c.name == case_name)
     model = case.build()
-    fractions = HALF_AND_TIGHT if kinds else _FRACTIONS
-    budget = next(b for b in budgets_for(case, model, device, fractions) if b.name == budget_name)
+    found = (
+        budgets_for(case, model, device, HALF_AND_TIGHT)
+        if kinds
+        else budgets_for(case, model, device)
+    )
+    budget = next(b for b in found if b.name == budget_name)
     started = time.perf_counter()
     result, _ = tune(case, model, budget, device, max_tuning_s=limit)
     wall = time.perf_counter() - started

@@ -396,7 +396,7 @@ def _timed(
     if variants:  # where the ladder timed them, else (it stopped before) at its last size
         ckpt_points = sorted(wrapped) or [ladder[-1]]
     for b in ckpt_points:
-        if b not in wrapped:  # the ladder stopped early, or timed it before
+        if b not in wrapped:  # the ladder stopped before its second size
             wrapped[b] = {KEEP: times[b], **profiler.fwd_bwd_times(p, b, variants)}
     ratios = {v: tuple(wrapped[b][v] / wrapped[b][KEEP] - 1 for b in ckpt_points) for v in variants}
     curve = TimeCurve(
