@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BUSY",
+    "CONFIDENCE",
     "LEAST_NOISE",
     "MOST_NOISE",
     "PRIOR_NOISE",

@@ -142,10 +142,11 @@ class Verifier:
     ) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected).
 
-        ``timed=False``: its peak alone (a fallback's, kept for its memory), over steps
-        of two micro-batches (the peak of any accumulation: every later micro-batch holds
-        what the second held) and the whole batch held, as a step of it holds it; the
-        measurement's speed is then 0 (not measured).
+        The peak is measured over steps of two micro-batches (the peak of any
+        accumulation: every later micro-batch holds what the second held) with the whole
+        batch held, as a step of it holds it (see :meth:`_measure`). ``timed=False``: the
+        peak alone (a fallback's, kept for its memory); the measurement's speed is then 0
+        (not measured).
 
         ``beat``: the best speed measured so far (samples/s; 0: none). A config whose
         fastest of two or more timed steps is :data:`_LOST_BY` slower than it has lost (a
@@ -156,8 +157,6 @@ class Verifier:
         batch = step_batch(self.sample, n, config.micro_batch_size)
         if n < batch_size(self.sample):  # views: they would hold the whole sample
             batch = map_tensors(batch, torch.clone)  # a loader's batch holds n rows
-        # Views of the batch: it stays held whole, as a step of all of it holds it.
-        parts = [batch] if timed else split(batch, 2 * config.micro_batch_size)[:1]
         runner: Runner | None = None
         error: str | None = None
         peak, step_s = 0, None
@@ -166,7 +165,7 @@ class Verifier:
             with self._together(config):
                 runner = self._prepare(config)
                 lost_s = config.global_batch_size / beat * (1 + _LOST_BY) if beat > 0 else None
-                peak, step_s = self._measure(runner, batch, parts[0], lost_s)
+                peak, step_s = self._measure(runner, batch, timed=timed, lost_s=lost_s)
                 runner.check_steps()  # a step the device refused (fp16 overflowing, say)
         except torch.OutOfMemoryError as exc:
             error = f"out of memory: {str(exc).splitlines()[0] if str(exc) else 'OOM'}"
@@ -209,16 +208,21 @@ class Verifier:
         )
 
     def _measure(
-        self, runner: Runner, batch: Any, part: Any, lost_s: float | None = None
+        self, runner: Runner, batch: Any, *, timed: bool, lost_s: float | None = None
     ) -> tuple[int, float | None]:
-        """The peak of ``runner``'s steps on ``batch`` and their median seconds (timed
-        until two or more steps say it is slower than ``lost_s`` a step, where given);
-        where ``part`` is not the batch (a peak alone: the first micro-batches of it), the
-        peak of a step on ``part`` with the batch held, after a step on one micro-batch
-        that makes the optimizer's state, and no seconds."""
+        """The peak of ``runner``'s steps on ``batch`` and (``timed``) their median seconds,
+        timed until two or more steps say it is slower than ``lost_s`` a step, where given.
+
+        The peak is that of a step on the first two micro-batches of ``batch`` with all of
+        it held, after a step on one micro-batch that makes the optimizer's state: every
+        later micro-batch of an accumulation holds what the second held, so this is the
+        whole step's peak, at a fraction of its cost where a step accumulates many. On a
+        device whose allocator caches (CUDA), the peak is read over the warm-up and the
+        timed steps themselves, at no cost: a timed config's steps are whole there.
+        """
         budget = self.budget_bytes
-        timed = part is batch
-        warm = batch if timed else split(part, runner.config.micro_batch_size)[0]
+        mb = runner.config.micro_batch_size
+        part = split(batch, 2 * mb)[0]  # views of the batch: it stays held whole
         if self.backend.caching:
             with measure_peak(
                 self.device,
@@ -226,11 +230,12 @@ class Verifier:
                 context_bytes=self.context_bytes,
                 foreign_bytes=self.foreign_bytes,
             ) as reading:
-                self._step(runner, warm)  # warm-up: allocates optimizer state
                 seconds = None
                 if timed:
+                    self._step(runner, batch)  # warm-up: allocates optimizer state
                     seconds = statistics.median(self._timed_steps(runner, batch, lost_s))
                 else:
+                    self._step(runner, split(part, mb)[0])
                     self._step(runner, part)
                 _next_batch(batch)
             return reading.peak_bytes, seconds
@@ -246,7 +251,7 @@ class Verifier:
             budget_bytes=budget,
             compiled=compiled,
         ):
-            self._step(runner, warm)
+            self._step(runner, split(part, mb)[0])
         peak = 0
         # DDP builds its buckets again in its second step, steady from its third: both count.
         for _ in range(2 if runner.config.parallel == "ddp" else 1):
@@ -297,8 +302,9 @@ class Verifier:
         """The largest evaluation batch (a no-grad forward with its loss where it has one,
         in eval mode, in the config's precision) that fits the budget after a training
         step of ``config``, up to ``most``; ``wanted``: that size, where it fits.
-        Measured: at the micro-batch and twice it, the line through them says the largest,
-        which is run (and lowered until it fits). ``None``: not even the micro-batch fits."""
+        Measured: at ``most`` (or ``wanted``) first; where that does not fit, at the
+        micro-batch and twice it, the line through them says the largest, which is run
+        (and lowered until it fits). ``None``: not even the micro-batch fits."""
         self._release(before=True)
         runner = self._prepare(config)
         try:
@@ -408,18 +414,20 @@ def _largest_fitting(
     peak: Callable[[int], int | None], small: int, wanted: int | None, most: int, budget: int
 ) -> int | None:
     """The largest size ``n`` up to ``most`` whose ``peak(n)`` fits (is not ``None``):
-    ``wanted`` where it fits, else from the line through ``small`` and twice it."""
-    if wanted is not None:
-        if peak(wanted) is not None:
-            return wanted
-        most = min(most, wanted - 1)
-    first = peak(small) if small <= most else None
-    if first is None:
+    ``wanted`` (else ``most``) where it fits, else from the line through ``small`` and
+    twice it. Tried first, the size wanted costs one forward where it fits (most often),
+    and little where it does not: the budget guard stops it as it passes the budget."""
+    first = wanted if wanted is not None else most
+    if peak(first) is not None:
+        return first
+    most = min(most, first - 1)
+    at_small = peak(small) if small <= most else None
+    if at_small is None:
         return None
     second = peak(2 * small) if 2 * small <= most else None
     if second is None:
         return small
-    slope = max((second - first) / small, 1.0)
+    slope = max((second - at_small) / small, 1.0)
     n = min(most, 2 * small + int((budget - second) / slope))
     while n > 2 * small and peak(n) is None:
         n = max(2 * small, int(n * 0.9))

@@ -16,7 +16,7 @@ from autotune.cost import Candidate
 from autotune.errors import VerificationError
 from autotune.result import Measurement, TrialRecord
 from autotune.verify import _noise
-from autotune.verify._noise import QUIET, Noise, ahead, lead
+from autotune.verify._noise import CONFIDENCE, QUIET, Noise, ahead, lead
 from autotune.verify._time_budget import TimeBudget
 from autotune.verify._verifier import Verifier
 
@@ -35,6 +35,10 @@ log = logging.getLogger("autotune")
 
 _SAME_SPEED = 0.03
 """Predicted throughputs within this fraction are a tie: the smaller peak is verified first."""
+_HOPELESS = 0.5
+"""A contender whose lead (either way) is under this share of the least lead the last
+round of re-timing could call stops racing after a round: more rounds would most likely
+call it a tie too, at a round of timings each (seconds on a CPU)."""
 
 
 class Measure(Protocol):
@@ -287,8 +291,9 @@ def settle(
     busy), so that a slow spell hits a round's timings alike
     and comparing them round by round takes it out. After each round the noise is
     estimated from the rounds, the leader is the best median, and a contender whose order
-    against it is now known stops. One still racing after the last round is a tie, which
-    :func:`fastest` gives to the simpler config. Each record keeps the median of its
+    against it is now known stops, and so does one whose lead is too small for the last
+    round to call (:data:`_HOPELESS`). One still racing after the last round, or stopped
+    so, is a tie, which :func:`fastest` gives to the simpler config. Each record keeps the median of its
     timings; the figures that decide are logged.
     """
     passed = [r for r in records if r.measured is not None]
@@ -305,7 +310,8 @@ def settle(
     leader = max(times, key=median)
     sigma, rounds = machine.prior, machine.rounds
     racing = [c for c in times if c != leader and not ahead(rate(leader), rate(c), sigma)]
-    for _ in range(rounds):
+    tied: list[TrainConfig] = []
+    for done in range(1, rounds + 1):
         if not racing:
             break
         for c in (leader, *racing):
@@ -314,15 +320,20 @@ def settle(
         timed = (leader, *racing)
         leader = max(timed, key=median)
         racing = [c for c in timed if c != leader and not ahead(rate(leader), rate(c), sigma)]
+        if done < rounds:  # a lead the last round could not call stops racing now, a tie
+            last = CONFIDENCE * sigma * math.sqrt(2 / (rounds + 1))
+            hopeless = [c for c in racing if abs(lead(rate(leader), rate(c))) < _HOPELESS * last]
+            racing = [c for c in racing if c not in hopeless]
+            tied += hopeless
     for c, ts in times.items():
         if len(ts) >= 2:
             log.info("re-timed %s: %.1f samples/s (median of %d)", c.describe(), median(c), len(ts))
-    if racing:
+    if racing or tied:
         log.info(
             "tied within the timing noise (%.1f%% per timing) after %d rounds: %s",
             100 * sigma,
-            rounds,
-            "; ".join(c.describe() for c in (leader, *racing)),
+            max(len(ts) for ts in times.values()) - 1,
+            "; ".join(c.describe() for c in (leader, *racing, *tied)),
         )
     out = []
     for r in records:

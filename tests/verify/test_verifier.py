@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from autotune.config import TrainConfig
+from autotune.measure import measure_peak, state_tensors
 from autotune.models import gpt_batch, tiny_gpt
+from autotune.train import prepare, step_batch, tensors_on
 from autotune.train._runner import Runner
 from autotune.verify._verifier import Verifier
 
@@ -56,6 +58,23 @@ def test_an_oom_mid_step_leaves_no_gradient_on_either_side(monkeypatch) -> None:
     assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
 
 
+def _whole_step_peak(v: Verifier, config: TrainConfig) -> int:
+    """The peak of a whole step of ``config`` (every micro-batch of its accumulation)
+    after a whole step that made the optimizer's state, measured directly."""
+    batch = step_batch(v.sample, config.effective_batch_size, config.micro_batch_size)
+    runner = prepare(v.model, config, lr=1e-6, device=CPU)
+    try:
+        runner.step(batch)
+        state = state_tensors(runner.model, runner.optimizer)
+        if runner.host is not None:  # an offloaded optimizer's host copies: the CPU's memory
+            state += runner.host.pinned_tensors()
+        with measure_peak(CPU, existing=[*state, *tensors_on(batch, CPU)]) as reading:
+            runner.step(batch)
+        return reading.peak_bytes
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -64,12 +83,13 @@ def test_an_oom_mid_step_leaves_no_gradient_on_either_side(monkeypatch) -> None:
     ],
     ids=["checkpointed", "optimizer-offloaded"],
 )
-def test_a_fallbacks_peak_alone_runs_two_micro_batches_a_step_and_is_the_whole_steps(
+def test_a_peak_is_measured_over_two_micro_batches_a_step_and_is_the_whole_steps(
     config: TrainConfig,
 ) -> None:
-    """A fallback is kept for its memory: its verification runs one micro-batch (the
-    optimizer's state made), then two and a step under the tracker, with the step's whole
-    batch held; the peak is the whole accumulation's, and no speed is claimed."""
+    """Every config's peak is measured over one micro-batch (the optimizer's state made),
+    then two and a step under the tracker, with the step's whole batch held; that peak is
+    the whole accumulation's. A fallback (kept for its memory) runs those alone and claims
+    no speed; a timed config's timed steps are whole."""
     v = verifier()
     rows: list[int] = []
     hook = v.model.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
@@ -78,10 +98,14 @@ def test_a_fallbacks_peak_alone_runs_two_micro_batches_a_step_and_is_the_whole_s
     assert rows == [2, 2, 2]  # one micro-batch, then two and the step
     assert alone.samples_per_s == 0.0 and alone.step_s == 0.0
     rows.clear()
-    whole, error = v.run(config)  # every micro-batch of every step
+    timed, error = v.run(config)
+    assert error is None and timed is not None and timed.samples_per_s > 0
+    assert rows[:3] == [2, 2, 2] and len(rows) >= 3 + 3 * 8  # then whole steps, timed
+    rows.clear()
+    whole = _whole_step_peak(v, config)
     hook.remove()
-    assert error is None and whole is not None and len(rows) >= 2 * 8
-    assert alone.peak_bytes == whole.peak_bytes
+    assert len(rows) == 2 * 8
+    assert alone.peak_bytes == timed.peak_bytes == whole
 
 
 def test_a_config_slower_than_the_best_so_far_stops_after_two_timed_steps() -> None:
@@ -94,7 +118,7 @@ def test_a_config_slower_than_the_best_so_far_stops_after_two_timed_steps() -> N
     config = TrainConfig(micro_batch_size=4)
     lost, error = v.run(config, beat=1e9)
     assert error is None and lost is not None and lost.samples_per_s > 0
-    assert len(steps) == 2 + 2  # the warm-up and the peak's step, then two timed
+    assert len(steps) == 2 + 2  # the warm-up and the peak's step (one micro-batch), two timed
     steps.clear()
     plain, error = v.run(config)
     hook.remove()
