@@ -7,9 +7,11 @@ timed again through autotune's runner, and the expert's compiled config
 (benchmarks/harness.py: batch on the device, the same warm-up and syncs, no NVML thread). Recorded: both configs
 and their measured throughput, MFU (benchmarks/mfu.py), every verified trial's peak and
 step time predicted against measured, what the driver saw the tuning run hold against the
-budget, and where the tuning seconds went. The JSON is rewritten after every row, so a run
-stopped at its time limit keeps what it measured; ``--table DIR`` prints the kit's one
-table from what a run left there.
+budget, and where the tuning seconds went; and the job's first training step in a new
+process, from the saved YAML, with the tuner's compile cache beside it and (where the
+config compiles) without it. The JSON is rewritten after every row, so a run stopped at
+its time limit keeps what it measured; ``--table DIR`` prints the kit's one table from
+what a run left there.
 
     python benchmarks/gpu_jobs.py --out jobs.json                         # on a GPU
     python benchmarks/gpu_jobs.py --smoke --device cpu --out /tmp/j.json  # CI's smoke run
@@ -27,7 +29,9 @@ import datetime
 import gc
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import autotune
 from autotune.device import backend_for
+from autotune.result import compile_cache_path
 from benchmarks.expert import expert_config
 from benchmarks.harness import time_runner
 from benchmarks.jobs import Job, budget_bytes, jobs
@@ -56,9 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", nargs="*", help="only these budgets, e.g. 24GiB card")
     parser.add_argument("--out", type=Path, default=Path("jobs.json"))
     parser.add_argument("--table", type=Path, help="print the table of the results in DIR")
+    parser.add_argument("--first-step", nargs=2, metavar=("JOB", "YAML"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.table is not None:
         print(table(args.table))
+        return 0
+    if args.first_step is not None:
+        name, path = args.first_step
+        job = next(j for j in jobs(smoke=args.smoke) if j.name == name)
+        print("FIRST " + json.dumps(first_step(job, Path(path), torch.device(args.device))))
         return 0
     device = torch.device(args.device)
     index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
@@ -138,6 +149,7 @@ def run_job(
     work = model if job.name.startswith("qlora") else copy.deepcopy(model)
     timing = time_runner(work, result, job.sample(job.global_batch_size), device)
     del work
+    row.update(first_steps(job, result, device, smoke=smoke))
     row["tuned_verified_samples_per_s"] = row["tuned_samples_per_s"]
     row["tuned_samples_per_s"] = timing.samples_per_s(job.global_batch_size)
     row["tuned_spread"] = timing.spread
@@ -164,6 +176,67 @@ def run_job(
         row["tuned_over_expert"] = row["tuned_samples_per_s"] / best.samples_per_s
     row["wall_s"] = time.perf_counter() - started
     return row
+
+
+_FIRST_STEP_S = 120
+"""The most a new process may take to build the job and take its first step."""
+
+
+def first_steps(
+    job: Job, result: autotune.TuneResult, device: torch.device, *, smoke: bool
+) -> dict[str, Any]:
+    """The tuned config's first training step in new processes, each with an inductor
+    cache of its own (empty): with the tuner's compile cache beside the saved YAML, then,
+    where there is one, without it. Each entry: ``first_step_s`` (``..._without_cache``),
+    or the error that stopped it."""
+    out: dict[str, Any] = {"compiles": result.compiles}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tuned.yaml"
+        cache = compile_cache_path(result.save(path))
+        kinds = ["first_step"] + (["first_step_without_cache"] if cache.is_file() else [])
+        for kind in kinds:
+            if kind == "first_step_without_cache":
+                cache.unlink()
+            command = [sys.executable, __file__, "--first-step", job.name, str(path)]
+            command += ["--device", str(device)] + (["--smoke"] if smoke else [])
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / kind)}
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, env=env, timeout=_FIRST_STEP_S
+                )
+            except subprocess.TimeoutExpired:
+                out[f"{kind}_error"] = f"over {_FIRST_STEP_S} s"
+                continue
+            line = next((x for x in done.stdout.splitlines() if x.startswith("FIRST ")), None)
+            if done.returncode or line is None:
+                out[f"{kind}_error"] = done.stderr[-1000:]
+                continue
+            for key, value in json.loads(line[6:]).items():
+                out[key.replace("first_step", kind, 1)] = value
+    return out
+
+
+def first_step(job: Job, path: Path, device: torch.device) -> dict[str, float]:
+    """The job's first two training steps from the YAML at ``path`` in this (new)
+    process: ``prepare()`` loads the compile cache beside it before anything compiles."""
+    started = time.perf_counter()
+    model = job.build(device)
+    batch = job.sample(job.global_batch_size)
+    on_device = {k: v.to(device) for k, v in batch.items()}
+    ops = backend_for(device)
+    with autotune.prepare(model, autotune.load(path), lr=1e-5, device=device) as runner:
+        ready = time.perf_counter()
+        runner.step(on_device)
+        ops.synchronize()
+        first = time.perf_counter()
+        runner.step(on_device)
+        ops.synchronize()
+        second = time.perf_counter()
+    return {
+        "first_step_s": first - ready,
+        "first_step_second_s": second - first,
+        "first_step_build_s": ready - started,
+    }
 
 
 def _tuned(result: autotune.TuneResult, flops: float, seq: int, gpu: str) -> dict[str, Any]:
@@ -265,13 +338,15 @@ def table(where: Path) -> str:
 def _job_rows(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         "| job | budget | tuned | samples/s | expert | samples/s | tuned/expert | MFU tuned "
-        "| MFU expert | peak err med/max | step err med | driver seen tuning | tuning s |"
+        "| MFU expert | peak err med/max | step err med | driver seen tuning | tuning s "
+        "| first step s, cache / none |"
     )
-    out = [head, "|" + "---|" * 13]
+    out = [head, "|" + "---|" * 14]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['job']} | {r['budget']} | {r['error'][:80]} |" + " |" * 10)
+            out.append(f"| {r['job']} | {r['budget']} | {r['error'][:80]} |" + " |" * 11)
             continue
+        first = f"{_num(r.get('first_step_s'))} / {_num(r.get('first_step_without_cache_s'))}"
         seen = r.get("driver_tuning_bytes")
         seen_s = "-" if seen is None else f"{seen / GIB:.2f} / {r['budget_bytes'] / GIB:.2f} GiB"
         out.append(
@@ -280,7 +355,8 @@ def _job_rows(rows: list[dict[str, Any]]) -> list[str]:
             f"| {_num(r.get('tuned_over_expert'), '.2f')} | {_pct(r.get('tuned_mfu'))} "
             f"| {_pct(r.get('expert_mfu'))} "
             f"| {_pct(r['peak_error_median'])} / {_pct(r['peak_error_max'])} "
-            f"| {_pct(r['step_error_median'])} | {seen_s} | {_num(r['tuning_s'], '.0f')} |"
+            f"| {_pct(r['step_error_median'])} | {seen_s} | {_num(r['tuning_s'], '.0f')} "
+            f"| {first} |"
         )
     return out
 
