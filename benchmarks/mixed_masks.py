@@ -53,6 +53,7 @@ def _cases(blocks: tuple[str, ...], name: str) -> list[autotune.TrainConfig]:
         return [
             config(micro_batch_size=4, selective_checkpoint=blocks[:1]),
             config(micro_batch_size=4, selective_checkpoint=blocks[1:2]),
+            config(micro_batch_size=4, selective_checkpoint=blocks[3:4]),  # ends in a conv
             config(micro_batch_size=4, checkpoint=blocks[:1]),
             config(
                 micro_batch_size=2, grad_accum_steps=2, checkpoint=blocks[:2], eval_batch_size=8

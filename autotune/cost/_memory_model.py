@@ -426,7 +426,10 @@ def _end(
     for v, at in enumerate(c.ends):
         if v == OFFLOAD:  # frees what it saved as its forward ends, whoever holds it
             continue
-        held = c.holders[v] or _freeing(phases, at)
+        # Its holders, and the block whose backward freed it in this run: a selectively
+        # checkpointed block keeps the output of its last (expensive) op, the next
+        # block's argument, until its own backward.
+        held = tuple(dict.fromkeys((*c.holders[v], *_freeing(phases, at))))
         if not held:
             dropped = dropped or (at, c.early[v])
             continue
