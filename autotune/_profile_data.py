@@ -229,8 +229,9 @@ class Crossing:
     early: tuple[bool, ...]
     """Whether it is freed before that phase's peak."""
     holders: tuple[tuple[int, ...], ...]
-    """The blocks holding it as their argument until their backward (checkpointed
-    variants); empty: not known but through where it is freed (kept, offloaded)."""
+    """The blocks holding it until their backward: as their argument (checkpointed
+    variants), or saved for it by their own ops (kept); empty: not known but through
+    where it is freed (offloaded, or a profile made before kept holders were recorded)."""
     dropped: int | None = None
     """The index of the phase in which Python let go of it, in the kept run (the number
     of phases: not within the micro-batch; ``None``: not recorded)."""

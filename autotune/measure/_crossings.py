@@ -1,5 +1,5 @@
-"""The tensors a block takes as an argument whose free a mixed mask can move, from the
-uniform runs' lives (see :class:`~autotune._profile_data.Crossing`)."""
+"""The tensors a block takes as an argument or returns whose free a mixed mask can move,
+from the uniform runs' lives (see :class:`~autotune._profile_data.Crossing`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ def crossings(
     sizes: tuple[int, int],
     variants: Sequence[int],
 ) -> tuple[Crossing, ...]:
-    """The tensors some block takes as an argument that the variants' runs (every block
-    kept, every block checkpointed, ...) free in different phases, at micro-batch sizes
-    ``sizes``; a variant not run reads as the kept run. Tensors that do not match across
-    the runs (by where they were made, and their bytes) are left out."""
+    """The tensors some block takes as an argument or returns that the variants' runs
+    (every block kept, every block checkpointed, ...) free in different phases, at
+    micro-batch sizes ``sizes``, with the blocks that hold each in each run (their
+    arguments where checkpointed, what their ops saved for backward where kept); a variant
+    not run reads as the kept run. Tensors that do not match across the runs (by where
+    they were made, and their bytes) are left out."""
     b1, b2 = sizes
     if any((b, v) not in lives for b in sizes for v in variants):
         return ()
@@ -40,11 +42,14 @@ def crossings(
         for v in variants
         if v in _HOLDING
     }
+    saving = _keyed(runs[b2, KEEP], lives[b2, KEEP].saved)
     every = {born for arguments in taken.values() for born in arguments}
+    every |= {born for v in variants for born in _keyed_set(runs[b2, v], lives[b2, v].returned)}
     out = []
     for born in sorted(every, key=repr):
         both = {v: (ends[b1, v].get(born), ends[b2, v].get(born)) for v in variants}
         holders = {v: tuple(sorted(taken[b2, v].get(born, ()))) for v in variants if v in _HOLDING}
+        holders[KEEP] = tuple(sorted(saving.get(born, ())))  # kept blocks hold what they saved
         crossing = _crossing(born, sizes, both, holders)
         if crossing is not None:
             out.append(crossing)
@@ -139,3 +144,9 @@ def _keyed(
     """The blocks' arguments keyed by where they were made, the same in every run."""
     keys = occurrences(records)
     return {(keys[phase], n): blocks for (phase, n), blocks in arguments.items()}
+
+
+def _keyed_set(records: list[PhaseRecord], births: set[tuple[int, int]]) -> set[_Born]:
+    """``births`` keyed by where they were made, the same in every run."""
+    keys = occurrences(records)
+    return {(keys[phase], n) for phase, n in births}

@@ -34,11 +34,17 @@ __all__ = ["Lives", "fit_phases", "occurrences", "tracked_step"]
 
 @dataclass
 class Lives:
-    """Where a tracked step's storages were made and freed, and which blocks took each
-    one as an argument (by :attr:`Life.born`)."""
+    """Where a tracked step's storages were made and freed, which blocks took each one as
+    an argument, and which saved it for their backward (by :attr:`Life.born`)."""
 
     lives: list[Life] = field(default_factory=list)
     arguments: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    """Which blocks' forwards saved it for backward themselves (not through a checkpoint,
+    which saves what it needs its own way)."""
+    returned: set[tuple[int, int]] = field(default_factory=set)
+    """The storages the blocks returned (a block's output: the next one's argument, or,
+    from the last, what the model's head reads)."""
 
 
 @dataclass
@@ -48,17 +54,42 @@ class _Recorder:
     micro: int = 0
     in_backward: bool = False
     lives: Lives | None = None
+    running: int | None = None
+    """The block whose forward runs now."""
 
     def takes(self, block: int, arguments: Any) -> None:
         """Note the storages ``block`` is called with (recording lives)."""
+        if self.lives is not None:
+            for where in self._births(arguments):
+                self.lives.arguments.setdefault(where, set()).add(block)
+
+    def gives(self, output: Any) -> None:
+        """Note the storages a block returns (recording lives)."""
+        if self.lives is not None:
+            self.lives.returned.update(self._births(output))
+
+    def _births(self, tree: Any) -> list[tuple[int, int]]:
+        """Where the storages of the tensors in ``tree`` were made, those the tracker saw."""
         born = self.tracker.born
-        if self.lives is None or born is None:
-            return
-        for t in tree_flatten(arguments)[0]:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+        if born is None:
+            return []
+        found = (
+            born.get(id(t.untyped_storage()))
+            for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
+        )
+        return [where for where in found if where is not None]
+
+    def save(self, t: torch.Tensor) -> torch.Tensor:
+        """Autograd's pack hook while lives are recorded: an alias of ``t`` (the same
+        storage, the same bytes), and the block whose forward saves it noted."""
+        born = self.tracker.born
+        if self.lives is not None and born is not None and self.running is not None:
+            if t.layout == torch.strided and not t.is_meta:
                 where = born.get(id(t.untyped_storage()))
                 if where is not None:
-                    self.lives.arguments.setdefault(where, set()).add(block)
+                    self.lives.saved.setdefault(where, set()).add(self.running)
+        return t.detach()
 
     def mark(self, label: str, block: int | None = None) -> None:
         grads = sum(
@@ -76,6 +107,7 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
             if not rec.in_backward:
                 rec.mark("fwd", i)
                 rec.takes(i, (args, kwargs))
+                rec.running = i
 
         return hook
 
@@ -83,6 +115,8 @@ def _block_hooks(rec: _Recorder, blocks: Sequence[nn.Module]) -> Iterator[None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if rec.in_backward:
                 return
+            rec.running = None
+            rec.gives(output)
             rec.mark("after", i)
             first = next(
                 (
@@ -132,7 +166,7 @@ def tracked_step(
     aliased = (
         contextlib.nullcontext()
         if lives is None
-        else torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _same)
+        else torch.autograd.graph.saved_tensors_hooks(rec.save, _same)
     )
     with (
         _block_hooks(rec, blocks),

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from autotune._profile_data import PhaseKey
 from autotune.device import backend_for, in_host_memory, is_host_storage
-from autotune.train import counted_allocations, quantization_state
+from autotune.train import copying_buffers, counted_allocations, quantization_state
 
 __all__ = [
     "CompiledBytesTracker",
@@ -197,7 +197,12 @@ class LiveBytesTracker(TorchDispatchMode):
                     nbytes = t.numel() * 4 if wide else None
                     new = id(storage) not in self._sizes
                     self._add(storage, _device_type(t), check_budget=True, nbytes=nbytes)
-                    if new and self.born is not None and id(storage) in self._sizes:
+                    if (
+                        new
+                        and self.born is not None
+                        and id(storage) in self._sizes
+                        and not copying_buffers()  # a checkpoint's copy: not the block's
+                    ):
                         self._note_birth(storage, t)
         return out
 

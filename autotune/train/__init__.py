@@ -38,7 +38,12 @@ from autotune.train._batch import (
     widest_first,
 )
 from autotune.train._batch_layout import layouts_of_model
-from autotune.train._checkpoint import apply_checkpointing, apply_offloading, remove_checkpointing
+from autotune.train._checkpoint import (
+    apply_checkpointing,
+    apply_offloading,
+    copying_buffers,
+    remove_checkpointing,
+)
 from autotune.train._chunked_loss import chunked_loss, why_not_chunked
 from autotune.train._compile_cache import compile_artifacts, load_compile_cache
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
@@ -106,6 +111,7 @@ __all__ = [
     "compiled_parts",
     "compute_loss",
     "copy_model",
+    "copying_buffers",
     "counted_allocations",
     "counted_tokens",
     "describe_call",

@@ -254,7 +254,8 @@ def _checkpointed_forward(
             _last_recomputed[0] = name
             with _buffers_as_before(changed), _casts_every_time(context):
                 return forward(*a, **k)
-        before = _snapshot(module)
+        with _copying():
+            before = _snapshot(module)
         with _casts_every_time(context):
             out = forward(*a, **k)
         changed.extend(_changed_owners(module, before))
@@ -282,6 +283,28 @@ def _casts_every_time(context: Any) -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(cached)
+
+
+_copies = [0]
+"""How many of this process's checkpoint wrappers are copying a block's buffers now."""
+
+
+def copying_buffers() -> bool:
+    """Whether a checkpoint wrapper is copying a block's buffers (BatchNorm's statistics,
+    to recompute with): storages of the wrapper's, not the block's. A tracker counts their
+    bytes but leaves them out when it numbers the storages a phase makes, so that a
+    block's tensors have the same numbers whether it is checkpointed or kept (a CNN's
+    block outputs are matched across the profile's runs by them)."""
+    return _copies[0] > 0
+
+
+@contextlib.contextmanager
+def _copying() -> Iterator[None]:
+    _copies[0] += 1
+    try:
+        yield
+    finally:
+        _copies[0] -= 1
 
 
 def _snapshot(module: nn.Module) -> dict[int, tuple[int, torch.Tensor | None]]:
@@ -337,9 +360,10 @@ def _buffers_as_before(
     wrote, once.
     """
     kept = [(owner, {k: owner._buffers[k] for k in values}) for owner, values in changed]
-    for owner, values in changed:
-        for key, value in values.items():
-            owner._buffers[key] = value.clone()
+    with _copying():
+        for owner, values in changed:
+            for key, value in values.items():
+                owner._buffers[key] = value.clone()
     try:
         yield
     finally:
