@@ -1,6 +1,7 @@
 """Predicted against measured peaks of mixed per-block masks (issue 47): a block or two
 checkpointed, whole or selectively, beside kept ones, on models whose tensors outlive a
-block (a UNet's skip connections, a decoder's rotary tables shared by every layer).
+block (a UNet's skip connections, a ResNet's block outputs saved by two blocks, a
+decoder's rotary tables shared by every layer).
 
 Predicted: ``autotune.estimate`` (the profile's uniform runs, every block kept or every
 block checkpointed, replayed with the mask). Measured: the verifier's step of the same
@@ -59,6 +60,12 @@ def _cases(blocks: tuple[str, ...], name: str) -> list[autotune.TrainConfig]:
                 micro_batch_size=2, grad_accum_steps=2, checkpoint=blocks[:2], eval_batch_size=8
             ),
         ]
+    if name == "resnet18":  # two blocks a stage, BatchNorm, each output saved by its ReLU
+        return [
+            config(micro_batch_size=4, checkpoint=blocks[2:3]),
+            config(micro_batch_size=4, checkpoint=(blocks[0], blocks[5])),
+            config(micro_batch_size=4, checkpoint=blocks[-1:]),
+        ]
     return [
         config(micro_batch_size=4, checkpoint=blocks[:2]),
         config(micro_batch_size=4, checkpoint=blocks[1:3]),
@@ -72,7 +79,11 @@ def _cases(blocks: tuple[str, ...], name: str) -> list[autotune.TrainConfig]:
     ]
 
 
-MODELS: dict[str, Callable[[], Built]] = {"unet": zoo.unet, "lora-qwen2": lora_qwen2}
+MODELS: dict[str, Callable[[], Built]] = {
+    "unet": zoo.unet,
+    "resnet18": zoo.torchvision_resnet18,
+    "lora-qwen2": lora_qwen2,
+}
 
 
 def main() -> None:
