@@ -208,10 +208,11 @@ Segment = tuple[int, int, bool, bool, tuple[tuple[int, bool], ...]]
 
 @dataclass(frozen=True)
 class Crossing:
-    """A tensor that a block takes as an argument and whose end can depend on other blocks'
-    choices than its maker's: a decoder's embedding output or rotary tables, a UNet's skip
-    connections. A checkpointed block holds its arguments until its backward, where a kept
-    one that saved nothing of it leaves it to Python, which may drop it between blocks. A
+    """A tensor that a block takes as an argument or returns and whose end can depend on
+    other blocks' choices than its maker's: a decoder's embedding output or rotary tables,
+    a UNet's skip connections, a CNN block's output. A checkpointed block holds its
+    arguments until its backward, a kept one what its ops saved; one that saved nothing of
+    it leaves it to Python, which may drop it between blocks. A
     uniform run shows one of those ends; the cost model moves the tensor's free to where
     the mask's own holders let go of it (see :meth:`MemoryModel._moved_frees`).
 
