@@ -208,13 +208,13 @@ Segment = tuple[int, int, bool, bool, tuple[tuple[int, bool], ...]]
 
 @dataclass(frozen=True)
 class Crossing:
-    """A tensor that a block takes as an argument or returns and whose end can depend on
-    other blocks' choices than its maker's: a decoder's embedding output or rotary tables,
-    a UNet's skip connections, a CNN block's output. A checkpointed block holds its
-    arguments until its backward, a kept one what its ops saved; one that saved nothing of
-    it leaves it to Python, which may drop it between blocks. A
-    uniform run shows one of those ends; the cost model moves the tensor's free to where
-    the mask's own holders let go of it (see :meth:`MemoryModel._moved_frees`).
+    """A tensor made in a block's forward, or that a block takes as an argument or returns,
+    whose end differs with the blocks' choices: a decoder's embedding output or rotary
+    tables, a UNet's skip connections, a CNN block's output, a weight's cast. A
+    checkpointed block holds its arguments until its backward, a kept one what its ops
+    saved; one that saved nothing of it leaves it to Python, which may drop it between
+    blocks. A uniform run shows one of those ends; the cost model moves the tensor's free
+    to where the mask's own holders let go of it (see :meth:`MemoryModel._moved_frees`).
 
     Per variant (indexed like :attr:`Phase.delta`), as that variant's run (every block
     one way) showed it.
@@ -236,6 +236,12 @@ class Crossing:
     dropped: int | None = None
     """The index of the phase in which Python let go of it, in the kept run (the number
     of phases: not within the micro-batch; ``None``: not recorded)."""
+    maker: int | None = None
+    """The block whose forward made it, where it is neither a block's argument nor its
+    output (a weight's cast under autocast, which a kept block saves until its backward
+    and a checkpointed one leaves to autocast's cache until the forward ends): where no
+    block holds it, it ends where the run of its maker's own choice ended it. ``None``:
+    an argument or an output."""
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Crossing:
@@ -246,6 +252,7 @@ class Crossing:
             tuple(d["early"]),
             tuple(tuple(h) for h in d["holders"]),
             d.get("dropped"),
+            d.get("maker"),
         )
 
 

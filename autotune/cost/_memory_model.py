@@ -430,8 +430,9 @@ def _end(
         # checkpointed block keeps the output of its last (expensive) op, the next
         # block's argument, until its own backward.
         held = tuple(dict.fromkeys((*c.holders[v], *_freeing(phases, at))))
-        if not held:
-            dropped = dropped or (at, c.early[v])
+        if not held:  # Python's to drop: where the maker's choice's run did, if known
+            if c.maker is None or mask[c.maker] == v:
+                dropped = dropped or (at, c.early[v])
             continue
         if any(j not in backward for j in held):
             return None

@@ -1,5 +1,6 @@
-"""The tensors a block takes as an argument or returns whose free a mixed mask can move,
-from the uniform runs' lives (see :class:`~autotune._profile_data.Crossing`)."""
+"""The tensors a block's forward makes, takes as an argument or returns whose free a
+mixed mask can move, from the uniform runs' lives (see
+:class:`~autotune._profile_data.Crossing`)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ def crossings(
     sizes: tuple[int, int],
     variants: Sequence[int],
 ) -> tuple[Crossing, ...]:
-    """The tensors some block takes as an argument or returns that the variants' runs
-    (every block kept, every block checkpointed, ...) free in different phases, at
-    micro-batch sizes ``sizes``, with the blocks that hold each in each run (their
-    arguments where checkpointed, what their ops saved for backward where kept); a variant
-    not run reads as the kept run. Tensors that do not match across the runs (by where
-    they were made, and their bytes) are left out."""
+    """The tensors some block's forward makes, takes as an argument or returns that the
+    variants' runs (every block kept, every block checkpointed, ...) free in different
+    phases, at micro-batch sizes ``sizes``, with the blocks that hold each in each run
+    (their arguments where checkpointed, what their ops saved for backward where kept); a
+    variant not run reads as the kept run. Tensors that do not match across the runs (by
+    where they were made, and their bytes) are left out."""
     b1, b2 = sizes
     if any((b, v) not in lives for b in sizes for v in variants):
         return ()
@@ -45,12 +46,14 @@ def crossings(
     saving = _keyed(runs[b2, KEEP], lives[b2, KEEP].saved)
     every = {born for arguments in taken.values() for born in arguments}
     every |= {born for v in variants for born in _keyed_set(runs[b2, v], lives[b2, v].returned)}
+    made = {born for born in ends[b2, KEEP] if born[0][0].label == "fwd"} - every
     out = []
-    for born in sorted(every, key=repr):
+    for born in sorted(every | made, key=repr):
         both = {v: (ends[b1, v].get(born), ends[b2, v].get(born)) for v in variants}
         holders = {v: tuple(sorted(taken[b2, v].get(born, ()))) for v in variants if v in _HOLDING}
         holders[KEEP] = tuple(sorted(saving.get(born, ())))  # kept blocks hold what they saved
-        crossing = _crossing(born, sizes, both, holders)
+        maker = born[0][0].block if born in made else None
+        crossing = _crossing(born, sizes, both, holders, maker)
         if crossing is not None:
             out.append(crossing)
     return tuple(out)
@@ -66,8 +69,10 @@ def _crossing(
     sizes: tuple[int, int],
     ends: dict[int, tuple[_End | None, _End | None]],
     holders: dict[int, tuple[int, ...]],
+    maker: int | None = None,
 ) -> Crossing | None:
-    """The crossing made at ``born`` from its ``ends`` at both sizes in each variant's
+    """The crossing made at ``born`` (inside block ``maker``'s forward, where it is
+    neither an argument nor an output) from its ``ends`` at both sizes in each variant's
     run; ``None`` where it is not the same tensor in every run, or every run frees it in
     the same phase (nothing moves)."""
     seen = {v: (one, two) for v, (one, two) in ends.items() if one is not None and two is not None}
@@ -88,6 +93,7 @@ def _crossing(
         early=tuple(e[2] for e in chosen),
         holders=tuple(holders.get(v, ()) for v in range(n)),
         dropped=two[3],
+        maker=maker,
     )
 
 

@@ -83,12 +83,9 @@ class _Recorder:
     def save(self, t: torch.Tensor) -> torch.Tensor:
         """Autograd's pack hook while lives are recorded: an alias of ``t`` (the same
         storage, the same bytes), and the block whose forward saves it noted."""
-        born = self.tracker.born
-        if self.lives is not None and born is not None and self.running is not None:
-            if t.layout == torch.strided and not t.is_meta:
-                where = born.get(id(t.untyped_storage()))
-                if where is not None:
-                    self.lives.saved.setdefault(where, set()).add(self.running)
+        if self.lives is not None and self.running is not None:
+            for where in self._births(t):
+                self.lives.saved.setdefault(where, set()).add(self.running)
         return t.detach()
 
     def mark(self, label: str, block: int | None = None) -> None:

@@ -293,8 +293,8 @@ def settle(
     estimated from the rounds, the leader is the best median, and a contender whose order
     against it is now known stops, and so does one whose lead is too small for the last
     round to call (:data:`_HOPELESS`). One still racing after the last round, or stopped
-    so, is a tie, which :func:`fastest` gives to the simpler config. Each record keeps the median of its
-    timings; the figures that decide are logged.
+    so, is a tie, which :func:`fastest` gives to the simpler config. Each record keeps the
+    median of its timings; the figures that decide are logged.
     """
     passed = [r for r in records if r.measured is not None]
     if len(passed) < 2:
