@@ -12,6 +12,8 @@ from autotune.measure._tracker import Life, PhaseRecord
 
 __all__ = ["crossings"]
 
+_OWN = ("fwd", "bwd")
+"""The labels of a block's own phases (the others lie between blocks)."""
 _HOLDING = (CHECKPOINT, SELECTIVE)
 """The variants that hold a block's arguments until its backward."""
 
@@ -47,12 +49,12 @@ def crossings(
     every = {born for arguments in taken.values() for born in arguments}
     every |= {born for v in variants for born in _keyed_set(runs[b2, v], lives[b2, v].returned)}
     made = {born for born in ends[b2, KEEP] if born[0][0].label == "fwd"} - every
-    own = {(key.micro, i) for (key, _), i in index.items() if key.label in ("fwd", "bwd")}
-    blocks = {(key.micro, i): key.block for (key, _), i in index.items()}
+    # Each block's forward and backward phases, by micro-batch and index: the block's own.
+    own = {(key.micro, i): key.block for (key, _), i in index.items() if key.label in _OWN}
     out = []
     for born in sorted(every | made, key=repr):
         both = {v: (ends[b1, v].get(born), ends[b2, v].get(born)) for v in variants}
-        if born in made and _within_maker(born, both, own, blocks):
+        if born in made and _within_maker(born, both, own):
             continue  # its maker's phases, replayed from the maker's own run: exact already
         holders = {v: tuple(sorted(taken[b2, v].get(born, ()))) for v in variants if v in _HOLDING}
         holders[KEEP] = tuple(sorted(saving.get(born, ())))  # kept blocks hold what they saved
@@ -104,17 +106,14 @@ def _crossing(
 def _within_maker(
     born: _Born,
     ends: dict[int, tuple[_End | None, _End | None]],
-    own: set[tuple[int, int]],
-    blocks: dict[tuple[int, int], int | None],
+    own: dict[tuple[int, int], int | None],
 ) -> bool:
     """Whether every run frees the storage made at ``born`` in its maker's own forward or
     backward (most of a block's activations: saved until its backward where kept, freed
     in its forward where checkpointed)."""
     key = born[0][0]
     return all(
-        end is not None
-        and (key.micro, end[0]) in own
-        and blocks[key.micro, end[0]] == key.block
+        end is not None and own.get((key.micro, end[0])) == key.block
         for pair in ends.values()
         for end in pair
     )

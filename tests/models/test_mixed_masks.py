@@ -5,6 +5,8 @@ exact; ``python benchmarks/mixed_masks.py`` runs more masks, and a LoRA Qwen2.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from matrix_checks import measured_peak
 from zoo import seed_everything, torchvision_resnet18, unet
@@ -15,6 +17,12 @@ pytestmark = [
     # Importing diffusers imports torch._inductor (see test_matrix.py).
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
+
+
+def _predicted_to_the_byte(model: Any, batch: Any, loss: Any, config: autotune.TrainConfig) -> None:
+    """``config``'s peak on ``model``, estimated, is the peak its step measures."""
+    predicted, _ = autotune.estimate(model, batch, config, device="cpu", loss_fn=loss)
+    assert predicted == measured_peak(model, batch, config, loss), config.describe()
 
 
 def test_a_unet_with_its_first_down_block_checkpointed_is_predicted_to_the_byte() -> None:
@@ -41,10 +49,9 @@ def test_a_unet_up_block_checkpointed_selectively_alone_is_predicted_to_the_byte
     of it (the prediction missed it, 256 KiB here, before)."""
     pytest.importorskip("diffusers")
     seed_everything(0)
-    model, batch, loss = unet()
-    config = autotune.TrainConfig(micro_batch_size=4, selective_checkpoint=("up_blocks.0",))
-    predicted, _ = autotune.estimate(model, batch, config, device="cpu", loss_fn=loss)
-    assert predicted == measured_peak(model, batch, config, loss)
+    _predicted_to_the_byte(
+        *unet(), autotune.TrainConfig(micro_batch_size=4, selective_checkpoint=("up_blocks.0",))
+    )
 
 
 def test_a_resnet_with_one_block_checkpointed_is_predicted_to_the_byte() -> None:
@@ -55,10 +62,9 @@ def test_a_resnet_with_one_block_checkpointed_is_predicted_to_the_byte() -> None
     and a checkpoint's copies of BatchNorm's statistics kept the runs' tensors apart)."""
     pytest.importorskip("torchvision")
     seed_everything(0)
-    model, batch, loss = torchvision_resnet18()
-    config = autotune.TrainConfig(micro_batch_size=4, checkpoint=("layer2.0",))
-    predicted, _ = autotune.estimate(model, batch, config, device="cpu", loss_fn=loss)
-    assert predicted == measured_peak(model, batch, config, loss)
+    _predicted_to_the_byte(
+        *torchvision_resnet18(), autotune.TrainConfig(micro_batch_size=4, checkpoint=("layer2.0",))
+    )
 
 
 def test_a_unet_block_checkpointed_in_bf16_is_predicted_to_the_byte() -> None:
@@ -68,7 +74,5 @@ def test_a_unet_block_checkpointed_in_bf16_is_predicted_to_the_byte() -> None:
     under with ``up_blocks.1`` checkpointed alone, before)."""
     pytest.importorskip("diffusers")
     seed_everything(0)
-    model, batch, loss = unet()
     config = autotune.TrainConfig(micro_batch_size=4, precision="bf16", checkpoint=("up_blocks.1",))
-    predicted, _ = autotune.estimate(model, batch, config, device="cpu", loss_fn=loss)
-    assert predicted == measured_peak(model, batch, config, loss)
+    _predicted_to_the_byte(*unet(), config)
