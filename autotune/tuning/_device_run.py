@@ -66,18 +66,19 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
     # A model too large for one device whole is profiled on shallow copies (FSDP2's case).
     whole = whole_fits(model, problem.target.free_bytes, problem.world)
     on_device = rank() == 0 and whole
-    work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
-    ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
-    if ends is not None and group_size() > 1:  # each rank's clock would decide apart
-        ends = None
-        warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
-    stages = DeviceRun(work, jobs, options, cpu, whole, ends)
-    try:
-        result = run(contextlib.nullcontext(problem), stages, watch)
-    finally:
-        del work, stages
-        gc.collect()
-        backend_for(problem.target.device).empty_cache()
+    with _old_objects_frozen():  # the working copy is the run's own
+        work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
+        ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
+        if ends is not None and group_size() > 1:  # each rank's clock would decide apart
+            ends = None
+            warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
+        stages = DeviceRun(work, jobs, options, cpu, whole, ends)
+        try:
+            result = run(contextlib.nullcontext(problem), stages, watch)
+        finally:
+            del work, stages
+            gc.collect()
+            backend_for(problem.target.device).empty_cache()
     result = dataclasses.replace(
         result,
         tuning_s=watch.elapsed(),
@@ -93,6 +94,23 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
         s.verification_s,
     )
     return broadcast(result) if group_size() > 1 else result  # the same on every rank
+
+
+@contextlib.contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """The process's objects as they are now left out of garbage collection until the run
+    ends (:func:`gc.freeze`): a collection after each config verified (its runner's
+    cycles hold tensors) then reads what the run made, not every object of the process (a
+    quarter of a second each where transformers is imported). Where the process froze
+    objects of its own, they are left as they are and nothing is frozen."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def job_store(problem: Problem, options: TuneOptions) -> JobStore:
