@@ -31,11 +31,12 @@ def verify_baseline(
 ) -> list[TrialRecord]:
     """Run each of the recipe's ladders from its largest micro-batch down until a config
     runs, as an expert finds it (a config ``tried`` already is not run again): their
-    records. A ladder's config is timed against the fastest of the recipe's configs so
-    far (an expert keeps the faster): one far slower stops early (``beat``)."""
+    records. A ladder's config is timed against the fastest config measured so far,
+    ``tried`` ones included: one that has lost to it by more than re-timing could call
+    stops early (``beat``), as a candidate does, and says how far behind it is."""
     done = {r.config: r for r in tried}
     out = []
-    best = 0.0
+    best = max((r.measured.samples_per_s for r in tried if r.measured is not None), default=0.0)
     for ladder in recipe.ladders:
         for cand in ladder:
             record = done.get(cand.config)

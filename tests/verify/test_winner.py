@@ -317,9 +317,11 @@ def test_the_experts_recipe_is_found_as_an_expert_finds_it() -> None:
     from autotune.verify._baseline import baseline_record, verify_baseline
 
     ran: list[int] = []
+    beaten: list[float] = []
 
     def measure(config: TrainConfig, predicted: Measurement, beat: float = 0.0) -> TrialRecord:
         ran.append(config.micro_batch_size)
+        beaten.append(beat)
         if config.micro_batch_size > 4:
             return TrialRecord(config, predicted, None, error="out of memory")
         return TrialRecord(config, predicted, Measurement(100, 0.1, 10.0 * config.micro_batch_size))
@@ -335,3 +337,12 @@ def test_the_experts_recipe_is_found_as_an_expert_finds_it() -> None:
     assert verify_baseline(measure, recipe, records) == [] and ran == []
     failing = ExpertRecipe((ladder[:2],))
     assert baseline_record(verify_baseline(measure, failing, []), failing) is None
+    # Raced against the fastest config measured before it, as a candidate is: a recipe
+    # far behind the tuner's winner stops early instead of taking its whole timing.
+    ran.clear()
+    beaten.clear()
+    winner = TrialRecord(TrainConfig(micro_batch_size=32), ladder[0].prediction.measurement,
+                         Measurement(100, 0.1, 320.0))  # fmt: skip
+    again = ExpertRecipe((ladder[2:],))
+    verify_baseline(measure, again, [winner])
+    assert ran == [4] and beaten == [320.0]
