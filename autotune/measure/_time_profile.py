@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,6 +33,11 @@ _NEAR = 1.25
 """A first ratio within this factor of :data:`_SLOW_PRECISION` is timed twice more, in
 turn with fp32, and the median ratio decides: one timing must not keep a precision in one
 run and drop it in the next."""
+_OUTRUN = 1.15
+"""A precision this many times slower than another at the larger of two sizes timed in
+both, and not this much faster at the smaller, where the other fits every config it
+fits, cannot win by more than the noise: it is timed no further. Twice the lead that
+re-timing a verified config races (the verifier's lost lead)."""
 _COMPILED_PAYS = 0.97
 """Compiled blocks are timed in full where a pass takes at most this share of the eager
 pass's time at the probe's micro-batch (they may still save memory; that alone is not
@@ -150,6 +155,7 @@ def time_profile(
     *,
     device_name: str,
     timed: Mapping[str, Mapping[int, float]] | None = None,
+    fits_wherever: Callable[[str, str], bool] | None = None,
 ) -> Profile:
     """``draft`` (a memory profile) with time curves and block weights measured.
 
@@ -160,6 +166,8 @@ def time_profile(
         sizes: The micro-batch sizes the search may pick (ascending).
         device_name: For notes.
         timed: Passes timed already on this profiler (:attr:`Fast.seconds`), reused.
+        fits_wherever: Whether the first timeline fits every config of the second's
+            (the memory model's say); ``None``: no precision is outrun.
 
     Returns:
         The profile with only the precisions that were timed.
@@ -174,6 +182,9 @@ def time_profile(
     first = probe[reference]  # each precision timed where the reference was, if it fits
     at = {p: first if first <= feasible[p] else probe[p] for p in feasible}
     _drop_slow(profiler, feasible, times, at, reference, notes, device_name)
+    if fits_wherever is not None:
+        _drop_outrun(feasible, times, notes, fits_wherever, device_name)
+        reference = reference if reference in feasible else next(iter(feasible))
     untrainable = list(draft.untrainable)
     precision_profiles = {
         p: _timed(profiler, draft, p, cap, sizes, times[p], notes, untrainable)
@@ -308,6 +319,43 @@ def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
     if cap not in out:
         out.append(cap)
     return sorted(out)
+
+
+def _drop_outrun(
+    feasible: dict[str, int],
+    times: dict[str, dict[int, float]],
+    notes: list[str],
+    fits_wherever: Callable[[str, str], bool],
+    device_name: str,
+) -> None:
+    """Drop from ``feasible`` and ``times`` (with a note) each eager precision that is
+    :data:`_OUTRUN` times slower than another at the largest size timed in both, and not
+    that much faster at a smaller one (two sizes or more), where the other fits wherever
+    it fits: each of its configs is beaten by the same config in the other, or at the
+    smallest sizes (where a pass is mostly overhead and the two are alike) tied with it.
+    Its chunked loss's timeline goes with it."""
+    eager = [p for p in feasible if not timeline_parts(p)[1] and not timeline_chunked(p)]
+    for p in eager:
+        for q in eager:
+            if q == p or q not in feasible:
+                continue
+            shared = sorted(set(times[p]) & set(times[q]))
+            ratios = [times[p][b] / times[q][b] for b in shared]
+            if (
+                len(shared) < 2
+                or ratios[-1] <= _OUTRUN
+                or min(ratios) < 1 / _OUTRUN
+                or not fits_wherever(q, p)
+            ):
+                continue
+            at = ", ".join(f"{r:.2f}x at {b}" for b, r in zip(shared, ratios, strict=True))
+            notes.append(
+                f"{p}: the time of {q} by micro-batch ({at}) on {device_name}, and {q} "
+                f"fits wherever {p} does: not timed further, not searched"
+            )
+            for key in [k for k in feasible if k == p or timeline_unchunked(k) == p]:
+                del feasible[key], times[key]
+            break
 
 
 def _nearest(sizes: Sequence[int], b: int) -> int:

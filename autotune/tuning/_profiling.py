@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from autotune._profile_data import Profile
+from autotune._profile_data import CHECKPOINT, KEEP, Profile
 from autotune.config import TrainConfig, timeline_key, timeline_parts
 from autotune.cost import CostModel, choosers, largest_fitting, too_small
 from autotune.device import backend_for
@@ -74,7 +76,13 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     # whole is timed on one graph for every size (its memory: on each size's own graph).
     with budget_cap(problem), any_batch_size():
         profile = time_profile(
-            profiler, draft, feasible, sizes, device_name=problem.target.name, timed=timed
+            profiler,
+            draft,
+            feasible,
+            sizes,
+            device_name=problem.target.name,
+            timed=timed,
+            fits_wherever=_fits_wherever(problem, draft),
         )
     if pieces.shallow:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
@@ -220,6 +228,34 @@ def _worth_compiling(
         return precisions
     best = min(seconds.values())
     return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
+
+
+def _fits_wherever(problem: Problem, draft: Profile) -> Callable[[str, str], bool]:
+    """Whether timeline ``q`` fits every config timeline ``p`` fits, as the target holds
+    the draft: at every size, optimizer and placement of every layout, with every block
+    kept and with every block checkpointed (a mask between them fits where both ends do,
+    or needs a little more checkpointing in ``q``)."""
+    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
+    found = choosers(held, problem, problem.world)
+
+    def fits(q: str, p: str) -> bool:
+        for chooser in found:
+            n = chooser.cost.n_blocks
+            masks = [(KEEP,) * n, (CHECKPOINT,) * n] if chooser.checkpointing else [(KEEP,) * n]
+            for b, o, h in itertools.product(
+                chooser.sizes, chooser.optimizers, chooser.offload_optimizer
+            ):
+                for mask in masks:
+                    peak = chooser.cost.peak_of(chooser.knobs(p, o, b, h).masked(mask))
+                    if (
+                        peak
+                        <= chooser.limit
+                        < chooser.cost.peak_of(chooser.knobs(q, o, b, h).masked(mask))
+                    ):
+                        return False
+        return True
+
+    return fits
 
 
 def _caps(problem: Problem, draft: Profile) -> dict[str, int]:

@@ -204,3 +204,36 @@ def test_a_precision_near_the_slow_line_is_timed_again_before_it_is_dropped(
     fast = fast_precisions(profiler, ("fp32", "bf16"), (1, 2, 4), device_name="cpu")
     assert ("bf16" not in fast.precisions) is dropped
     assert next(ratios, None) is None  # all three timed
+
+
+@pytest.mark.parametrize(
+    ("at_8", "fits", "outrun"), [(1.3, True, True), (1.1, True, False), (1.3, False, False)]
+)
+def test_a_precision_outrun_where_the_other_fits_is_timed_no_further(
+    setup, monkeypatch, at_8: float, fits: bool, outrun: bool
+) -> None:
+    """fp32 alike at micro-batch 1 (a pass of overheads) and ``at_8`` times bf16's at the
+    probe: outrun by more than the noise where bf16 fits wherever fp32 does, it is not
+    timed up its ladder nor searched, and a note says why; nearer, or where it fits
+    configs bf16 does not, its ladder is timed."""
+    profiler, draft = setup
+    draft = dataclasses.replace(draft, precisions={**draft.precisions, "bf16": draft.precisions["fp32"]})  # fmt: skip
+    asked: list[tuple[str, int]] = []
+
+    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+        asked.append((precision, b))
+        slower = at_8 if precision == "fp32" and b > 1 else 1.0
+        return {v: 0.01 * b * slower * (1.5 if v else 1.0) for v in variants}
+
+    monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
+    timed = {"fp32": {1: 0.01}, "bf16": {1: 0.01}}  # as fast_precisions left them
+    profile = time_profile(
+        profiler, draft, {"fp32": 32, "bf16": 32}, (1, 2, 4, 8, 16, 32), device_name="cpu",
+        timed=timed, fits_wherever=lambda q, p: fits,
+    )  # fmt: skip
+    fp32 = [b for p, b in asked if p == "fp32"]
+    if outrun:
+        assert list(profile.precisions) == ["bf16"] and fp32 == [8]
+        assert any(n.startswith("fp32: the time of bf16 by micro-batch (1.00x at 1, 1.30x at 8)") for n in profile.notes)  # fmt: skip
+    else:
+        assert set(profile.precisions) == {"fp32", "bf16"} and 32 in fp32
