@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -98,10 +99,15 @@ def test_winner_is_the_fastest_verified_config(gpt_result) -> None:
 def test_the_experts_recipe_is_verified_and_never_beats_the_winner(gpt_result) -> None:
     """The CPU expert's recipe (the faster precision, eager, the largest micro-batch that
     fits with no block or every block checkpointed) runs in the same run, timed the same
-    way, and is not measured ahead of the winner beyond one timing's noise."""
+    way, and is not measured ahead of the winner beyond one timing's noise; where the
+    configs run say it cannot win, it is not run and the note says why."""
     result, _ = gpt_result
     expert = result.expert
-    assert expert is not None and expert.measured is not None
+    if expert is None:
+        assert re.search(r"predicted at most [\d.]+ samples/s against [\d.]+ measured, not run",
+                         result.expert_note)  # fmt: skip
+        return
+    assert expert.measured is not None
     assert expert in result.trials
     c = expert.config
     assert c.compile_level == "none" and not c.offload_activations and not c.offload_optimizer

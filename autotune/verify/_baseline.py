@@ -27,20 +27,41 @@ def baseline_candidates(choosers: Sequence[Chooser], device_type: str) -> Expert
 
 
 def verify_baseline(
-    measure: Measure, recipe: ExpertRecipe, tried: Sequence[TrialRecord]
-) -> list[TrialRecord]:
+    measure: Measure, recipe: ExpertRecipe, tried: Sequence[TrialRecord], *, slack: float
+) -> tuple[list[TrialRecord], str]:
     """Run each of the recipe's ladders from its largest micro-batch down until a config
     runs, as an expert finds it (a config ``tried`` already is not run again): their
-    records. A ladder's config is timed against the fastest config measured so far,
-    ``tried`` ones included: one that has lost to it by more than re-timing could call
-    stops early (``beat``), as a candidate does, and says how far behind it is."""
+    records, and a note of the ladders not run.
+
+    Each config is held to the tuner's own candidates' rules (see
+    :func:`~autotune.verify.choose_winner`): raced against the fastest config measured
+    so far (``beat``: one that has lost by more than re-timing could call stops early),
+    and not run where its prediction, scaled by the most optimistic calibration of the
+    configs ``tried`` (measured over predicted speed) and ``slack`` more, stays below that
+    fastest: it cannot beat the winner, and the note says so with both speeds.
+    """
     done = {r.config: r for r in tried}
     out = []
-    best = max((r.measured.samples_per_s for r in tried if r.measured is not None), default=0.0)
+    timed = [r for r in tried if r.measured is not None and r.measured.samples_per_s > 0]
+    best = max((r.measured.samples_per_s for r in timed if r.measured), default=0.0)
+    calibration = [
+        r.measured.samples_per_s / max(r.predicted.samples_per_s, 1e-9)
+        for r in timed
+        if r.measured is not None
+    ]
+    hopeless = []
     for ladder in recipe.ladders:
         for cand in ladder:
             record = done.get(cand.config)
             if record is None:
+                predicted = cand.prediction.measurement.samples_per_s
+                if len(calibration) >= 2 and predicted * max(calibration) * (1 + slack) < best:
+                    most = predicted * max(calibration) * (1 + slack)
+                    hopeless.append(
+                        f"{cand.config.describe()} predicted at most {most:.1f} samples/s "
+                        f"against {best:.1f} measured, not run"
+                    )
+                    break
                 log.info("verifying the expert's recipe: %s", cand.config.describe())
                 record = measure(cand.config, cand.prediction.measurement, beat=best)
                 if record is None:  # another process runs it
@@ -51,7 +72,10 @@ def verify_baseline(
                 best = max(best, record.measured.samples_per_s)
                 break
             log.info("the expert's recipe failed (%s): the next micro-batch down", record.error)
-    return out
+    note = "; ".join(hopeless)
+    if note:
+        log.info("the expert's recipe: %s", note)
+    return out, note
 
 
 def baseline_record(records: Sequence[TrialRecord], recipe: ExpertRecipe) -> TrialRecord | None:

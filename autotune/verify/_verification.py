@@ -115,7 +115,10 @@ def verification(
     tried = first + choose_winner(measure, candidates, top=VERIFY_TOP, slack=slack, budget=budget)
     experts = baseline_candidates(choosers, device.type)
     # The config to beat, every run (the budget allowing).
-    tried += verify_baseline(_within(measure, budget, _EXPERT), experts, tried)
+    baseline, unrun = verify_baseline(
+        _within(measure, budget, _EXPERT), experts, tried, slack=slack
+    )
+    tried += baseline
     noise = _load("verified", jobs, started, device)  # and while verifying: raced harder
     records = tried
     if budget.allows("re-timing the contenders"):
@@ -136,12 +139,14 @@ def verification(
         sized = with_eval_batches(verifier, sized, eval_batch, most)
     chosen = dataclasses.replace(chosen, config=sized[0])
     expert = baseline_record(records, experts)
-    note = experts.note
+    note = "; ".join(n for n in (experts.note, unrun) if n)
     if any(s.startswith(_EXPERT) for s in budget.skipped):
         # Not found as an expert finds it (from the largest micro-batch down): none.
         expert, note = None, "not run: max_tuning_s was spent before it"
     elif expert is None and experts.ladders:
-        note = "it ran out of memory or over the budget at every micro-batch predicted to fit"
+        note = (
+            unrun or "it ran out of memory or over the budget at every micro-batch predicted to fit"
+        )
     return Verification(
         chosen, chooser, records, sized[1:], tied, sigma, expert, note, tuple(budget.skipped)
     )

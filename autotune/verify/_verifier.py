@@ -239,17 +239,24 @@ class Verifier:
                     self._step(runner, part)
                 _next_batch(batch)
             return reading.peak_bytes, seconds
-        # CPU: the first step allocates the optimizer state under the guard, the second
-        # is measured at steady state; the timed steps run without the tracker's overhead.
-        # The batch counts: training holds it through the step (on CUDA it is in the
-        # reserved bytes already where it lives on the device).
+        # CPU: the first step makes the optimizer's state, the second is measured at
+        # steady state (holding that state and all the first held); the timed steps run
+        # without the tracker's overhead. The batch counts: training holds it through the
+        # step (on CUDA it is in the reserved bytes already where it lives on the device).
         held = tensors_on(batch, self.device)
         compiled = runner.config.compile_level != "none"
-        with measure_peak(
-            self.device,
-            existing=[*self._state(runner), *held],
-            budget_bytes=budget,
-            compiled=compiled,
+        # Untracked where eager (the tracker slows each op): a config over the budget is
+        # refused by the next step's guard. Compiled, it compiles under the tracker it runs
+        # in (see tracker_for).
+        with (
+            measure_peak(
+                self.device,
+                existing=[*self._state(runner), *held],
+                budget_bytes=budget,
+                compiled=compiled,
+            )
+            if compiled
+            else contextlib.nullcontext()
         ):
             self._step(runner, split(part, mb)[0])
         peak = 0
