@@ -106,22 +106,27 @@ def peak_errors(result: TuneResult, n_blocks: int) -> tuple[list[dict[str, Any]]
                 "measured_peak_bytes": measured,
                 "error": (predicted - measured) / measured,
                 "predicted_samples_per_s": trial.predicted.samples_per_s,
-                "measured_samples_per_s": trial.measured.samples_per_s,
+                # A fallback's peak alone: no speed measured, none claimed.
+                "measured_samples_per_s": None if trial.peak_only else trial.measured.samples_per_s,
             }
         )
     return out, rejected
 
 
-def step_error(trial: dict[str, Any]) -> float:
-    """Relative error of a trial's predicted step time (the inverse of its throughput)."""
-    return trial["measured_samples_per_s"] / trial["predicted_samples_per_s"] - 1
+def step_error(trial: dict[str, Any]) -> float | None:
+    """Relative error of a trial's predicted step time (the inverse of its throughput);
+    ``None`` where its speed was not measured (a fallback's peak alone)."""
+    measured = trial["measured_samples_per_s"]
+    if not measured:
+        return None
+    return float(measured / trial["predicted_samples_per_s"] - 1)
 
 
 def summarise(rows: Sequence[Row]) -> dict[str, Any]:
     """The headline figures over all rows, each with its target and whether it is met."""
     ok = [r for r in rows if r.error is None]
     trial_errs = [abs(e["error"]) for r in ok for e in r.trial_errors]
-    step_errs = [abs(step_error(e)) for r in ok for e in r.trial_errors]
+    step_errs = [abs(x) for r in ok for e in r.trial_errors if (x := step_error(e)) is not None]
     winner_errs = [abs(r.peak_error_winner) for r in ok if r.peak_error_winner is not None]
     grid = [r.tuned_over_grid for r in ok if r.tuned_over_grid is not None]
     base = [r.tuned_over_baseline for r in ok if r.tuned_over_baseline is not None]
