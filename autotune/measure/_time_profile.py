@@ -350,7 +350,7 @@ def _drop_outrun(
                 continue
             at = ", ".join(f"{r:.2f}x at {b}" for b, r in zip(shared, ratios, strict=True))
             notes.append(
-                f"{p}: the time of {q} by micro-batch ({at}) on {device_name}, and {q} "
+                f"{p}: the time of {q} times {at} (micro-batch) on {device_name}, and {q} "
                 f"fits wherever {p} does: not timed further, not searched"
             )
             for key in [k for k in feasible if k == p or timeline_unchunked(k) == p]:

@@ -66,7 +66,7 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
     # A model too large for one device whole is profiled on shallow copies (FSDP2's case).
     whole = whole_fits(model, problem.target.free_bytes, problem.world)
     on_device = rank() == 0 and whole
-    with _old_objects_frozen():  # the working copy is the run's own
+    with _old_objects_frozen():  # before the working copy: the run's own, collected with it
         work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
         ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
         if ends is not None and group_size() > 1:  # each rank's clock would decide apart

@@ -234,6 +234,6 @@ def test_a_precision_outrun_where_the_other_fits_is_timed_no_further(
     fp32 = [b for p, b in asked if p == "fp32"]
     if outrun:
         assert list(profile.precisions) == ["bf16"] and fp32 == [8]
-        assert any(n.startswith("fp32: the time of bf16 by micro-batch (1.00x at 1, 1.30x at 8)") for n in profile.notes)  # fmt: skip
+        assert any(n.startswith("fp32: the time of bf16 times 1.00x at 1, 1.30x at 8 (micro-batch)") for n in profile.notes)  # fmt: skip
     else:
         assert set(profile.precisions) == {"fp32", "bf16"} and 32 in fp32
