@@ -49,6 +49,8 @@ def figures(result: TuneResult) -> list[tuple[str, str]]:
 def _against_expert(result: TuneResult) -> list[tuple[str, str]]:
     """The row of the expert's recipe, measured in the same run: the config to beat."""
     expert, m = result.expert, result.measured
+    if expert is not None and expert.peak_only:  # saved before fallbacks were left out: no speed
+        expert = None
     if expert is None and result.expert_note:
         return [("expert's recipe", f"not run: {result.expert_note}")]
     if expert is None or expert.measured is None or m is None:

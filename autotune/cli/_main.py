@@ -145,14 +145,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="autotune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--traceback", action="store_true", help="on an error, show the traceback (bug reports)"
-    )
+    traceback = "on an error, show the traceback (bug reports)"
+    parser.add_argument("--traceback", action="store_true", help=traceback)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_tune(sub)  # and show
     _add_estimate(sub)
     _add_plan(sub)
     _add_checks(sub)
+    # After the command too, where an error's advice to add it is followed (SUPPRESS: a
+    # command's parser leaves the flag given before the command as it was).
+    for command in sub.choices.values():
+        command.add_argument(
+            "--traceback", action="store_true", default=argparse.SUPPRESS, help=traceback
+        )
     return parser
 
 

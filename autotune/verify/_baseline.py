@@ -58,8 +58,8 @@ def verify_baseline(
                 if len(calibration) >= 2 and predicted * max(calibration) * (1 + slack) < best:
                     most = predicted * max(calibration) * (1 + slack)
                     hopeless.append(
-                        f"{cand.config.describe()} predicted at most {most:.1f} samples/s "
-                        f"against {best:.1f} measured, not run"
+                        f"{cand.config.describe()} left out, as it cannot win (predicted at "
+                        f"most {most:.1f} samples/s, {best:.1f} measured)"
                     )
                     break
                 log.info("verifying the expert's recipe: %s", cand.config.describe())
@@ -80,7 +80,10 @@ def verify_baseline(
 
 def baseline_record(records: Sequence[TrialRecord], recipe: ExpertRecipe) -> TrialRecord | None:
     """The fastest measured of the expert's configs among ``records`` (their last
-    timing), or ``None`` where none ran."""
+    timing), or ``None`` where none was timed: a fallback's peak alone, on a config that
+    is also a rung of the recipe, says nothing of its speed."""
     configs = {c.config for ladder in recipe.ladders for c in ladder}
-    fitted = [r for r in records if r.config in configs and r.measured is not None]
+    fitted = [
+        r for r in records if r.config in configs and r.measured is not None and not r.peak_only
+    ]
     return max(fitted, key=lambda r: r.measured.samples_per_s if r.measured else 0.0, default=None)

@@ -418,6 +418,8 @@ def test_verify_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tuned: Tun
     assert_one_error_line(err, "(run with --traceback for details)")
     with pytest.raises(RuntimeError, match=r"Long|Int"):
         main(["--traceback", "verify", str(tuned.path), *args])
+    with pytest.raises(RuntimeError, match=r"Long|Int"):  # the advice followed as written
+        main(["verify", str(tuned.path), *args, "--traceback"])
 
 
 # --- export and report -----------------------------------------------------------------
