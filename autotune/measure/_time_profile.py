@@ -333,9 +333,11 @@ def _drop_outrun(
     that much faster at a smaller one (two sizes or more), where the other fits wherever
     it fits: each of its configs is beaten by the same config in the other, or at the
     smallest sizes (where a pass is mostly overhead and the two are alike) tied with it.
-    Its chunked loss's timeline goes with it."""
+    Its chunked loss's timeline goes with it. A precision with a compiled timeline is left
+    alone: the compiled one was not compared."""
     eager = [p for p in feasible if not timeline_parts(p)[1] and not timeline_chunked(p)]
-    for p in eager:
+    compiled = {timeline_parts(k)[0] for k in feasible if timeline_parts(k)[1]}
+    for p in [p for p in eager if p not in compiled]:
         for q in eager:
             if q == p or q not in feasible:
                 continue

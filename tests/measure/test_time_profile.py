@@ -237,3 +237,19 @@ def test_a_precision_outrun_where_the_other_fits_is_timed_no_further(
         assert any(n.startswith("fp32: the time of bf16 times 1.00x at 1, 1.30x at 8 (micro-batch)") for n in profile.notes)  # fmt: skip
     else:
         assert set(profile.precisions) == {"fp32", "bf16"} and 32 in fp32
+
+
+def test_a_precision_compiled_too_is_not_outrun_by_its_eager_times() -> None:
+    """Its compiled timeline was not compared with the other's: both stay."""
+    from autotune.config import timeline_key
+    from autotune.measure._time_profile import _drop_outrun
+
+    compiled = timeline_key("fp32", "blocks")
+    feasible = {"fp32": 32, compiled: 32, "bf16": 32}
+    times = {"fp32": {1: 0.01, 8: 0.13}, compiled: {1: 0.01, 8: 0.09}, "bf16": {1: 0.01, 8: 0.1}}
+    notes: list[str] = []
+    _drop_outrun(feasible, times, notes, lambda q, p: True, "cpu")
+    assert set(feasible) == {"fp32", compiled, "bf16"} and notes == []
+    del feasible[compiled], times[compiled]
+    _drop_outrun(feasible, times, notes, lambda q, p: True, "cpu")
+    assert set(feasible) == {"bf16"} and len(notes) == 1
