@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from autotune.cost import Chooser, ExpertRecipe, expert_candidates
 from autotune.result import TrialRecord
-from autotune.verify._winner import Measure
+from autotune.verify._winner import Measure, at_most
 
 __all__ = ["baseline_candidates", "baseline_record", "verify_baseline"]
 
@@ -42,21 +42,14 @@ def verify_baseline(
     """
     done = {r.config: r for r in tried}
     out = []
-    timed = [r for r in tried if r.measured is not None and r.measured.samples_per_s > 0]
-    best = max((r.measured.samples_per_s for r in timed if r.measured), default=0.0)
-    calibration = [
-        r.measured.samples_per_s / max(r.predicted.samples_per_s, 1e-9)
-        for r in timed
-        if r.measured is not None
-    ]
+    best = max((r.measured.samples_per_s for r in tried if r.measured), default=0.0)
     hopeless = []
     for ladder in recipe.ladders:
         for cand in ladder:
             record = done.get(cand.config)
             if record is None:
-                predicted = cand.prediction.measurement.samples_per_s
-                if len(calibration) >= 2 and predicted * max(calibration) * (1 + slack) < best:
-                    most = predicted * max(calibration) * (1 + slack)
+                most = at_most(cand.prediction.measurement.samples_per_s, tried, slack)
+                if most is not None and most < best:
                     hopeless.append(
                         f"{cand.config.describe()} left out, as it cannot win (predicted at "
                         f"most {most:.1f} samples/s, {best:.1f} measured)"

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Protocol
 
 from autotune._format import format_bytes
@@ -22,6 +23,7 @@ from autotune.verify._verifier import Verifier
 
 __all__ = [
     "Measure",
+    "at_most",
     "choose_winner",
     "fastest",
     "known_ahead",
@@ -105,6 +107,20 @@ def choose_winner(
     return race.records
 
 
+def at_most(predicted: float, records: Sequence[TrialRecord], slack: float) -> float | None:
+    """The most a config predicted at ``predicted`` samples/s can measure, as the timed
+    ``records`` bear the time model out: scaled by their most optimistic calibration
+    (measured over predicted speed) and ``slack`` more. ``None`` until two were timed."""
+    calibration = [
+        r.measured.samples_per_s / max(r.predicted.samples_per_s, 1e-9)
+        for r in records
+        if r.measured is not None and not r.peak_only
+    ]
+    if len(calibration) < 2:
+        return None
+    return predicted * max(calibration) * (1 + slack)
+
+
 @dataclasses.dataclass
 class _Race:
     """The candidates verified so far, and what they say of the rest."""
@@ -113,8 +129,6 @@ class _Race:
     slack: float
     records: list[TrialRecord] = dataclasses.field(default_factory=list)
     fitted: list[TrainConfig] = dataclasses.field(default_factory=list)
-    calibration: list[float] = dataclasses.field(default_factory=list)
-    """Measured / predicted speed of each fitted candidate."""
     tried: set[TrainConfig] = dataclasses.field(default_factory=set)
     best: float = 0.0
     hopeless: int = 0
@@ -123,11 +137,8 @@ class _Race:
         """Verify ``cand``, unless it is too like one that fitted, or cannot win."""
         if any(_alike(cand.config, f) for f in self.fitted) or cand.config in self.tried:
             return
-        predicted = cand.prediction.measurement.samples_per_s
-        if (
-            len(self.calibration) >= 2
-            and predicted * max(self.calibration) * (1 + self.slack) < self.best
-        ):
+        most = at_most(cand.prediction.measurement.samples_per_s, self.records, self.slack)
+        if most is not None and most < self.best:
             self.hopeless += 1  # it cannot beat what was measured
             return
         log.info("verifying %s", cand.config.describe())
@@ -141,7 +152,6 @@ class _Race:
             log.info("  rejected: %s", record.error)
             return
         self.fitted.append(cand.config)
-        self.calibration.append(record.measured.samples_per_s / max(predicted, 1e-9))
         self.best = max(self.best, record.measured.samples_per_s)
         log.info(
             "  measured %.1f samples/s, peak %s",
