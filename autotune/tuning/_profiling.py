@@ -19,7 +19,7 @@ from torch import nn
 
 from autotune._profile_data import CHECKPOINT, KEEP, Profile
 from autotune.config import TrainConfig, timeline_key, timeline_parts
-from autotune.cost import CostModel, choosers, largest_fitting, too_small
+from autotune.cost import Chooser, CostModel, choosers, largest_fitting, too_small
 from autotune.device import backend_for
 from autotune.errors import AutotuneError
 from autotune.measure import (
@@ -69,7 +69,9 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     # loaded lazily, which discover() could not see yet.
     context = max(problem.target.context_bytes, backend_for(device).context_bytes())
     draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
-    feasible = _caps(problem, draft)
+    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
+    found = choosers(held, problem, problem.world)  # as the target holds the draft
+    feasible = _caps(problem, draft, found)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
     # The context has grown as kernels loaded: the cap shrinks with it. A model compiled
@@ -82,7 +84,7 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
             sizes,
             device_name=problem.target.name,
             timed=timed,
-            fits_wherever=_fits_wherever(problem, draft),
+            fits_wherever=_fits_wherever(found),
         )
     if pieces.shallow:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
@@ -230,13 +232,11 @@ def _worth_compiling(
     return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
 
 
-def _fits_wherever(problem: Problem, draft: Profile) -> Callable[[str, str], bool]:
-    """Whether timeline ``q`` fits every config timeline ``p`` fits, as the target holds
-    the draft: at every size, optimizer and placement of every layout, with every block
+def _fits_wherever(found: list[Chooser]) -> Callable[[str, str], bool]:
+    """Whether timeline ``q`` fits every config timeline ``p`` fits under the choosers
+    ``found``: at every size, optimizer and placement of every layout, with every block
     kept and with every block checkpointed (a mask between them fits where both ends do,
     or needs a little more checkpointing in ``q``)."""
-    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
-    found = choosers(held, problem, problem.world)
 
     def fits(q: str, p: str) -> bool:
         for chooser in found:
@@ -258,15 +258,14 @@ def _fits_wherever(problem: Problem, draft: Profile) -> Callable[[str, str], boo
     return fits
 
 
-def _caps(problem: Problem, draft: Profile) -> dict[str, int]:
-    """Per precision, the largest micro-batch that fits some layout and optimizer, as
-    the target holds the draft (:attr:`Problem.on_target`).
+def _caps(problem: Problem, draft: Profile, found: list[Chooser]) -> dict[str, int]:
+    """Per precision of ``draft``, the largest micro-batch that fits some layout and
+    optimizer of the choosers ``found`` (the draft as the target holds it:
+    :attr:`Problem.on_target`).
 
     Raises:
         BudgetTooSmallError: none fits.
     """
-    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
-    found = choosers(held, problem, problem.world)
     caps = {
         p: max(
             (
