@@ -5,6 +5,7 @@ mixed mask can move, from the uniform runs' lives (see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, Crossing, Line, PhaseKey
 from autotune.measure._timeline import Lives, occurrences
@@ -17,6 +18,7 @@ _OWN = ("fwd", "bwd")
 _HOLDING = (CHECKPOINT, SELECTIVE)
 """The variants that hold a block's arguments until its backward."""
 
+_T = TypeVar("_T")
 _Born = tuple[tuple[PhaseKey, int], int]
 """Where a storage was made, the same in every run: its phase by key and occurrence,
 and how many storages that phase had made before."""
@@ -47,7 +49,9 @@ def crossings(
     }
     saving = _keyed(runs[b2, KEEP], lives[b2, KEEP].saved)
     every = {born for arguments in taken.values() for born in arguments}
-    every |= {born for v in variants for born in _keyed_set(runs[b2, v], lives[b2, v].returned)}
+    every |= {
+        born for v in variants for born in _keyed(runs[b2, v], dict.fromkeys(lives[b2, v].returned))
+    }
     made = {born for born in ends[b2, KEEP] if born[0][0].label == "fwd"} - every
     # Each block's forward and backward phases, by micro-batch and index: the block's own.
     own = {(key.micro, i): key.block for (key, _), i in index.items() if key.label in _OWN}
@@ -166,15 +170,8 @@ def _within(
     return index[PhaseKey(micro, "after the micro-batch"), 0]
 
 
-def _keyed(
-    records: list[PhaseRecord], arguments: dict[tuple[int, int], set[int]]
-) -> dict[_Born, set[int]]:
-    """The blocks' arguments keyed by where they were made, the same in every run."""
+def _keyed(records: list[PhaseRecord], by_birth: Mapping[tuple[int, int], _T]) -> dict[_Born, _T]:
+    """``by_birth`` (by :attr:`Life.born`) keyed by where each storage was made, the same
+    in every run."""
     keys = occurrences(records)
-    return {(keys[phase], n): blocks for (phase, n), blocks in arguments.items()}
-
-
-def _keyed_set(records: list[PhaseRecord], births: set[tuple[int, int]]) -> set[_Born]:
-    """``births`` keyed by where they were made, the same in every run."""
-    keys = occurrences(records)
-    return {(keys[phase], n) for phase, n in births}
+    return {(keys[phase], n): value for (phase, n), value in by_birth.items()}

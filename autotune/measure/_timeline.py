@@ -56,7 +56,7 @@ class _Recorder:
     lives: Lives | None = None
     running: int | None = None
     """The block whose forward runs now."""
-    parameters: list[nn.Parameter] = field(default_factory=list)
+    parameters: list[nn.Parameter] = field(init=False)
     """The model's parameters, listed once: a mark reads their gradients (walking the
     modules at every mark cost a UNet's tracked step tens of milliseconds)."""
 
