@@ -67,6 +67,9 @@ from autotune.train import (
 __all__ = ["Profiler"]
 
 _PROFILE_LR = 1e-6  # the copy trains while it is measured; keep its weights sane
+_SHORT_PASS_S = 0.2
+"""A timed pass shorter than this is timed in several rounds (its median kept): a slow
+spell of a few hundredths of a second would own a single one."""
 
 
 class Profiler:
@@ -308,8 +311,11 @@ class Profiler:
 
     def fwd_bwd_times(self, precision: str, b: int, variants: Sequence[int]) -> dict[int, float]:
         """:meth:`fwd_bwd_time` of each of ``variants`` (KEEP, CHECKPOINT, SELECTIVE), on
-        one runner after one warm-up pass, the variants timed in turn (several rounds of
-        passes shorter than 0.2 s), so that a slow spell hits them alike."""
+        one runner after one warm-up pass, the variants timed in turn (several rounds where
+        the first round's pass was shorter than :data:`_SHORT_PASS_S`), so that a slow spell
+        hits them alike. The warm-up does not decide the rounds: the process's first pass,
+        or a precision's first at a shape, pays one-time costs (lazy initialisation, the
+        kernels' primitives made) several times a pass."""
         runner = self.runner(self.config(precision, b))
         chunk = resize(self.sample, b)
         times: dict[int, list[float]] = {v: [] for v in variants}
@@ -322,11 +328,13 @@ class Profiler:
                         runner.forward_backward(chunk)
             self._every(variants[0], plain=plain)
             with _model_errors(self.model, chunk, self.loss_fn):
-                first = self._timed(lambda: runner.forward_backward(chunk))
-            for _ in range(self.repeats if first < 0.2 else 1):
+                runner.forward_backward(chunk)  # warm-up: the allocator's and kernels' first use
+            for _ in range(self.repeats):
                 for v in variants:
                     self._every(v, plain=plain)
                     times[v].append(self._timed(lambda: runner.forward_backward(chunk)))
+                if times[variants[0]][0] >= _SHORT_PASS_S:  # a long pass is its own average
+                    break
         finally:
             runner.close()  # the checkpoint wrappers and the gradients
         return {v: statistics.median(ts) for v, ts in times.items()}
