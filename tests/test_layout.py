@@ -259,12 +259,13 @@ def test_no_private_name_is_imported_from_another_module() -> None:
 
 
 def test_every_kind_of_run_makes_its_problem_with_one_function() -> None:
-    """A tuning run, a plan and an estimate build their ``Problem`` with ``make_problem``:
-    no other module calls the class itself."""
+    """A tuning run and a plan build their ``Problem`` with ``make_problem``: no other
+    module calls the class itself. An estimate has none (no budget, nothing searched)."""
     from autotune.tuning import _autotune, _estimate, _length_table, _plan_ahead, _problem
 
-    runs = (_autotune, _length_table, _plan_ahead, _estimate)
+    runs = (_autotune, _length_table, _plan_ahead)
     assert all(run.make_problem is _problem.make_problem for run in runs)
+    assert not hasattr(_estimate, "make_problem")
     built = [
         f"{module}:{node.lineno}"
         for module, path in MODULES.items()
@@ -275,9 +276,9 @@ def test_every_kind_of_run_makes_its_problem_with_one_function() -> None:
     assert built == []
 
 
-ONE_MEANING = {
+ONE_MEANING: dict[str, str | None] = {
     "rank": "autotune.train._parallel",  # this process's rank in its group
-    "run": "autotune.tuning._pipeline",  # one tuning run: problem, profile, search, verify
+    "run": None,  # no module-level name: each kind of run is a function of its own
     "plan": "autotune.cli._plan",  # the command that plans for a GPU not here
 }
 """Words that once named several things (issue 49), and the module whose function is

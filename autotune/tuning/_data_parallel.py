@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autotune._plain_data import from_plain, to_plain
 from autotune._profile_data import Profile
 from autotune.config import TrainConfig
-from autotune.cost import Candidate, Chooser, CostModel, search
+from autotune.cost import Candidate, Chooser, CostModel, choosers, search
 from autotune.errors import BudgetTooSmallError
 from autotune.jobs import Codec, JobStore, job_id
 from autotune.result import TuneResult
@@ -24,12 +25,29 @@ from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 
 __all__ = [
+    "Ranked",
     "merged",
     "planned_notes",
     "planned_result",
-    "search_layouts",
+    "ranked",
 ]
 log = logging.getLogger("autotune")
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The search's ranking: each layout's chooser, and their candidates, fastest
+    predicted first."""
+
+    choosers: list[Chooser]
+    candidates: list[Candidate]
+
+
+def ranked(problem: Problem, profile: Profile, options: TuneOptions, jobs: JobStore) -> Ranked:
+    """The search of a tuning run and a plan: a chooser per layout of the problem's ranks,
+    and the candidates of each searched once among ``jobs``' processes."""
+    layouts = choosers(profile, problem, problem.world)
+    return Ranked(layouts, _search_layouts(layouts, jobs, options))
 
 
 def merged(found: Sequence[list[Candidate]]) -> list[Candidate]:
@@ -84,14 +102,14 @@ def planned_result(
     )
 
 
-def search_layouts(
-    choosers: list[Chooser], jobs: JobStore, options: TuneOptions
+def _search_layouts(
+    layouts: list[Chooser], jobs: JobStore, options: TuneOptions
 ) -> list[Candidate]:
     """Every layout's candidates, fastest predicted first (each layout searched once
     among the processes that share ``jobs``)."""
     n_trials, timeout_s, seed = options.n_trials, options.timeout_s, options.seed
     found = []
-    for chooser in choosers:
+    for chooser in layouts:
         log.info(
             "searching: %d micro-batch sizes x %s x %s%s",
             len(chooser.sizes),

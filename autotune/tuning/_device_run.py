@@ -1,5 +1,5 @@
 """A tuning run on the device: a model at one sequence length and one attention
-implementation, measured, searched and verified (:mod:`autotune.tuning._pipeline`).
+implementation, profiled, searched and verified (:func:`tune_on_device`, read first).
 
 The user's model is only read (deep-copied); every measurement runs on the copy. Each
 expensive stage is a job of the run's :class:`~autotune.jobs.JobStore`: in memory, or
@@ -44,39 +44,53 @@ from autotune.train import (
     rank,
     rank_zero,
 )
-from autotune.tuning._data_parallel import planned_result
+from autotune.tuning._data_parallel import Ranked, planned_result, ranked
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._pipeline import Ranked, ranked, run
 from autotune.tuning._problem import Problem
 from autotune.tuning._profiling import budget_cap, profile_model
 from autotune.tuning._stopwatch import Stopwatch
 from autotune.verify import MOST_NOISE, Verification, Verifier, verification
 
-__all__ = ["DeviceRun", "job_store", "tune_on_device"]
+__all__ = ["job_store", "tune_on_device"]
 
 log = logging.getLogger("autotune")
 
 
 def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> TuneResult:
-    """:func:`autotune.autotune` of ``problem`` (one length, one attention) on its device."""
+    """:func:`autotune.autotune` of ``problem`` (one length, one attention) on its device:
+    profiled, searched and verified on the tuner's copy of ``model``, each stage timed.
+
+    Each expensive job is done once among the processes that share the run's jobs (an
+    Optuna study that processes share and a resumed run reads; rank 0's, sent to every
+    rank of a process group). In a process group only rank 0 profiles on the device;
+    verification wraps a copy per config, which puts on the device what the config says
+    (a shard under FSDP). A model too large for one device whole is profiled on shallow
+    copies (FSDP2's case).
+    """
     watch, cpu = Stopwatch(), CpuClock.now()
     jobs = job_store(problem, options)  # a storage that cannot open: before any work
-    # In a process group only rank 0 profiles on the device; verification wraps a copy per
-    # config, which puts on the device what the config says (a shard under FSDP).
-    # A model too large for one device whole is profiled on shallow copies (FSDP2's case).
+    leader = Relayed(jobs, rank_zero)  # profiling and search: rank 0's, sent to all
     whole = whole_fits(model, problem.target.free_bytes, problem.world)
     on_device = rank() == 0 and whole
+    ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
+    if ends is not None and group_size() > 1:  # each rank's clock would decide apart
+        ends = None
+        warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
     with _old_objects_frozen():  # before the working copy: the run's own, collected with it
         work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
-        ends = None if options.max_tuning_s is None else watch.started + options.max_tuning_s
-        if ends is not None and group_size() > 1:  # each rank's clock would decide apart
-            ends = None
-            warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
-        stages = DeviceRun(work, jobs, options, cpu, whole, ends)
         try:
-            result = run(contextlib.nullcontext(problem), stages, watch)
+            with watch.stage("profile"), _holding(problem):
+                profile = _profile(work, problem, leader, whole)
+            problem = problem.with_context(profile.context_bytes)  # after training steps
+            with watch.stage("search"):
+                searched = ranked(problem, profile, options, leader)
+            with watch.stage("verification"), _holding(problem):
+                if problem.verifiable:
+                    result = _verified(work, problem, profile, searched, jobs, options, cpu, ends)
+                else:  # the ranks are not here: planned
+                    result = planned_result(problem, profile, searched.candidates)
         finally:
-            del work, stages
+            del work
             gc.collect()
             backend_for(problem.target.device).empty_cache()
     result = dataclasses.replace(
@@ -136,78 +150,55 @@ PROFILE = Codec(profile_to_json, profile_from_json)
 """A profile job's result, kept as its JSON."""
 
 
-class DeviceRun:
-    """The stages of a run on the device (see :class:`~autotune.tuning._pipeline.Stages`).
-
-    Args:
-        work: The tuner's copy, which every stage measures.
-        jobs: Where each expensive job is done once.
-        options: The run's options.
-        cpu: The CPU's clock when the run began (how busy the machine was since).
-        whole: Whether the model fits the device whole (else shallow copies).
-        ends: When the run must end (``max_tuning_s``, on ``time.perf_counter``'s clock);
-            ``None``: no limit.
-    """
-
-    def __init__(
-        self,
-        work: nn.Module,
-        jobs: JobStore,
-        options: TuneOptions,
-        cpu: CpuClock | None,
-        whole: bool,
-        ends: float | None = None,
-    ) -> None:
-        self.work, self.jobs, self.options = work, jobs, options
-        self.cpu, self.whole, self.ends = cpu, whole, ends
-        self.leader = Relayed(jobs, rank_zero)  # profiling and search: rank 0's, sent to all
-
-    @contextlib.contextmanager
-    def holding(self, problem: Problem) -> Iterator[None]:
-        """The budget held from the first byte, and compiled blocks measured where searched."""
-        with budget_cap(problem), measured_compiling(problem.compile or problem.compile_model):
-            yield
-
-    def profile(self, problem: Problem) -> Profile:
-        """Measured on rank 0 (once among a study's processes), with the process group's
-        collectives timed on every rank."""
-
-        def measure() -> Profile:
-            return profile_model(self.work, problem, whole=self.whole)
-
-        profile: Profile = self.leader.once("profile", measure, "profiling the model", PROFILE)
-        if group_size() > 1:
-            self.work.to(torch.device("cpu"))
-            backend_for(problem.target.device).empty_cache()
-            comm = measure_collectives(problem.target.device)
-            profile = dataclasses.replace(profile, comm=comm)
-        return profile
-
-    def search(self, problem: Problem, profile: Profile) -> Ranked:
-        return ranked(problem, profile, self.options, self.leader)
-
-    def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
-        """The best candidates run for real (:func:`~autotune.verify.verification`);
-        planned where the ranks are not here."""
-        if not problem.verifiable:
-            return planned_result(problem, profile, searched.candidates)
-        workload = problem.workload(self.work)
-        verified = verification(
-            Verifier.of(workload, problem.budget, problem.target.context_bytes, profile.written),
-            searched.choosers,
-            searched.candidates,
-            self.jobs,
-            plan=self.options.start_from,
-            started=self.cpu,
-            eval_batch=self.options.eval_batch_size,
-            most=problem.space.max_micro_batch_size,
-            ends=self.ends,
-        )
-        return _result(problem, profile, verified)
+@contextlib.contextmanager
+def _holding(problem: Problem) -> Iterator[None]:
+    """The budget held from the first byte, and compiled blocks measured where searched."""
+    with budget_cap(problem), measured_compiling(problem.compile or problem.compile_model):
+        yield
 
 
-def _result(problem: Problem, profile: Profile, verified: Verification) -> TuneResult:
-    """The verified winner, with what was predicted for it and the ladder below it."""
+def _profile(work: nn.Module, problem: Problem, leader: Relayed, whole: bool) -> Profile:
+    """The profile of ``work``, measured on rank 0 (once among a study's processes), with
+    the process group's collectives timed on every rank."""
+
+    def measure() -> Profile:
+        return profile_model(work, problem, whole=whole)
+
+    profile: Profile = leader.once("profile", measure, "profiling the model", PROFILE)
+    if group_size() > 1:
+        work.to(torch.device("cpu"))
+        backend_for(problem.target.device).empty_cache()
+        comm = measure_collectives(problem.target.device)
+        profile = dataclasses.replace(profile, comm=comm)
+    return profile
+
+
+def _verified(
+    work: nn.Module,
+    problem: Problem,
+    profile: Profile,
+    searched: Ranked,
+    jobs: JobStore,
+    options: TuneOptions,
+    cpu: CpuClock | None,
+    ends: float | None,
+) -> TuneResult:
+    """The best candidates run for real (:func:`~autotune.verify.verification`), and
+    the verified winner with what was predicted for it and the ladder below it."""
+    verifier = Verifier.of(
+        problem.workload(work), problem.budget, problem.target.context_bytes, profile.written
+    )
+    verified = verification(
+        verifier,
+        searched.choosers,
+        searched.candidates,
+        jobs,
+        plan=options.start_from,
+        started=cpu,
+        eval_batch=options.eval_batch_size,
+        most=problem.space.max_micro_batch_size,
+        ends=ends,
+    )
     chosen = verified.chosen
     assert chosen.measured is not None
     cost = verified.chooser.cost

@@ -8,7 +8,6 @@ and 4, on a copy of the model) fed to the cost model. Nothing is timed or verifi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 from collections.abc import Iterator, Sequence
@@ -18,7 +17,6 @@ import torch
 from torch import nn
 
 from autotune._blocks import find_blocks, resolve_blocks
-from autotune._format import GIB
 from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig, is_factory
 from autotune.cost import CostModel
@@ -33,23 +31,21 @@ from autotune.measure import (
     working_copy,
 )
 from autotune.result import Breakdown, Costs
-from autotune.space import SearchSpace
 from autotune.train import (
     LossFn,
     OptimizerFactory,
     Workload,
     available,
+    batch_size,
     factory_name,
     measured_compiling,
     not_at_hand,
+    widest_first,
 )
-from autotune.tuning._options import TuneOptions
 from autotune.tuning._pieces import Pieces
-from autotune.tuning._pipeline import run
-from autotune.tuning._problem import Problem, checked_model, make_problem, uncompiled
-from autotune.tuning._stopwatch import Stopwatch
+from autotune.tuning._problem import checked_model, uncompiled, world_of
 
-__all__ = ["Estimate", "OneConfig", "estimate"]
+__all__ = ["Estimate", "estimate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,64 +106,44 @@ def estimate(
         raise not_at_hand(config.optimizer)  # a path read from a file is never imported
     model = uncompiled(model)  # a non-module passes through, for the check below
     checked_model(model)
+    batch_size(sample_batch)  # a batch autotune cannot cut: said before anything runs
+    world_of(config.world_size)  # a world size this process group is not: said now
     target = discover(device)
     wrapped = (*config.checkpoint, *config.selective_checkpoint, *config.offload_activations)
     names = _compiled_all_or_none(config, _blocks(model, blocks, wrapped))
-    options = TuneOptions(
-        budget_gb=target.total_bytes / GIB,  # no budget: the estimate says what it takes
-        loss_fn=loss_fn,
-        global_batch_size=config.global_batch_size,
-        # Not searched (the config is the one setting): its blocks, and its world size.
-        space=SearchSpace(blocks=names, checkpointing=bool(names)),
-        world_size=config.world_size,
+    # Micro-batches cut from the sample's start hold its widest samples, as tuning cuts them.
+    sample = widest_first(sample_batch)
+    foreign = backend_for(target.device).foreign_bytes()
+    work = Workload(model, sample, loss_fn, names, target.device, foreign)
+    cost = CostModel(_profile(work, config, target))
+    peak, at_peak = cost.memory(config)
+    return Estimate(peak, at_peak, cost.costs(config) if config.parallel == "none" else None)
+
+
+def _profile(work: Workload, config: TrainConfig, target: Target) -> Profile:
+    """The memory profile of ``config``'s timeline and optimizer, on a copy of the model,
+    or on copies of 3 and 4 of its blocks where a model sharded over ranks does not fit
+    the device whole."""
+    model = work.model
+    pieces = Pieces(
+        model,
+        work.blocks,
+        fits=whole_fits(model, target.free_bytes, config.world_size),
+        device=target.device,
+        whole=lambda: working_copy(model, target.device),
     )
-    problem = make_problem(model, sample_batch, options, target)
-    return run(contextlib.nullcontext(problem), OneConfig(model, config), Stopwatch())
-
-
-class OneConfig:
-    """The stages of an estimate (see :class:`~autotune.tuning._pipeline.Stages`): the
-    memory profile of one config's timeline and optimizer, its peak predicted, nothing
-    verified."""
-
-    def __init__(self, model: nn.Module, config: TrainConfig) -> None:
-        self.model, self.config = model, config
-
-    def holding(self, problem: Problem) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # no budget: the estimate says what it takes
-
-    def profile(self, problem: Problem) -> Profile:
-        """Measured on a copy of the model, or on copies of 3 and 4 of its blocks where
-        a model sharded over ranks does not fit the device whole."""
-        config, target = self.config, problem.target
-        pieces = Pieces(
-            self.model,
-            problem.blocks,
-            fits=whole_fits(self.model, target.free_bytes, config.world_size),
-            device=target.device,
-            whole=lambda: working_copy(self.model, target.device),
-        )
-        offloads = bool(config.offload_activations or config.offload_optimizer)
-        transfer = measure_transfer(target) if offloads else None
-        work, profiles = problem.workload(self.model), []
-        with measured_compiling(config.compile_level != "none" and not pieces.shallow):
-            for piece, piece_blocks in pieces.each():
-                profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
-                del piece  # off the device before the next piece comes on
-        profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
-        # After the profile's training steps the context holds what loads lazily too.
-        context = max(target.context_bytes, backend_for(target.device).context_bytes())
-        # One config, trained without fallbacks: no copy of the buffers a step writes.
-        return dataclasses.replace(profile, context_bytes=context, snapshot_bytes=0)
-
-    def search(self, problem: Problem, profile: Profile) -> CostModel:
-        return CostModel(profile)
-
-    def verify(self, problem: Problem, profile: Profile, searched: CostModel) -> Estimate:
-        """The config's peak as predicted (nothing runs)."""
-        peak, at_peak = searched.memory(self.config)
-        costs = searched.costs(self.config) if self.config.parallel == "none" else None
-        return Estimate(peak, at_peak, costs)
+    offloads = bool(config.offload_activations or config.offload_optimizer)
+    transfer = measure_transfer(target) if offloads else None
+    profiles = []
+    with measured_compiling(config.compile_level != "none" and not pieces.shallow):
+        for piece, piece_blocks in pieces.each():
+            profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
+            del piece  # off the device before the next piece comes on
+    profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
+    # After the profile's training steps the context holds what loads lazily too.
+    context = max(target.context_bytes, backend_for(target.device).context_bytes())
+    # One config, trained without fallbacks: no copy of the buffers a step writes.
+    return dataclasses.replace(profile, context_bytes=context, snapshot_bytes=0)
 
 
 def _memory(

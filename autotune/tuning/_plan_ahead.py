@@ -14,10 +14,9 @@ its ``unverified``, and ``autotune tune`` on the real device verifies it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,15 +39,14 @@ from autotune.measure import TRACED_ASSUMPTIONS, Roofline, is_traced, traced
 from autotune.result import PLANNED, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, map_tensors
-from autotune.tuning._data_parallel import planned_result
+from autotune.tuning._data_parallel import planned_result, ranked
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._pipeline import Ranked, ranked, run
-from autotune.tuning._problem import Problem, make_problem, twinned
+from autotune.tuning._problem import make_problem, twinned
 from autotune.tuning._profiling import profile_model
 from autotune.tuning._rank_check import rank_checked
 from autotune.tuning._stopwatch import Stopwatch
 
-__all__ = ["TracedRun", "plan_ahead", "plan_options", "plan_with", "traced_problem"]
+__all__ = ["plan_ahead", "plan_options", "plan_with"]
 
 PLANS_KEPT = 10
 """Candidates a plan keeps, fastest predicted first (its ``trials``, none of them run)."""
@@ -122,87 +120,51 @@ def plan_with(
     *,
     trace_rank: bool = False,
 ) -> TuneResult:
-    """:func:`plan_ahead` with the tuner's options record (``options.device`` unread)."""
+    """:func:`plan_ahead` with the tuner's options record (``options.device`` unread):
+    the model traced on fake tensors and profiled as the GPU ``device`` holds it, searched
+    for it, and its winner predicted (with ``trace_rank``, an FSDP2 winner's rank traced
+    in the place of verification); nothing runs on a device."""
     watch, spec = Stopwatch(), device_spec(device)
-    stages = TracedRun(build, sample_batch, options, spec, trace_rank=trace_rank)
-    result = run(traced_problem(build, sample_batch, options, spec), stages, watch)
-    notes = (*planning_notes(spec), *result.unverified)
-    return dataclasses.replace(
-        result, tuning_s=watch.elapsed(), spent=watch.spent(), unverified=notes
-    )
-
-
-@contextlib.contextmanager
-def traced_problem(
-    build: Callable[[], nn.Module], sample_batch: Any, options: TuneOptions, spec: DeviceSpec
-) -> Iterator[Problem]:
-    """A plan's problem: the model built and its sample made on fake tensors, held while
-    it is profiled, for the GPU ``spec``."""
-    with traced() as mode:
+    with watch.stage("profile"), traced() as mode:
         model = _built(build)
         made = sample_batch() if callable(sample_batch) else sample_batch
         sample = map_tensors(made, lambda t: t if is_traced(t) else mode.from_tensor(t))
-        planned = functools.partial(on_the_gpu, spec=spec)
-        yield make_problem(model, sample, plan_options(options), _target(spec), on_target=planned)
-
-
-class TracedRun:
-    """The stages of a plan (see :class:`~autotune.tuning._pipeline.Stages`): the model
-    traced on fake tensors, searched for ``spec``, and its winner predicted (with
-    ``trace_rank``, an FSDP2 winner's rank traced in the place of verification)."""
-
-    def __init__(
-        self,
-        build: Callable[[], nn.Module],
-        sample_batch: Any,
-        options: TuneOptions,
-        spec: DeviceSpec,
-        *,
-        trace_rank: bool,
-    ) -> None:
-        self.build, self.sample_batch, self.options = build, sample_batch, options
-        self.spec, self.trace_rank = spec, trace_rank
-
-    def holding(self, problem: Problem) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # nothing is on a device
-
-    def profile(self, problem: Problem) -> Profile:
-        """Traced on the CPU's kernels with a roofline clock, as the GPU holds it.
-
-        Deeper than 4 blocks: copies of 3 and 4 blocks, extrapolated (exact where the
-        blocks are alike; a traced model costs no memory, but time per op)."""
-        assert problem.work is not None  # the traced model
-        with Roofline(self.spec):
-            traced = profile_model(problem.work, problem, whole=len(problem.blocks) <= 4)
-        return on_the_gpu(traced, problem.world, self.spec)
-
-    def search(self, problem: Problem, profile: Profile) -> Ranked:
-        return ranked(problem, profile, self.options, LocalJobs())
-
-    def verify(self, problem: Problem, profile: Profile, searched: Ranked) -> TuneResult:
-        """The fastest plan, and the next ones ranked (none run)."""
-        candidates = searched.candidates
+        problem = make_problem(model, sample, plan_options(options), _target(spec), planned=True)
+        # Deeper than 4 blocks: copies of 3 and 4 blocks, extrapolated (exact where the
+        # blocks are alike; a traced model costs no memory, but time per op).
+        with Roofline(spec):
+            profile = profile_model(
+                model,
+                problem,
+                whole=len(problem.blocks) <= 4,
+                on_target=functools.partial(on_the_gpu, world=problem.world, spec=spec),
+            )
+        del model, sample, made
+    problem = problem.with_context(profile.context_bytes)
+    with watch.stage("search"):
+        candidates = ranked(problem, profile, options, LocalJobs()).candidates
+    with watch.stage("verification"):
         result = planned_result(problem, profile, candidates)
-        if self.trace_rank:  # the rank's trace in the place of verification
+        if trace_rank:  # the rank's trace in the place of verification
             result = rank_checked(
-                result,
-                candidates,
-                profile,
-                self.build,
-                self.sample_batch,
-                self.options.loss_fn,
-                problem.limit,
+                result, candidates, profile, build, sample_batch, options.loss_fn, problem.limit
             )
-        ranked = tuple(
-            TrialRecord(
-                c.config,
-                result.predicted if c.config == result.config else c.prediction.measurement,
-                None,
-                PLANNED,
-            )
-            for c in candidates[:PLANS_KEPT]
+    plans = tuple(
+        TrialRecord(
+            c.config,
+            result.predicted if c.config == result.config else c.prediction.measurement,
+            None,
+            PLANNED,
         )
-        return dataclasses.replace(result, trials=ranked)
+        for c in candidates[:PLANS_KEPT]
+    )
+    return dataclasses.replace(
+        result,
+        trials=plans,
+        tuning_s=watch.elapsed(),
+        spent=watch.spent(),
+        unverified=(*planning_notes(spec), *result.unverified),
+    )
 
 
 _REAL_BYTES = 512 * 2**20

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -31,9 +31,6 @@ from autotune.train import (
     widest_first,
 )
 from autotune.tuning._options import TuneOptions
-
-if TYPE_CHECKING:
-    from autotune._profile_data import Profile
 
 __all__ = [
     "Problem",
@@ -84,13 +81,6 @@ class Problem:
     verifiable: bool = True
     """Whether those ranks are this process group's, to verify on (else the run is
     planned in one process, not run)."""
-    work: nn.Module | None = None
-    """The module a plan profiles: the model it built on fake tensors (a run on the device
-    measures a working copy of its own, made where the problem says)."""
-    on_target: Callable[[Profile, int], Profile] | None = None
-    """How the target holds a profile measured here over the problem's ranks, where it is
-    not here (a plan's GPU: its context, allocator reserve and links); ``None``: as
-    measured."""
 
     @property
     def compile(self) -> bool:
@@ -169,7 +159,7 @@ def make_problem(
     options: TuneOptions,
     target: Target | None = None,
     *,
-    on_target: Callable[[Profile, int], Profile] | None = None,
+    planned: bool = False,
 ) -> Problem:
     """Validate the inputs (fast, before anything runs) and set the run up on the target:
     the one way every kind of run (tuned, planned, estimated) makes its problem.
@@ -181,9 +171,9 @@ def make_problem(
             problem's is one rank's.
         target: Where the run measures; default :func:`~autotune.device.discover` of
             ``options.device``.
-        on_target: A plan's translation of what it measures to the GPU it plans for (the
-            profile and the ranks): the problem is then planned, never verified, its
-            space taken as given and its head-room a GPU's.
+        planned: A plan's problem, for a GPU that is not here (``target`` stands for it,
+            measured on the CPU's kernels): never verified, its space taken as given, its
+            head-room a GPU's.
     """
     world, here = world_of(options.world_size)
     if options.storage is not None and world > 1:
@@ -193,7 +183,6 @@ def make_problem(
     batch_size(sample_batch)
     target = target or discover(options.device)
     budget = budget_bytes(options.budget_gb, target)
-    planned = on_target is not None
     space = options.space if planned else _as_the_device_runs(options.space, target)
     held_on = "cuda" if planned else target.device.type  # a plan's target is a GPU
     blocks = resolve_blocks(model, space.blocks) if space.checkpointing else ()
@@ -216,8 +205,6 @@ def make_problem(
         foreign_bytes=0 if planned else backend_for(target.device).foreign_bytes(),
         world=world,
         verifiable=here and not planned,
-        work=model if planned else None,
-        on_target=on_target,
     )
 
 

@@ -48,9 +48,19 @@ def budget_cap(problem: Problem) -> contextlib.AbstractContextManager[None]:
     return backend.cap(problem.with_context(context).allocator_cap)
 
 
-def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> Profile:
-    """The profile of ``work`` (the tuner's copy), what fits decided over the data
-    parallelism of the problem's ranks.
+def profile_model(
+    work: nn.Module,
+    problem: Problem,
+    *,
+    whole: bool = True,
+    on_target: Callable[[Profile], Profile] | None = None,
+) -> Profile:
+    """The profile of ``work`` (the tuner's copy, or a plan's traced model), what fits
+    decided over the data parallelism of the problem's ranks.
+
+    ``on_target``: how the target holds a profile measured here, where it is not here (a
+    plan's GPU: its context, allocator reserve and links); what fits is decided on the
+    memory profile as the target holds it, and the profile is returned so.
 
     Not ``whole`` (see :func:`~autotune.measure._depth.whole_fits`), ``work`` is on the
     host and profiled on shallow copies where it can be (else moved to the device and
@@ -69,9 +79,9 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
     # loaded lazily, which discover() could not see yet.
     context = max(problem.target.context_bytes, backend_for(device).context_bytes())
     draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
-    held = problem.on_target(draft, problem.world) if problem.on_target is not None else draft
-    found = choosers(held, problem, problem.world)  # as the target holds the draft
-    feasible = _caps(problem, draft, found)
+    held = on_target(draft) if on_target is not None else draft
+    layouts = choosers(held, problem, problem.world)  # as the target holds the draft
+    feasible = _caps(problem, draft, layouts)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
     # The context has grown as kernels loaded: the cap shrinks with it. A model compiled
@@ -84,7 +94,7 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
             sizes,
             device_name=problem.target.name,
             timed=timed,
-            fits_wherever=_fits_wherever(found),
+            fits_wherever=_fits_wherever(layouts),
         )
     if pieces.shallow:
         reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
@@ -94,6 +104,8 @@ def profile_model(work: nn.Module, problem: Problem, *, whole: bool = True) -> P
         log.info("note: %s", note)
     if not problem.verifiable:  # planned: no fallback ladder, so no copy of the buffers
         profile = dataclasses.replace(profile, snapshot_bytes=0)
+    if on_target is not None:
+        profile = on_target(profile)
     return dataclasses.replace(profile, seconds=time.perf_counter() - t0)
 
 
@@ -232,14 +244,14 @@ def _worth_compiling(
     return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
 
 
-def _fits_wherever(found: list[Chooser]) -> Callable[[str, str], bool]:
+def _fits_wherever(layouts: list[Chooser]) -> Callable[[str, str], bool]:
     """Whether timeline ``q`` fits every config timeline ``p`` fits under the choosers
-    ``found``: at every size, optimizer and placement of every layout, with every block
+    ``layouts``: at every size, optimizer and placement of every layout, with every block
     kept and with every block checkpointed (a mask between them fits where both ends do,
     or needs a little more checkpointing in ``q``)."""
 
     def fits(q: str, p: str) -> bool:
-        for chooser in found:
+        for chooser in layouts:
             n = chooser.cost.n_blocks
             masks = [(KEEP,) * n, (CHECKPOINT,) * n] if chooser.checkpointing else [(KEEP,) * n]
             for b, o, h in itertools.product(
@@ -258,10 +270,9 @@ def _fits_wherever(found: list[Chooser]) -> Callable[[str, str], bool]:
     return fits
 
 
-def _caps(problem: Problem, draft: Profile, found: list[Chooser]) -> dict[str, int]:
+def _caps(problem: Problem, draft: Profile, layouts: list[Chooser]) -> dict[str, int]:
     """Per precision of ``draft``, the largest micro-batch that fits some layout and
-    optimizer of the choosers ``found`` (the draft as the target holds it:
-    :attr:`Problem.on_target`).
+    optimizer of the choosers ``layouts`` (the draft as the target holds it).
 
     Raises:
         BudgetTooSmallError: none fits.
@@ -270,7 +281,7 @@ def _caps(problem: Problem, draft: Profile, found: list[Chooser]) -> dict[str, i
         p: max(
             (
                 b
-                for q in found
+                for q in layouts
                 for o in q.optimizers
                 if p in q.precisions and (b := largest_fitting(q, p, o))
             ),
@@ -286,7 +297,7 @@ def _caps(problem: Problem, draft: Profile, found: list[Chooser]) -> dict[str, i
             too_small(
                 q, problem.space, problem.budget, headroom=problem.headroom, offload_helps=helps
             )
-            for q in found
+            for q in layouts
         ]
         raise min(errors, key=lambda e: e.minimum_bytes)
     return feasible
