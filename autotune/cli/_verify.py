@@ -38,20 +38,20 @@ def verify(args: argparse.Namespace) -> int:
     import torch
 
     from autotune.device import backend_for, discover
-    from autotune.train import differences, fingerprint, truncate
+    from autotune.train import Workload, differences, refuse_another_model, truncate
     from autotune.verify import Verifier
 
     result = load(args.path)
     model, batch, loss = inputs(args)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"MODEL must give a torch.nn.Module, got {type(model).__name__}.")
-    if fingerprint(model) != result.model.fingerprint:
-        raise ConfigError(
-            f"{args.path} was tuned for another model (a {result.model.class_name} of "
-            f"{result.model.n_parameters:,} parameters); this MODEL's structure differs, so "
-            "running its config would verify nothing about either. Pass the model it was "
-            "tuned on, or tune this one."
-        )
+    refuse_another_model(
+        result.model,
+        model,
+        str(args.path),
+        "running its config would verify nothing about either: pass the model it was tuned "
+        "on, or tune this one.",
+    )
     if args.optimizer is not None and optimizer_of(args.optimizer, "--optimizer") != (
         tuned := result.config.optimizer
     ):
@@ -64,16 +64,13 @@ def verify(args: argparse.Namespace) -> int:
         if not result.edited
         else _Run(None, result.config, None, None)
     ]
+    foreign = backend_for(target.device).foreign_bytes()
     for run in runs:  # a table: each row on the batch cut to its length
-        verifier = Verifier(
-            model,
-            batch if run.length is None else truncate(batch, run.length),
-            device=target.device,
-            budget_bytes=result.budget_bytes,
-            loss_fn=loss,
-            context_bytes=target.context_bytes,
-            foreign_bytes=backend_for(target.device).foreign_bytes(),
-            written=result.model.written or (),  # copied before each step, as when tuned
+        rows = batch if run.length is None else truncate(batch, run.length)
+        work = Workload(model, rows, loss, result.model.blocks, target.device, foreign)
+        # The buffers a step writes copied before each step, as when tuned.
+        verifier = Verifier.of(
+            work, result.budget_bytes, target.context_bytes, result.model.written or ()
         )
         run.measured, run.error = verifier.run(run.config)
     if args.json:  # an object; for a table, a list of them, one per row

@@ -41,6 +41,11 @@ class Target:
     context_bytes: int
     host_available_bytes: int
 
+    def context_now(self) -> int:
+        """The context's bytes as they are now: the CUDA context grows as training steps
+        load kernels and cuBLAS workspaces, which :func:`discover` could not see yet."""
+        return max(self.context_bytes, backend_for(self.device).context_bytes())
+
     def info(self) -> TargetInfo:
         """The plain facts recorded in a :class:`~autotune.config.TuneResult`."""
         return TargetInfo(

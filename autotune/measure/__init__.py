@@ -24,7 +24,7 @@ from __future__ import annotations
 from autotune.measure._collectives import measure_collectives
 from autotune.measure._depth import deepen, deepen_time, shallow_copies, whole_fits
 from autotune.measure._fake import TRACED_ASSUMPTIONS, is_traced, traced
-from autotune.measure._memory_profile import memory_profile, sharded_precisions, working_copy
+from autotune.measure._memory_profile import memory_profile, working_copy
 from autotune.measure._peak import measure_peak
 from autotune.measure._profiler import Profiler
 from autotune.measure._rank_trace import fake_ranks, traced_rank_peak
@@ -47,7 +47,6 @@ __all__ = [
     "measure_transfer",
     "memory_profile",
     "shallow_copies",
-    "sharded_precisions",
     "state_tensors",
     "time_profile",
     "traced",

@@ -21,7 +21,7 @@ from autotune.measure._parameters import block_parameter_bytes, parameter_bytes,
 from autotune.measure._profiler import Profiler
 from autotune.train import bytes_per_sample, copy_model, widest_bytes, written_buffers
 
-__all__ = ["memory_profile", "sharded_precisions", "working_copy"]
+__all__ = ["memory_profile", "working_copy"]
 
 
 def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -48,6 +48,7 @@ def memory_profile(
     compiled: Sequence[str] = (),
     whole: Sequence[str] = (),
     chunked: bool = False,
+    sharded: bool = False,
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
@@ -60,7 +61,8 @@ def memory_profile(
     loss (every block kept, and checkpointed), unless compiling fails (a note says why).
     ``chunked``: the compiled timelines with the chunked loss (``precisions`` are then
     the eager chunked timelines' keys); each compiled timeline is profiled where its eager
-    twin fitted.
+    twin fitted. ``sharded`` (FSDP2 searched or asked for): FSDP2's own bf16 timeline
+    too (:func:`_sharded_precisions`, with the first optimizer).
 
     Raises:
         ProfileError: nothing fits the device.
@@ -81,7 +83,10 @@ def memory_profile(
             "checkpointing; use a larger device or a smaller model."
         )
     profile = _profile(profiler, memory, measured, context_bytes, transfer)
-    return _with_written(profile, profiler.model, written), notes
+    profile = _with_written(profile, profiler.model, written)
+    if sharded:
+        profile = _sharded_precisions(profiler, profile, optimizers[0])
+    return profile, notes
 
 
 def _eager_twin(key: str) -> str:
@@ -259,7 +264,7 @@ def _why(exc: BlockError) -> str:
     return str(exc).split(". ")[0]
 
 
-def sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> Profile:
+def _sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) -> Profile:
     """``profile`` with the bf16 timeline of the parameters themselves in bf16, as FSDP2's
     ``MixedPrecisionPolicy`` computes: the activations differ from autocast's over fp32
     parameters wherever an op's dtype follows a parameter's (an embedding's output, a

@@ -49,7 +49,7 @@ from autotune.train._compile_cache import compile_artifacts, load_compile_cache
 from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
 from autotune.train._compiled_model import any_batch_size
 from autotune.train._fallback import snapshot, written_buffers
-from autotune.train._identity import differences, fingerprint
+from autotune.train._identity import differences, fingerprint, refuse_another_model
 from autotune.train._lengths import sequence_length, truncate
 from autotune.train._loss import (
     LossFn,
@@ -133,6 +133,7 @@ __all__ = [
     "raised_in",
     "rank",
     "rank_zero",
+    "refuse_another_model",
     "remove_checkpointing",
     "resize",
     "sequence_length",

@@ -13,9 +13,10 @@ from torch import nn
 
 from autotune._blocks import eager_module
 from autotune.device import backend_for
-from autotune.result import TuneResult
+from autotune.errors import ConfigError
+from autotune.result import ModelInfo, TuneResult
 
-__all__ = ["differences", "fingerprint"]
+__all__ = ["differences", "fingerprint", "refuse_another_model"]
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -28,6 +29,24 @@ def fingerprint(model: nn.Module) -> str:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()[:16]
+
+
+def refuse_another_model(info: ModelInfo, model: nn.Module, what: str, advice: str) -> None:
+    """Refuse ``model`` where its structure is not the one ``info`` records (``what``: the
+    file or plan it was recorded in; ``advice``: what to do instead). A record without a
+    fingerprint (written by hand) is taken as it is.
+
+    Raises:
+        ConfigError: another model.
+    """
+    if not info.fingerprint or fingerprint(model) == info.fingerprint:
+        return
+    n = sum(p.numel() for p in model.parameters())
+    raise ConfigError(
+        f"{what} is for another model: a {info.class_name} of {info.n_parameters:,} "
+        f"parameters, and this {type(model).__name__} has {n:,} or another structure; "
+        f"{advice}"
+    )
 
 
 def differences(result: TuneResult, model: nn.Module, device: torch.device) -> list[str]:

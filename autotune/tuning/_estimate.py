@@ -26,7 +26,6 @@ from autotune.measure import (
     Profiler,
     measure_transfer,
     memory_profile,
-    sharded_precisions,
     whole_fits,
     working_copy,
 )
@@ -140,10 +139,8 @@ def _profile(work: Workload, config: TrainConfig, target: Target) -> Profile:
             profiles.append(_memory(work.over(piece, piece_blocks), config, target, transfer))
             del piece  # off the device before the next piece comes on
     profile = pieces.deepened(*profiles) if pieces.shallow else profiles[0]
-    # After the profile's training steps the context holds what loads lazily too.
-    context = max(target.context_bytes, backend_for(target.device).context_bytes())
     # One config, trained without fallbacks: no copy of the buffers a step writes.
-    return dataclasses.replace(profile, context_bytes=context, snapshot_bytes=0)
+    return dataclasses.replace(profile, context_bytes=target.context_now(), snapshot_bytes=0)
 
 
 def _memory(
@@ -161,9 +158,8 @@ def _memory(
             context_bytes=target.context_bytes,
             transfer=transfer,
             selective=bool(config.selective_checkpoint),
+            sharded=config.parallel == "fsdp",
         )
-        if config.parallel == "fsdp":
-            profile = sharded_precisions(profiler, profile, config.optimizer)
         return profile
     finally:
         del work, profiler

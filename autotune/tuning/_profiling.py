@@ -28,7 +28,6 @@ from autotune.measure import (
     fast_precisions,
     measure_transfer,
     memory_profile,
-    sharded_precisions,
     time_profile,
 )
 from autotune.train import any_batch_size, why_not_chunked
@@ -43,9 +42,8 @@ log = logging.getLogger("autotune")
 def budget_cap(problem: Problem) -> contextlib.AbstractContextManager[None]:
     """The allocator capped at the run's budget (:attr:`Problem.allocator_cap`), less the
     context as it is now: it grows as kernels load, so each stage caps anew."""
-    backend = backend_for(problem.target.device)
-    context = max(problem.target.context_bytes, backend.context_bytes())
-    return backend.cap(problem.with_context(context).allocator_cap)
+    cap = problem.with_context(problem.target.context_now()).allocator_cap
+    return backend_for(problem.target.device).cap(cap)
 
 
 def profile_model(
@@ -75,9 +73,7 @@ def profile_model(
     device = problem.target.device
     pieces = Pieces(work, problem.blocks, fits=whole, device=device, whole=lambda: work.to(device))
     profiler, draft, notes, timed = _memory_on(pieces, problem)
-    # Training steps have run: the context now holds cuBLAS workspaces and the kernels
-    # loaded lazily, which discover() could not see yet.
-    context = max(problem.target.context_bytes, backend_for(device).context_bytes())
+    context = problem.target.context_now()  # training steps have run: kernels loaded
     draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
     held = on_target(draft) if on_target is not None else draft
     layouts = choosers(held, problem, problem.world)  # as the target holds the draft
@@ -168,9 +164,8 @@ def _memory(
             selective=problem.space.selective_checkpointing,
             compiled=compiled,
             whole=whole,
+            sharded=problem.world > 1,  # FSDP2 computes bf16 in bf16 parameters
         )
-    if problem.world > 1:  # FSDP2 computes bf16 with bf16 parameters: their own timeline
-        draft = sharded_precisions(profiler, draft, problem.space.optimizers[0])
     return draft, notes
 
 

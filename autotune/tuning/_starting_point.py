@@ -19,7 +19,7 @@ from torch import nn
 from autotune.config import TrainConfig, is_factory
 from autotune.errors import BlockError, ConfigError
 from autotune.result import TrialRecord, TuneResult, load
-from autotune.train import available, fingerprint, group_size, not_at_hand
+from autotune.train import available, group_size, not_at_hand, refuse_another_model
 from autotune.tuning._options import TuneOptions
 
 __all__ = ["plan_record", "resolved_plan", "started_from"]
@@ -55,13 +55,12 @@ def started_from(options: TuneOptions, model: nn.Module) -> TuneOptions:
     plan = options.start_from
     if plan is None:
         return options
-    if plan.model.fingerprint and fingerprint(model) != plan.model.fingerprint:
-        raise ConfigError(
-            f"the plan is for another model: a {plan.model.class_name} of "
-            f"{plan.model.n_parameters:,} parameters, and this {type(model).__name__} has "
-            f"{sum(p.numel() for p in model.parameters()):,} or another structure; plan "
-            "this model (autotune plan, or autotune.plan_ahead), or tune it without one."
-        )
+    refuse_another_model(
+        plan.model,
+        model,
+        "the plan",
+        "plan this model (autotune plan, or autotune.plan_ahead), or tune it without one.",
+    )
     c = plan.config
     _check_blocks(c, model)
     if options.table:

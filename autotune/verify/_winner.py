@@ -27,7 +27,6 @@ __all__ = [
     "choose_winner",
     "fastest",
     "known_ahead",
-    "noise",
     "settle",
     "speeds",
     "tied_with",
@@ -240,14 +239,8 @@ def _ties(
     """The fastest of ``passed``, those it is not known to be ahead of (itself among them),
     and the noise of one timing."""
     best = max(passed, key=_measured_speed)
-    sigma = noise(passed, machine)
+    sigma = _noise.noise([speeds(r) for r in passed], machine)
     return best, [r for r in passed if not known_ahead(best, r, sigma, machine.drift)], sigma
-
-
-def noise(records: list[TrialRecord], machine: Noise = QUIET) -> float:
-    """The relative noise of one timing, from the records timed more than once (see
-    :func:`autotune.verify._noise.noise`)."""
-    return _noise.noise([speeds(r) for r in records if r.measured is not None], machine)
 
 
 def known_ahead(a: TrialRecord, b: TrialRecord, sigma: float, drift: float = 0.0) -> bool:

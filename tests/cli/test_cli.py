@@ -404,7 +404,7 @@ def test_verify_refuses_another_model(capsys: pytest.CaptureFixture[str], tuned:
     # A narrower model would "fit" another model's config: that verifies nothing.
     code, out, err = run(capsys, "verify", str(tuned.path), *tuned.inputs("narrower"))
     assert code == 2 and "fits" not in out
-    assert_one_error_line(err, "was tuned for another model (a GPT of")
+    assert_one_error_line(err, "is for another model: a GPT of")
 
 
 def test_verify_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tuned: Tuned) -> None:

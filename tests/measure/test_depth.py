@@ -19,7 +19,7 @@ from autotune._profile_data import Profile, TimeCurve
 from autotune.cost._cost_model import CostModel
 from autotune.cost._layout import Layout
 from autotune.measure._depth import deepen, deepen_time, shallow_copies
-from autotune.measure._memory_profile import memory_profile, sharded_precisions
+from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.models import gpt_batch, tiny_gpt
 
@@ -29,9 +29,9 @@ CPU = torch.device("cpu")
 def profiled(model: nn.Module, sample: Any, blocks: tuple[str, ...]) -> Profile:
     profiler = Profiler(model, sample, blocks, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
-        profiler, ["fp32", "bf16"], ["adamw"], device_name="cpu", context_bytes=0
+        profiler, ["fp32", "bf16"], ["adamw"], device_name="cpu", context_bytes=0, sharded=True
     )
-    return sharded_precisions(profiler, profile, "adamw")
+    return profile
 
 
 def whole_and_deepened(model: nn.Module, sample: Any) -> tuple[Profile, Profile]:

@@ -10,15 +10,20 @@ from autotune import Measurement, TrainConfig, TrialRecord, VerificationError
 from autotune.cost._chooser import Candidate
 from autotune.cost._cost_model import Prediction
 from autotune.result import Breakdown
-from autotune.verify._noise import BUSY
+from autotune.verify._noise import BUSY, noise
 from autotune.verify._winner import (
     choose_winner,
     fastest,
     known_ahead,
-    noise,
     settle,
+    speeds,
     tied_with,
 )
+
+
+def sigma_of(records: list[TrialRecord]) -> float:
+    """The noise of one timing that the records' timings say (a quiet machine's prior)."""
+    return noise([speeds(r) for r in records if r.measured is not None])
 
 
 def candidate(b: int, speed: float, peak: int) -> Candidate:
@@ -165,7 +170,7 @@ def test_settle_calls_a_tie_when_the_lead_stays_within_the_noise() -> None:
     settled = settle(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4]
     assert all(len(r.timings) == 2 for r in settled)
-    sigma = noise(settled)
+    sigma = sigma_of(settled)
     a, b = sorted(settled, key=lambda r: -r.measured.samples_per_s)  # type: ignore[union-attr]
     assert not known_ahead(a, b, sigma)
     records = [record(8, 100.0), record(4, 97.0)]
@@ -185,7 +190,7 @@ def test_a_lead_counts_once_it_exceeds_the_noise_of_the_timings_behind_it() -> N
     plain = TrainConfig(micro_batch_size=8)
     fast = timed(plain, 100.0, 1, (0.98, 1.0, 1.02))  # 2% noise, 3 timings
     # Timed alone: its own spread (2%, two degrees of freedom) pooled with the 3% assumed.
-    assert noise([fast]) == pytest.approx((0.02**2 * 2 + 0.03**2 * 2) ** 0.5 / 2, rel=0.01)
+    assert sigma_of([fast]) == pytest.approx((0.02**2 * 2 + 0.03**2 * 2) ** 0.5 / 2, rel=0.01)
     sigma = 0.02
     # Round by round, 1.645 standard errors of the mean of 3 differences at 2%: 2.7%.
     assert known_ahead(fast, timed(plain, 97.0, 1, (1,) * 3), sigma)
@@ -199,8 +204,8 @@ def test_a_slow_spell_that_hits_a_round_alike_is_not_noise() -> None:
     a = timed(TrainConfig(micro_batch_size=8), 100.0, 1, (1.0, 1.1, 1.0))
     b = timed(TrainConfig(micro_batch_size=4), 96.0, 1, (1.0, 1.1, 1.0))
     # The ratio never moved: two degrees of freedom of no noise, pooled with the 3% assumed.
-    assert noise([a, b]) == pytest.approx(0.03 / 2**0.5)
-    assert known_ahead(a, b, noise([a, b]))
+    assert sigma_of([a, b]) == pytest.approx(0.03 / 2**0.5)
+    assert known_ahead(a, b, sigma_of([a, b]))
 
 
 def test_within_the_timing_noise_the_simpler_config_wins() -> None:
@@ -213,7 +218,7 @@ def test_within_the_timing_noise_the_simpler_config_wins() -> None:
     up, down = (0.98, 1.0, 1.02), (1.02, 1.0, 0.98)
     fast = timed(checkpointed, 100.0, 500, up)
     simple = timed(plain, 98.5, 900, down)
-    assert noise([fast, simple]) == pytest.approx(0.0292, rel=0.01)
+    assert sigma_of([fast, simple]) == pytest.approx(0.0292, rel=0.01)
     assert fastest([fast, simple]) is simple  # fewer wrapped blocks, larger peak
     assert fastest([fast, timed(selective, 98.5, 900, down)]).config is selective
     assert fastest([fast, timed(fewer_steps, 98.5, 900, down)]).config is fewer_steps
@@ -223,7 +228,7 @@ def test_within_the_timing_noise_the_simpler_config_wins() -> None:
     assert fastest([timed(checkpointed, 100.0, 500), timed(plain, 98.5, 900)]).config is plain
     # However noisy the re-timings, the noise assumed is at most 4%.
     wild = (0.5, 1.0, 1.5)
-    assert noise([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, up)]) == 0.04
+    assert sigma_of([timed(plain, 1.0, 1, wild), timed(plain, 1.0, 1, up)]) == 0.04
 
 
 def test_the_result_lists_who_is_tied_with_the_winner_and_how_noisy_timings_were() -> None:
@@ -242,7 +247,7 @@ def test_the_result_lists_who_is_tied_with_the_winner_and_how_noisy_timings_were
     assert chosen.config == plain  # the simpler of the tie
     tied, sigma = tied_with(chosen, records)
     assert tied == [checkpointed]  # the fastest measured is listed; the slow one is not
-    assert sigma == pytest.approx(noise(records))
+    assert sigma == pytest.approx(sigma_of(records))
     # A lead that is known: nothing tied.
     known = [timed(plain, 100.0, 1, (1,) * 3), timed(slow, 60.0, 1, (1,) * 3)]
     assert tied_with(fastest(known), known)[0] == []
