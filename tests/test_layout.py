@@ -357,3 +357,48 @@ def test_every_optimizer_name_can_be_built() -> None:
     from autotune.train import _optimizers
 
     assert set(_optimizers._SPECS) == set(OPTIMIZERS)
+
+
+def _defined_names() -> set[str]:
+    """Every function, class, method, argument, field and variable the package defines."""
+    names: set[str] = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_architecture_names_only_what_exists() -> None:
+    """Every file, folder, function and class ARCHITECTURE.md names exists: in its
+    backquotes, and every call and file in its diagram of a run. The page stays short
+    (150 lines at most), a map a reader can hold."""
+    import re
+
+    root = PACKAGE.parent
+    text = (root / "ARCHITECTURE.md").read_text()
+    assert len(text.splitlines()) <= 150
+    diagram = text.split("```")[1]
+    quoted = re.findall(r"`([^`\s]+)`", text.replace(diagram, ""))
+    files = [q for q in quoted if q.endswith((".py", ".md", "/"))]
+    files += re.findall(r"[\w/]+\.py", diagram)
+    names = [q for q in quoted if q not in files and re.fullmatch(r"[A-Za-z_][\w.]*", q)]
+    names += re.findall(r"(\w+)\(", diagram)
+    names += [w for w in re.findall(r"\b[a-z]+_[a-z_]+\b", diagram)]
+    everywhere = {p.name for p in PACKAGE.rglob("*.py")}
+    missing = [
+        f
+        for f in files
+        if not (root / f).exists()
+        and not (PACKAGE / f).exists()
+        and ("/" in f.rstrip("/") or f not in everywhere)
+    ]
+    defined = _defined_names()
+    missing += [n for n in names if n.split(".")[-1] not in defined]
+    assert missing == []
