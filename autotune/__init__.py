@@ -38,7 +38,7 @@ from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
     from autotune._blocks import find_blocks
-    from autotune.measure._peak_memory import PeakReading, peak_memory
+    from autotune.measure._peak import PeakReading, peak_memory
     from autotune.train._applied import Applied
     from autotune.train._batch_layout import (
         BatchLayout,

@@ -28,7 +28,7 @@ from autotune.device._target import discover
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
 from autotune.models import GPT, gpt_batch, tiny_gpt
 from autotune.result import ModelInfo
-from autotune.tuning._length_table import Lengths, tune_lengths
+from autotune.tuning._autotune import Lengths, tune_lengths
 from autotune.tuning._options import TuneOptions
 
 LENGTHS = [16, 64]
@@ -186,7 +186,7 @@ def test_the_longest_is_tuned_first_and_fixes_precision_and_optimizer(monkeypatc
         calls.append((problem.sample[0].shape[1], options.global_batch_size, options.space))
         return fake
 
-    monkeypatch.setattr("autotune.tuning._length_table.tune_attentions", tune)
+    monkeypatch.setattr("autotune.tuning._autotune.tune_attentions", tune)
     options = TuneOptions(sequence_lengths=[16, 64], global_batch_size=8, budget_gb=1.0)
     out = tune_lengths(gpt, gpt_batch(gpt.config, 4), options)
     assert [(n, b) for n, b, _ in calls] == [(64, 8), (16, 8)]

@@ -261,9 +261,9 @@ def test_no_private_name_is_imported_from_another_module() -> None:
 def test_every_kind_of_run_makes_its_problem_with_one_function() -> None:
     """A tuning run and a plan build their ``Problem`` with ``make_problem``: no other
     module calls the class itself. An estimate has none (no budget, nothing searched)."""
-    from autotune.tuning import _autotune, _estimate, _length_table, _plan_ahead, _problem
+    from autotune.tuning import _autotune, _estimate, _plan_ahead, _problem
 
-    runs = (_autotune, _length_table, _plan_ahead)
+    runs = (_autotune, _plan_ahead)
     assert all(run.make_problem is _problem.make_problem for run in runs)
     assert not hasattr(_estimate, "make_problem")
     built = [

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Any
 from autotune._files import check_writable, write_atomic
 from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
-from autotune.cli._figures import figures
+from autotune.cli._figures import figures, sureness
 from autotune.cli._inputs import inputs, optimizer_of
 from autotune.cli._ranks import join_torchrun, leave_group
-from autotune.cli._sureness import sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import OTHER, PARTS, PLANNED, Costs, LengthRow, TrialRecord, TuneResult, load

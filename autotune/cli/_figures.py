@@ -1,13 +1,13 @@
 """A result's figures in words, as far as they are true of the config in hand: measured,
 predicted only (a plan, nothing run), or another config's (the file was edited); what
-``show``, ``tune`` and the report print."""
+``show``, ``tune`` and the report print; and how sure a result is (:func:`sureness`)."""
 
 from __future__ import annotations
 
 from autotune._format import format_bytes
 from autotune.result import PLANNED, TuneResult
 
-__all__ = ["figures"]
+__all__ = ["figures", "sureness"]
 
 
 def _planned_here(result: TuneResult) -> bool:
@@ -66,3 +66,23 @@ def _against_expert(result: TuneResult) -> list[tuple[str, str]]:
             f"{m.samples_per_s / speed:.2f}x{also}",
         )
     ]
+
+
+def sureness(result: TuneResult) -> list[tuple[str, str]]:
+    """(label, text) rows: what of the winner's lead is known, and why not."""
+    rows = []
+    if result.noise:
+        rows.append(("noise", f"a timing is sure to about {100 * result.noise:.1f}% here"))
+    if result.tied:
+        rows.append(
+            (
+                "tied",
+                f"{len(result.tied)} verified config(s) as fast within that noise (the "
+                "simplest won): " + "; ".join(c.describe() for c in result.tied),
+            )
+        )
+    elif result.noise and len(result.trials) > 1:
+        rows.append(("tied", "none: the winner's lead is known"))
+    if result.busy:
+        rows.append(("machine", result.busy))
+    return rows

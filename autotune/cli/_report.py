@@ -16,8 +16,7 @@ from pathlib import Path
 from autotune._files import write_atomic
 from autotune._format import format_bytes
 from autotune.cli._chart import COLORS, WIDTH, point, records, render_png, scatter
-from autotune.cli._figures import figures
-from autotune.cli._sureness import sureness
+from autotune.cli._figures import figures, sureness
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import PARTS, TuneResult

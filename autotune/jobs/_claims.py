@@ -20,6 +20,11 @@ committed result is then published into the main study under ``result:<job>`` an
 job's claims are deleted, so a finished run leaves only its study in the storage. The
 first publication is final: an owner that commits after the claims were tidied away
 finds the result published and drops its own.
+
+A study's database opens with a timeout (:func:`open_database`): SQLAlchemy's defaults
+wait for a connection for ever, so a server that accepts the TCP connection and never
+answers would hang the tuner; it fails in seconds with one line that names the server.
+Optuna's own log is kept quiet while autotune calls it (:func:`quiet_optuna`).
 """
 
 from __future__ import annotations
@@ -32,16 +37,27 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+from urllib.parse import parse_qs, urlsplit
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 
-from autotune.jobs._database import open_database
-from autotune.jobs._optuna_log import quiet_optuna
+from autotune.errors import ConfigError
 
-__all__ = ["BEAT_S", "GRACE_S", "NAME_ROOM", "Claim", "Claims", "Holder", "storage_of"]
+__all__ = [
+    "BEAT_S",
+    "CONNECT_TIMEOUT_S",
+    "GRACE_S",
+    "NAME_ROOM",
+    "Claim",
+    "Claims",
+    "Holder",
+    "open_database",
+    "quiet_optuna",
+    "storage_of",
+]
 
 BEAT_S = 2.0
 """Seconds between two beats of a live claim."""
@@ -270,3 +286,53 @@ def storage_of(storage: str | BaseStorage) -> BaseStorage:
                 raise
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Optuna logs every trial and every study it creates at INFO on stderr; autotune's
+    progress goes to the ``autotune`` logger only. Silenced while autotune calls Optuna,
+    and the user's verbosity comes back after."""
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(previous)
+
+
+CONNECT_TIMEOUT_S = 10
+"""Seconds to wait for a database server, where the URL does not say
+(``?connect_timeout=N``)."""
+
+_TIMEOUT_ARG = {"postgresql": "connect_timeout", "mysql": "connect_timeout"}
+"""The driver argument that bounds the wait for a connection, by URL scheme."""
+
+
+def open_database(url: str) -> BaseStorage | None:
+    """Optuna's storage on the database ``url`` names, connected with a timeout; ``None``
+    for a URL of another kind (SQLite, a journal), which opens as Optuna opens it.
+
+    Raises:
+        ConfigError: the server cannot be reached in time, or refuses the connection.
+    """
+    parts = urlsplit(url)
+    dialect = parts.scheme.split("+")[0]
+    arg = _TIMEOUT_ARG.get(dialect)
+    if arg is None:
+        return None
+    given = parse_qs(parts.query).get(arg)
+    timeout = int(given[0]) if given and given[0].isdigit() else CONNECT_TIMEOUT_S
+    connect = {} if given else {arg: timeout}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect})
+    except Exception as exc:
+        if type(exc).__name__ != "OperationalError":  # SQLAlchemy's: no connection
+            raise
+        server = f"{parts.hostname or 'localhost'}:{parts.port or 'default port'}"
+        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0][:160]
+        raise ConfigError(
+            f"cannot open the study database at {server} within {timeout} s ({reason}). "
+            "Check that the server runs and accepts connections there, the user and the "
+            f"database name; set a longer wait with ?{arg}=SECONDS in the URL."
+        ) from None

@@ -27,9 +27,8 @@ from optuna.storages.journal import JournalFileBackend
 
 from autotune.errors import ConfigError
 from autotune.jobs import _claims
-from autotune.jobs._claims import NAME_ROOM, Claims, storage_of
+from autotune.jobs._claims import NAME_ROOM, Claims, quiet_optuna, storage_of
 from autotune.jobs._job_store import PLAIN, Codec
-from autotune.jobs._optuna_log import quiet_optuna
 
 __all__ = ["StudyStore", "resolve_storage"]
 

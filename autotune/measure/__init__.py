@@ -1,8 +1,8 @@
 """Measuring on the target device: what a model costs on it.
 
 * ``_tracker``: the live-bytes tracker (exact live tensor bytes, phase by phase, and the
-  CPU budget guard); ``_peak``: peak device memory by each device's definition;
-  ``_peak_memory``: ``peak_memory()``, that peak of a user's own loop.
+  CPU budget guard); ``_peak``: peak device memory by each device's definition, and
+  ``peak_memory()``, that peak of a user's own loop.
 * ``_timeline``: phase-labelled memory timelines of a training step, fitted in batch size.
 * ``_profiler``: the single measurements; ``_memory_profile`` and ``_time_profile``
   assemble them into a profile; ``_depth``: a model deeper than the device holds,

@@ -4,25 +4,27 @@
   :class:`~autotune.measure._tracker.LiveBytesTracker`, which also guards the budget.
 * **CUDA**: the caching allocator's reserved peak plus the CUDA context, minus what other
   tensors of this process already held when the measurement began.
+
+:func:`peak_memory` is that reading around a user's own training loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Any
 
 import torch
 from torch import nn
 
-from autotune.device import backend_for
-from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, tracker_for
-from autotune.train import following_gathered
+from autotune.device import backend_for, discover, resolve_device
+from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors, tracker_for
+from autotune.train import Applied, following_gathered, measured_compiling
 
-__all__ = ["PeakReading", "measure_peak"]
+__all__ = ["PeakReading", "measure_peak", "peak_memory"]
 
 
-@dataclass
 class PeakReading:
     """Filled in when :func:`measure_peak`'s block ends."""
 
@@ -95,3 +97,48 @@ def measure_peak(
     else:
         assert tracker is not None
         reading.peak_bytes = tracker.peak
+
+
+@contextlib.contextmanager
+def peak_memory(*holding: Any, device: torch.device | str | None = None) -> Iterator[PeakReading]:
+    """Measure the peak device memory of the block; read ``.peak_bytes`` after it.
+
+    >>> with autotune.peak_memory(runner) as reading:
+    ...     for batch in loader:
+    ...         runner.step(batch)
+    >>> reading.peak_bytes <= result.budget_bytes
+
+    Args:
+        holding: What already holds device memory when the block begins and counts
+            towards its peak on the CPU: a handle from :func:`autotune.prepare` or
+            :func:`autotune.apply`, models, optimizers. Tensors made inside the block
+            (batches, activations, an optimizer's state) count on their own. On CUDA the
+            allocator counts everything the process reserved.
+        device: The device to measure; default: a handle's, else CUDA if available.
+
+    On the CPU every op in the block is counted as it runs, which slows small models
+    down (up to a few times): measure a few steps, not a whole run. A handle whose
+    config compiles blocks runs them compiled, and their buffers count where their code
+    is compiled inside the block (its first steps; code compiled before keeps a route
+    past the count).
+    """
+    handles = [h for h in holding if isinstance(h, Applied)]
+    if device is None:
+        device = handles[0].device if handles else None
+    target = resolve_device(device)
+    objects = [o for o in holding if not isinstance(o, Applied)]
+    for h in handles:
+        objects += [h.model, h.optimizer, h.scaler]
+    context = discover(target).context_bytes  # the CUDA context; 0 on the CPU
+    compiled = any(h.config.compile_level != "none" for h in handles)
+    with (
+        measured_compiling(compiled),
+        measure_peak(
+            target,
+            existing=state_tensors(*objects),
+            context_bytes=context,
+            gathering=[o for o in objects if isinstance(o, torch.nn.Module)],
+            compiled=compiled,
+        ) as reading,
+    ):
+        yield reading

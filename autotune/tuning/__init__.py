@@ -4,18 +4,19 @@
   problem -> profile -> search -> verify -> result, its jobs done once among processes
   (:mod:`autotune.jobs`); ``_plan_ahead``: ``plan_with``, the same for a GPU and ranks
   that are not here, traced; ``_estimate``: ``estimate()``, one config's peak without
-  tuning, and what each part costs; ``_stopwatch``: the seconds each stage took.
+  tuning, and what each part costs.
 * ``_autotune``: ``autotune()``, and the runs one call makes: one per sequence length
-  (``_length_table``), each one per attention implementation (``_attention_choice``).
+  (``tune_lengths``), each one per attention implementation (``tune_attentions``).
 * ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
   ``_problem``: those inputs validated, and what follows from them on the target.
-* ``_profiling``: the run's profile, memory then time; ``_pieces``: the model whole, or
-  shallow copies of it where it does not fit the device whole.
+* ``_profiling``: the run's profile, memory then time, on the model whole or on shallow
+  copies of it where it does not fit the device whole (``Pieces``).
 * ``_data_parallel``: the search, every layout's (``ranked``), and results planned for
   ranks not here;
   ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself.
 * ``_starting_point``: a run that starts from a plan, its config verified first;
-  ``_progress``: a run's progress where a person watches (a terminal, a notebook).
+  ``_progress``: a run's progress where a person watches (a terminal, a notebook), and
+  the seconds each stage took (``Stopwatch``).
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).

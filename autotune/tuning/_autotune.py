@@ -3,31 +3,66 @@
 A call is a table of runs: one per sequence length (``sequence_lengths``; else the
 sample's), each of them one per attention implementation (``SearchSpace.attention``; else
 the model's), each a tuning run of its own (:func:`~autotune.tuning._device_run.tune_on_device`).
-The loops are :func:`~autotune.tuning._length_table.tune_lengths` and
-:func:`~autotune.tuning._attention_choice.tune_attentions`.
+
+**The lengths** (:func:`tune_lengths`). Activation memory grows with a batch's length, so
+a config tuned at the longest length wastes the budget on every shorter batch. Each
+length of the table is tuned as a run of its own on the sample batch cut to that length,
+the longest first. The rows keep the optimizer step's meaning (the global batch in
+samples, or in tokens: ``tokens / length`` samples) and the longest row's precision and
+optimizer, so training switches between rows with the same math and optimizer state.
+Where the longest keeps the optimizer on the device, so do the others (a switch would
+move its state through the host).
+
+**The attention implementations** (:func:`tune_attentions`). They compute the same
+attention (within the dtype's tolerance) but differ in memory (eager keeps the attention
+matrix for backward) and speed, which depend on the device, the dtype and the length:
+measured, never assumed. The user's model is set to each in turn and put back as it was;
+every config of the result names its implementation, which ``prepare()`` sets; the
+fastest verified winner of them all wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from autotune.result import TuneResult
+from autotune._spelling import option
+from autotune.config import TrainConfig
+from autotune.errors import (
+    BatchError,
+    BudgetTooSmallError,
+    ConfigError,
+    ProfileError,
+    VerificationError,
+)
+from autotune.result import LengthRow, Spent, TuneResult
 from autotune.space import SearchSpace
-from autotune.train import LossFn, OptimizerFactory, factory_name
-from autotune.tuning._attention_choice import tune_attentions
-from autotune.tuning._length_table import tune_lengths
+from autotune.train import (
+    LossFn,
+    OptimizerFactory,
+    factory_name,
+    group_size,
+    sequence_length,
+    set_attention,
+    truncate,
+)
+from autotune.tuning._device_run import tune_on_device
 from autotune.tuning._options import TuneOptions
-from autotune.tuning._problem import make_problem, uncompiled
+from autotune.tuning._problem import Problem, make_problem, uncompiled
 from autotune.tuning._progress import progress, shown
 from autotune.tuning._starting_point import resolved_plan, started_from
 
-__all__ = ["autotune", "tune", "with_optimizer"]
+__all__ = ["Lengths", "autotune", "tune", "tune_attentions", "tune_lengths", "with_optimizer"]
+
+log = logging.getLogger("autotune")
 
 
 def autotune(
@@ -171,3 +206,158 @@ def with_optimizer(space: SearchSpace, optimizer: OptimizerFactory | str | None)
     name = factory_name(optimizer)
     rest = tuple(o for o in space.optimizers[1:] if o != name)
     return dataclasses.replace(space, optimizers=(name, *rest))
+
+
+def tune_attentions(model: nn.Module, problem: Problem, options: TuneOptions) -> TuneResult:
+    """One tuning run per implementation of ``options.space.attention`` (one with the
+    model's own where it names none); the fastest verified result, with every run's
+    trials and seconds.
+
+    Raises:
+        ConfigError: the model has no implementation to choose, or one is not installed.
+        BudgetTooSmallError, BatchError, ProfileError, VerificationError: no
+            implementation fits or runs (the first's error).
+    """
+    if not options.space.attention:
+        return tune_on_device(model, problem, options)
+    results: list[TuneResult] = []
+    failed: list[Exception] = []
+    for name in options.space.attention:
+        put_back = set_attention(model, name)
+        try:
+            log.info("tuning with attention %s", name)
+            result = tune_on_device(model, problem, options)
+        except (BudgetTooSmallError, BatchError, ProfileError, VerificationError) as exc:
+            log.info("attention %s: %s", name, str(exc).splitlines()[0])
+            failed.append(exc)
+            continue
+        finally:
+            put_back()
+        results.append(_named(result, name))
+    if not results:
+        raise failed[0]
+    best = max(results, key=lambda r: (r.measured or r.predicted).samples_per_s)
+    return dataclasses.replace(
+        best,
+        trials=tuple(t for r in results for t in r.trials),
+        tuning_s=sum(r.tuning_s for r in results),
+        spent=sum((r.spent for r in results), Spent()),
+    )
+
+
+def _named(result: TuneResult, name: str) -> TuneResult:
+    """``result`` with every config naming attention implementation ``name``."""
+
+    def named(c: TrainConfig) -> TrainConfig:
+        return c.replace(attention=name)
+
+    return dataclasses.replace(
+        result,
+        config=named(result.config),
+        fallbacks=tuple(named(f) for f in result.fallbacks),
+        trials=tuple(dataclasses.replace(t, config=named(t.config)) for t in result.trials),
+    )
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths of a table and the samples of one optimizer step at each."""
+
+    lengths: tuple[int, ...]
+    """Ascending; the last is the longest."""
+    samples: tuple[int, ...]
+    """The global batch, in samples, at each length."""
+
+    @staticmethod
+    def of(
+        sample: Any,
+        lengths: Sequence[int] | None,
+        global_batch_size: int | None,
+        global_batch_tokens: int | None,
+    ) -> Lengths:
+        """Check the table's arguments (fast, before anything runs).
+
+        Raises:
+            ConfigError: what is wrong with them, and what to pass instead.
+            BatchError: the sample batch has no sequence dimension.
+        """
+        full = sequence_length(sample)
+        if lengths is None:
+            lengths = (full,)
+        ordered = tuple(sorted(set(lengths)))
+        if ordered[-1] > full:
+            raise ConfigError(
+                f"the sample batch is {full} long but {option('sequence_lengths')} goes to "
+                f"{ordered[-1]}: "
+                "pass a sample batch at the longest length you will train on."
+            )
+        if global_batch_tokens is not None:
+            uneven = [n for n in ordered if global_batch_tokens % n]
+            if uneven:
+                raise ConfigError(
+                    f"{option('global_batch_tokens')} {global_batch_tokens} is not a whole "
+                    "number of "
+                    f"samples at length {uneven[0]}: use a multiple of every length."
+                )
+            samples = tuple(global_batch_tokens // n for n in ordered)
+        elif global_batch_size is not None:
+            samples = tuple(global_batch_size for _ in ordered)
+        else:
+            raise ConfigError(
+                "a table per sequence length needs the optimizer step to mean the same at "
+                f"every length: pass {option('global_batch_size')} (samples) or "
+                f"{option('global_batch_tokens')}."
+            )
+        return Lengths(ordered, samples)
+
+
+def tune_lengths(model: nn.Module, sample: Any, options: TuneOptions) -> TuneResult:
+    """Tune each length of the table ``options`` asks for (the longest first) and join
+    the rows into one result: the longest's, with ``by_length``.
+
+    Raises:
+        ConfigError: the table's lengths do not fit the sample or the step, or data
+            parallelism was asked for (not supported yet).
+        BatchError: the sample batch has no sequence dimension.
+    """
+    lengths = Lengths.of(
+        sample, options.sequence_lengths, options.global_batch_size, options.global_batch_tokens
+    )
+    if options.parallel or group_size() > 1:
+        raise ConfigError(
+            f"{option('sequence_lengths')} and {option('global_batch_tokens')} are not "
+            "supported with data parallelism yet; tune at the longest length with "
+            f"{option('global_batch_size')}."
+        )
+    started = time.perf_counter()
+    rows: list[LengthRow] = []
+    results: list[TuneResult] = []
+    row = options.replace(sequence_lengths=None, global_batch_tokens=None)
+    for length, samples in reversed(list(zip(lengths.lengths, lengths.samples, strict=True))):
+        log.info("tuning at sequence length %d (%d samples per step)", length, samples)
+        row = row.replace(global_batch_size=samples)
+        problem = make_problem(model, truncate(sample, length), row)
+        result = tune_attentions(model, problem, row)
+        if not results:  # the longest fixes the math of every row, and where the state lives
+            row = row.replace(space=_as_tuned(row.space, result.config))
+        results.append(result)
+        rows.insert(
+            0, LengthRow(length, result.config, result.predicted, result.measured, result.fallbacks)
+        )
+    return dataclasses.replace(
+        results[0],
+        by_length=tuple(rows),
+        tuning_s=time.perf_counter() - started,
+        spent=sum((r.spent for r in results), Spent()),
+    )
+
+
+def _as_tuned(space: SearchSpace, config: TrainConfig) -> SearchSpace:
+    """``space`` with the precision and optimizer of ``config`` (the longest length's),
+    and its optimizer on the device where that one's is."""
+    return dataclasses.replace(
+        space,
+        precisions=(config.precision,),
+        optimizers=(config.optimizer,),
+        offload_optimizer=space.offload_optimizer if config.offload_optimizer else False,
+    )

@@ -48,7 +48,7 @@ from autotune.tuning._data_parallel import Ranked, planned_result, ranked
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 from autotune.tuning._profiling import budget_cap, profile_model
-from autotune.tuning._stopwatch import Stopwatch
+from autotune.tuning._progress import Stopwatch
 from autotune.verify import MOST_NOISE, Verification, Verifier, verification
 
 __all__ = ["job_store", "tune_on_device"]

@@ -41,8 +41,8 @@ from autotune.train import (
     not_at_hand,
     widest_first,
 )
-from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import checked_model, uncompiled, world_of
+from autotune.tuning._profiling import Pieces
 
 __all__ = ["Estimate", "estimate"]
 

@@ -102,7 +102,7 @@ class TuneOptions:
 
     def _check_table(self) -> None:
         """A table's lengths and its optimizer step (what the sample decides is
-        :class:`~autotune.tuning._length_table.Lengths`')."""
+        :class:`~autotune.tuning._autotune.Lengths`')."""
         lengths, tokens = self.sequence_lengths, self.global_batch_tokens
         if self.global_batch_size is not None and tokens is not None:
             raise ConfigError(

@@ -43,8 +43,8 @@ from autotune.tuning._data_parallel import planned_result, ranked
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import make_problem, twinned
 from autotune.tuning._profiling import profile_model
+from autotune.tuning._progress import Stopwatch
 from autotune.tuning._rank_check import rank_checked
-from autotune.tuning._stopwatch import Stopwatch
 
 __all__ = ["plan_ahead", "plan_options", "plan_with"]
 

@@ -1,20 +1,22 @@
 """The tuner's profile: memory first (cheap, decides what fits), then time only what can fit.
 
 The model is profiled whole, or on shallow copies where it does not fit the device whole
-(see :mod:`autotune.tuning._pieces`).
+(see :mod:`autotune.tuning._profiling`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from autotune._profile_data import CHECKPOINT, KEEP, Profile
@@ -24,17 +26,18 @@ from autotune.device import backend_for
 from autotune.errors import AutotuneError
 from autotune.measure import (
     Profiler,
+    deepen,
     deepen_time,
     fast_precisions,
     measure_transfer,
     memory_profile,
+    shallow_copies,
     time_profile,
 )
 from autotune.train import any_batch_size, why_not_chunked
-from autotune.tuning._pieces import Pieces
 from autotune.tuning._problem import Problem
 
-__all__ = ["budget_cap", "profile_model"]
+__all__ = ["Pieces", "budget_cap", "profile_model"]
 
 log = logging.getLogger("autotune")
 
@@ -296,3 +299,55 @@ def _caps(problem: Problem, draft: Profile, layouts: list[Chooser]) -> dict[str,
         ]
         raise min(errors, key=lambda e: e.minimum_bytes)
     return feasible
+
+
+class Pieces:
+    """``model`` whole, or its shallow copies of 3 and 4 blocks where it does not fit.
+
+    Args:
+        model: The model (read only; ``whole`` makes the copy that runs).
+        blocks: Its blocks.
+        fits: Whether it fits the device whole (see
+            :func:`~autotune.measure._depth.whole_fits`).
+        device: The device measured on.
+        whole: Makes the model that is measured whole, on the device (also where it does
+            not fit but its blocks cannot be copied shallowly).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: tuple[str, ...],
+        *,
+        fits: bool,
+        device: torch.device,
+        whole: Callable[[], nn.Module],
+    ) -> None:
+        self.model, self.blocks, self.device, self._whole = model, blocks, device, whole
+        self.copies = None if fits else shallow_copies(model, blocks)
+        if not fits and self.copies is None:
+            log.info("the blocks are not uniform layers: profiling the whole model")
+        elif self.copies is not None:
+            log.info("profiling copies with 3 and 4 of the %d blocks", len(blocks))
+
+    @property
+    def shallow(self) -> bool:
+        """Whether the pieces are shallow copies (two of them), not the whole model."""
+        return self.copies is not None
+
+    def each(self) -> Iterator[tuple[nn.Module, tuple[str, ...]]]:
+        """Each piece on the device, with its blocks: the whole model, or the copy of 3
+        blocks and then the copy of 4 (the caller lets go of one before the next)."""
+        if self.copies is None:
+            yield self._whole(), self.blocks
+            return
+        for depth in (3, 4):
+            copy, blocks = self.copies.copy(depth)
+            yield copy.to(self.device), blocks
+            del copy
+            gc.collect()
+            backend_for(self.device).empty_cache()
+
+    def deepened(self, three: Profile, four: Profile) -> Profile:
+        """The model's profile from its copies' (see :func:`~autotune.measure.deepen`)."""
+        return deepen(three, four, self.model, self.blocks)

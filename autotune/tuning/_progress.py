@@ -2,7 +2,9 @@
 
 The library only logs (nothing is configured at import); ``autotune()`` attaches
 :class:`Progress` for the length of a run where a person is watching (a terminal or a
-notebook, :func:`watched`), unless told not to, and so does the command line.
+notebook, :func:`watched`), unless told not to, and so does the command line. The
+seconds each stage of a run took (:class:`Stopwatch`) go into its result and its last
+progress line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-__all__ = ["Progress", "progress", "shown", "watched"]
+from autotune.result import Spent
+
+__all__ = ["Progress", "Stopwatch", "progress", "shown", "watched"]
 
 
 def watched() -> bool:
@@ -156,3 +160,31 @@ class Progress(logging.Handler):
         self.stream.write("\r\033[K" + self.status()[: max(columns - 1, 20)])
         self.stream.flush()
         self._drawn = True
+
+
+class Stopwatch:
+    """The seconds of a run since it was made, and of each of its stages: a stage runs
+    from the end of the one before (or the start) to its own end, so that the stages add
+    up to the run."""
+
+    def __init__(self) -> None:
+        self.started = self._mark = time.perf_counter()
+        self._seconds = {"profile": 0.0, "search": 0.0, "verification": 0.0}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the stage ``name`` (``profile``, ``search`` or ``verification``)."""
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            self._seconds[name] += now - self._mark
+            self._mark = now
+
+    def spent(self) -> Spent:
+        """The seconds of each stage so far."""
+        return Spent(**{f"{name}_s": s for name, s in self._seconds.items()})
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.started

@@ -2,12 +2,12 @@
 
 * ``_verification``: ``verification``, the sequence a tuning run verifies with, top to
   bottom, and ``Verification``, what it decided.
-* ``_verifier``: ``Verifier``, one configuration measured (peak and throughput).
+* ``_verifier``: ``Verifier``, one configuration measured (peak and throughput), and the
+  evaluation batch of the winner and its fallbacks.
 * ``_winner``: which candidates to run, which one wins, timing close contenders again,
   with ``_noise`` (when one timing leads another beyond the noise).
 * ``_fallbacks``: the fallback ladder, verified the same way.
 * ``_baseline``: the expert's recipe, verified in every run: the config to beat.
-* ``_evaluation``: the evaluation batch of the winner and its fallbacks.
 * ``_time_budget``: ``max_tuning_s``, the runs it still allows and what it skipped.
 
 The interface the other layers use is ``__all__``: the names imported below. The

@@ -26,11 +26,10 @@ from autotune.jobs import Codec, JobStore, job_key
 from autotune.result import Measurement, TrialRecord, TuneResult
 from autotune.train import agree_max
 from autotune.verify._baseline import baseline_candidates, baseline_record, verify_baseline
-from autotune.verify._evaluation import with_eval_batches
 from autotune.verify._fallbacks import fallback_ladder
 from autotune.verify._noise import BUSY, QUIET, Noise
 from autotune.verify._time_budget import TimeBudget
-from autotune.verify._verifier import Verifier
+from autotune.verify._verifier import Verifier, with_eval_batches
 from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
 
 __all__ = ["VERIFY_TOP", "Verification", "verification"]

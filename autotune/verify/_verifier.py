@@ -2,7 +2,8 @@
 
 It measures the peak by the device's definition and the throughput over whole optimizer
 steps. An out-of-memory error (real on CUDA, the budget guard's on CPU) is caught and
-becomes the reason the configuration was rejected.
+becomes the reason the configuration was rejected. The largest evaluation batch beside a
+config's training state is sized here too (:func:`with_eval_batches`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from autotune._format import format_bytes
 from autotune.config import TrainConfig, is_factory
 from autotune.device import backend_for
-from autotune.errors import NonFiniteError
+from autotune.errors import NonFiniteError, warn
 from autotune.measure import measure_peak, state_tensors
 from autotune.result import Measurement, TrialRecord
 from autotune.train import (
@@ -45,7 +46,7 @@ from autotune.train import (
     tensors_on,
 )
 
-__all__ = ["Verifier"]
+__all__ = ["Verifier", "with_eval_batches"]
 
 
 def _evaluate(runner: Runner, batch: Any) -> None:
@@ -439,3 +440,38 @@ def _largest_fitting(
     while n > 2 * small and peak(n) is None:
         n = max(2 * small, int(n * 0.9))
     return n
+
+
+_BEYOND = 4
+"""The evaluation batch is looked for up to this many times the micro-batch (and at least
+up to 8, the Hugging Face Trainer's default): beyond, an evaluation gains little speed and
+the search would run forwards larger than any training step."""
+
+
+def with_eval_batches(
+    verifier: Verifier, configs: Sequence[TrainConfig], wanted: int | None, most: int
+) -> list[TrainConfig]:
+    """``configs`` with their evaluation batch sizes, the largest that fits up to
+    :data:`_BEYOND` times the micro-batch (and ``most``), measured once per precision,
+    optimizer, placement and attention (what an evaluation holds: the parameters, the
+    optimizer's state and one forward; not the checkpoint mask). ``wanted``: the user's
+    size, kept where it fits (a warning says where it does not)."""
+    sizes: dict[tuple[object, ...], int | None] = {}
+    out = []
+    for c in configs:
+        if c.parallel != "none":  # each rank evaluates its own shard of the batch: not run
+            out.append(c)
+            continue
+        key = (c.timeline, c.optimizer, c.offload_optimizer, c.attention)
+        if key not in sizes:
+            bound = min(most, max(8, _BEYOND * c.micro_batch_size))
+            sizes[key] = size = verifier.eval_batch(c, wanted, bound)
+            log.info("evaluation batch beside %s: %s", c.describe(), size)
+            if wanted is not None and size != wanted:
+                warn(
+                    f"an evaluation batch of {wanted} does not fit the budget beside the "
+                    f"training state of {c.describe()}; the largest that does is {size or 0}. "
+                    "Evaluate with that (the exports set it), or raise the budget.",
+                )
+        out.append(c.replace(eval_batch_size=sizes[key]))
+    return out

@@ -61,9 +61,9 @@ def test_a_database_that_never_answers_fails_in_seconds_naming_it(silent_server:
 def test_the_default_wait_applies_where_the_url_gives_none(
     silent_server: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from autotune.jobs import _database
+    from autotune.jobs import _claims
 
-    monkeypatch.setattr(_database, "CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr(_claims, "CONNECT_TIMEOUT_S", 1)
     with pytest.raises(AutotuneError, match="within 1 s"):
-        _database.open_database(f"postgresql+psycopg://user@127.0.0.1:{silent_server}/db")
-    assert _database.open_database("sqlite:///x.db") is None  # opened as Optuna opens it
+        _claims.open_database(f"postgresql+psycopg://user@127.0.0.1:{silent_server}/db")
+    assert _claims.open_database("sqlite:///x.db") is None  # opened as Optuna opens it

@@ -118,7 +118,7 @@ def test_a_model_too_large_for_the_device_whole_is_planned_from_shallow_copies(
     deepened = []
     monkeypatch.setattr("autotune.measure._depth._WHOLE_SHARE", 0.0)
     monkeypatch.setattr(
-        "autotune.tuning._pieces.shallow_copies",
+        "autotune.tuning._profiling.shallow_copies",
         lambda *a: deepened.append(1) or shallow_copies(*a),
     )
     assert autotune.estimate(model, sample, config, device="cpu")[0] == whole
