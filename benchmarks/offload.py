@@ -29,9 +29,9 @@ import torch
 import autotune
 from autotune.cost._cost_model import CHECKPOINT, CostModel
 from autotune.device._target import discover
+from autotune.measure._collectives import measure_transfer
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
-from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.train._optimizers import available
 from autotune.verify._verifier import Verifier

@@ -247,7 +247,7 @@ def test_offload_is_predicted_on_cuda() -> None:
 
 
 def test_bandwidth_probe_on_cuda() -> None:
-    from autotune.measure._transfer import measure_transfer
+    from autotune.measure._collectives import measure_transfer
 
     facts = measure_transfer(discover("cuda"))
     assert facts.d2h_bytes_per_s > 2e9 and facts.h2d_bytes_per_s > 2e9  # PCIe 3 x16 or better

@@ -22,14 +22,14 @@ from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
-from autotune.cost._knapsack import min_cost_choice as _min_cost_choice
+from autotune.cost._cost_model import min_cost_choice as _min_cost_choice
 from autotune.cost._knobs import Knobs
 from autotune.cost._shortfall import too_small
 from autotune.device._target import discover
+from autotune.measure._collectives import measure_transfer
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.measure._tracker import LiveBytesTracker, state_tensors
-from autotune.measure._transfer import measure_transfer
 from autotune.models import gpt_batch, tiny_gpt
 from autotune.space import SearchSpace
 from autotune.verify._verifier import Verifier

@@ -2,10 +2,10 @@
 
 * ``_knobs``: ``Knobs``, what the cost model reads of a configuration, as one record.
 * ``_memory_model``: peak device bytes, the phase timeline replayed for any config;
-  ``_sharded``: per rank under DDP and FSDP2, with ``_layout`` (what a layout makes of
-  each unit's bytes).
-* ``_time_model``: seconds per step, offload copies included; ``_comm``: collectives'.
-* ``_cost_model``: ``CostModel``, both together, and the exact per-block knapsack (``_knapsack``).
+  ``_sharded``: per rank under DDP and FSDP2, and the collectives' seconds, with
+  ``_layout`` (what a layout makes of each unit's bytes).
+* ``_time_model``: seconds per step, offload copies included.
+* ``_cost_model``: ``CostModel``, both together, and the exact per-block knapsack.
 * ``_chooser``: ``Chooser``, the knobs a search may turn and the cheapest config that fits;
   ``_bounds``: a run's choosers, one per layout.
 * ``_search``: the Optuna study; ``_candidates``: enumerations (largest fitting micro-batch,

@@ -23,20 +23,28 @@ size; what DDP and FSDP2 change is added phase by phase:
 
 Pure arithmetic over the profile; :mod:`autotune.cost._memory_model` is the single-process
 case.
+
+Seconds a data-parallel step spends in collectives, from the process group's timings.
+
+FSDP2 gathers every unit before its forward, again before its backward unless it stays
+gathered (the root stays gathered), and reduce-scatters every unit's gradients, each
+micro-batch. DDP all-reduces the gradients once per step (in the last micro-batch).
+On CUDA the collectives run on their own streams, beside compute; on the CPU (gloo)
+they block it.
 """
 
 from __future__ import annotations
 
 import math
 
-from autotune._profile_data import Phase
+from autotune._profile_data import Phase, Profile
 from autotune.config import TrainConfig
 from autotune.cost._knobs import Knobs, Mask
 from autotune.cost._layout import Layout, Units
 from autotune.cost._memory_model import CHECKPOINT, SELECTIVE, MemoryModel, between
 from autotune.result import Breakdown
 
-__all__ = ["per_rank_peak", "sharded_memory", "sharded_peak"]
+__all__ = ["comm_seconds", "parallel_step_s", "per_rank_peak", "sharded_memory", "sharded_peak"]
 
 
 def sharded_peak(model: MemoryModel, config: TrainConfig) -> tuple[int, int, dict[str, int]]:
@@ -259,3 +267,28 @@ class _Fsdp:
         g = self.u.gathered
         prefetch = g[i - 1] if i >= 1 and not self.kept[i - 1] else 0
         return g[self.k] + g[i] + prefetch + self._prev_reduce(i) + self._kept(i)
+
+
+def comm_seconds(profile: Profile, config: TrainConfig) -> float | None:
+    """Collective seconds per optimizer step of one rank; ``None`` when the collectives
+    were not measured at this world size (planned in one process)."""
+    comm = profile.comm
+    if config.parallel == "none":
+        return 0.0
+    if comm is None or comm.world_size != config.world_size:
+        return None
+    if config.parallel == "ddp":
+        return comm.all_reduce(profile.grad_bytes)
+    units = Units.of(profile, config.world_size, config.precision)
+    k = len(profile.blocks)
+    kept = {i for i, name in enumerate(profile.blocks) if name in config.keep_gathered}
+    per_micro = sum(comm.all_gather(g) for g in units.gathered)
+    per_micro += sum(comm.all_gather(units.gathered[i]) for i in range(k) if i not in kept)
+    per_micro += sum(comm.reduce_scatter(r) for r in units.reduce if r)
+    return per_micro * config.grad_accum_steps
+
+
+def parallel_step_s(compute_s: float, comm_s: float, device_type: str) -> float:
+    """A step's seconds from its compute and its collectives: beside each other on CUDA's
+    streams, one after the other on the CPU."""
+    return max(compute_s, comm_s) if device_type == "cuda" else compute_s + comm_s

@@ -21,9 +21,12 @@ job's claims are deleted, so a finished run leaves only its study in the storage
 first publication is final: an owner that commits after the claims were tidied away
 finds the result published and drops its own.
 
-A study's database opens with a timeout (:func:`open_database`): SQLAlchemy's defaults
-wait for a connection for ever, so a server that accepts the TCP connection and never
-answers would hang the tuner; it fails in seconds with one line that names the server.
+Opening a study's database (:func:`open_database`): a server that never answers is an
+error in seconds. An Optuna URL (``postgresql+psycopg://...``, ``mysql://...``) opens
+with SQLAlchemy's defaults, which wait for a connection for ever: a server that accepts
+the TCP connection and never answers hangs the tuner before any work. autotune connects
+with a timeout (the URL's own ``connect_timeout`` where it gives one) and turns a
+connection that fails into one line that names the server and says what to check.
 Optuna's own log is kept quiet while autotune calls it (:func:`quiet_optuna`).
 """
 

@@ -7,9 +7,9 @@
 * ``_profiler``: the single measurements; ``_memory_profile`` and ``_time_profile``
   assemble them into a profile; ``_depth``: a model deeper than the device holds,
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
-* ``_transfer``: host<->device copy speeds; ``_collectives``: the process group's.
-* ``_fake``: tracing on fake tensors, a model of any size profiled without its memory;
-  ``_fake_kernels``: where torch's fake kernels refuse what the CPU runs;
+* ``_collectives``: host<->device copy speeds, and the process group's collectives.
+* ``_fake``: tracing on fake tensors, a model of any size profiled without its memory,
+  and where torch's fake kernels refuse what the CPU runs;
   ``_rank_trace``: one rank of FSDP2 traced at any world size (a fake group).
 
 The profile's records, the cost model's only input, are :mod:`autotune._profile_data`'s:
@@ -21,7 +21,7 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.measure._collectives import measure_collectives
+from autotune.measure._collectives import measure_collectives, measure_transfer
 from autotune.measure._depth import deepen, deepen_time, shallow_copies, whole_fits
 from autotune.measure._fake import TRACED_ASSUMPTIONS, is_traced, traced
 from autotune.measure._memory_profile import memory_profile, working_copy
@@ -31,7 +31,6 @@ from autotune.measure._rank_trace import fake_ranks, traced_rank_peak
 from autotune.measure._roofline import Roofline
 from autotune.measure._time_profile import fast_precisions, time_profile
 from autotune.measure._tracker import state_tensors
-from autotune.measure._transfer import measure_transfer
 
 __all__ = [
     "TRACED_ASSUMPTIONS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from autotune.train import Applied, following_gathered, measured_compiling
 __all__ = ["PeakReading", "measure_peak", "peak_memory"]
 
 
+@dataclass
 class PeakReading:
     """Filled in when :func:`measure_peak`'s block ends."""
 

@@ -4,15 +4,15 @@
   ``Runner`` (``_runner``) or an ``Applied`` handle (``_applied``) for any loop;
   ``_fallback``: the handle's fallback ladder (``Ladder``, owned by the handle, which
   switches its own config mid-training).
-* ``_checkpoint``, ``_selective``: checkpointed and offloaded blocks;
-  ``_offload_activations`` and ``_offload_optimizer``: offload to host memory;
-  ``_compiled``: compiled blocks; ``_compile_cache``: the tuner's compiled code handed
-  to the job.
+* ``_checkpoint``, ``_selective``: checkpointed and offloaded blocks (and Hugging
+  Face's own checkpointing turned off); ``_offload_activations`` and
+  ``_offload_optimizer``: offload to host memory; ``_compiled``: compiled blocks, the
+  recompiles dynamo gave up on, and the tuner's compiled code handed to the job.
 * ``_parallel``: DDP and FSDP2 as a config says, and the process group's helpers.
 * ``_optimizers``, ``_batch``, ``_loss``, ``_steps``, ``_lengths``, ``_sampler``:
   optimizers by name, batches of any structure, the calling convention and the loss, the
   optimizer step's pieces, sequence lengths and the length-bucketing sampler.
-* ``_attention``, ``_hf_checkpointing``, ``_kv_cache``, ``_quantized``: what a Hugging
+* ``_attention``, ``_kv_cache``, ``_quantized``: what a Hugging
   Face or quantized model needs set for training.
 * ``_workload``: what one training step runs, as the profiler and verifier take it;
   ``_identity``: a model's fingerprint, and what differs from where a result was tuned.
@@ -45,8 +45,13 @@ from autotune.train._checkpoint import (
     remove_checkpointing,
 )
 from autotune.train._chunked_loss import chunked_loss, why_not_chunked
-from autotune.train._compile_cache import compile_artifacts, load_compile_cache
-from autotune.train._compiled import compiled_parts, counted_allocations, measured_compiling
+from autotune.train._compiled import (
+    compile_artifacts,
+    compiled_parts,
+    counted_allocations,
+    load_compile_cache,
+    measured_compiling,
+)
 from autotune.train._compiled_model import any_batch_size
 from autotune.train._fallback import snapshot, written_buffers
 from autotune.train._identity import differences, fingerprint, refuse_another_model

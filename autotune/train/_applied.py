@@ -41,7 +41,7 @@ from autotune.train._chunked_loss import (
     language_model,
     taking_chunked_loss,
 )
-from autotune.train._compiled import compile_blocks, is_compiled, uncompile_blocks
+from autotune.train._compiled import Recompiles, compile_blocks, is_compiled, uncompile_blocks
 from autotune.train._compiled_model import CompiledLoss, ShapeRouted
 from autotune.train._fallback import Ladder, snapshot
 from autotune.train._loss import LossMean, counted_offset
@@ -49,7 +49,6 @@ from autotune.train._offload_activations import ActivationOffloader
 from autotune.train._offload_optimizer import OptimizerOffloader
 from autotune.train._optimizers import build_optimizer
 from autotune.train._parallel import Parallel
-from autotune.train._recompiles import Recompiles
 from autotune.train._refusals import Refusals
 from autotune.train._steps import Scheduler, apply_step, make_scaler
 

@@ -20,13 +20,40 @@ back to the fast path on the way out (code loaded inside included). The tracker,
 lets compiled code run under it (``ignore_compile_internals``), counts every buffer as it
 counts an eager op's output; outside it the code runs as inductor made it (the counted
 route costs about 2 microseconds a buffer).
+
+The compile cache: the code a tuning run compiled, handed to the job that trains its
+config (torch's portable cache artifacts, :func:`torch.compiler.save_cache_artifacts`).
+
+A tuning run that searches compiled blocks or the model compiled whole compiles the
+winner's graphs while it verifies them. Their artifacts (inductor's FX graph cache and
+AOTAutograd's cache entries, keyed by the graph, torch's version and inductor's config)
+are saved beside the tuned YAML, and :func:`~autotune.train.prepare` and
+:func:`~autotune.train.apply` load them into torch's caches before the first step
+compiles: the job's graphs come out of the cache instead of being compiled anew (on a
+CPU inductor still builds each graph's C++ kernels; on a GPU its Triton kernels come
+with the artifacts). An artifact of another torch, another graph or, on a CPU, another
+thread count (inductor's CPU code is made for one) is never used: torch's cache keys
+differ, and the job compiles that graph anew.
+
+``Recompiles``: a compiled config's steps that dynamo ran eagerly, said once.
+
+Dynamo compiles a graph per shape it has not seen (where a shape is not symbolic) up to
+its recompile limit per function (8 by default); past it, the function runs eagerly, with
+one line in dynamo's log, and a tuned compiled config loses its speed without a word. A
+training run's compiled loss and forward take new shapes as one dynamic graph (see
+:mod:`~autotune.train._compiled_model`), so a stream of padded lengths stays far below the
+limit; what still reaches it (shapes dynamo must specialise, a loop that compiles other
+code) is said here, as an :class:`~autotune.errors.AutotuneWarning` with what to do,
+once per handle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -36,19 +63,24 @@ import torch
 from torch import nn
 
 from autotune._blocks import eager_module, is_compile_wrapper
-from autotune.errors import BlockError
+from autotune.errors import BlockError, warn
 from autotune.train._checkpoint import COMPILED, is_wrapped, replace_forward, restore_forwards
 from autotune.train._compiled_model import forget_graphs
 
 __all__ = [
+    "Recompiles",
+    "compile_artifacts",
     "compile_blocks",
     "compiled_parts",
     "counted_allocations",
     "decompile",
     "is_compiled",
+    "load_compile_cache",
     "measured_compiling",
     "uncompile_blocks",
 ]
+
+log = logging.getLogger("autotune")
 
 
 def compile_blocks(model: nn.Module, names: Sequence[str]) -> None:
@@ -217,3 +249,78 @@ def _dispatched(device: str, *, pinned: bool = False) -> Callable[..., torch.Ten
         return torch.empty_strided(size, stride, dtype=dtype, device=device, pin_memory=pinned)
 
     return empty_strided
+
+
+class _LimitHits(logging.Handler):
+    """Counts dynamo's lines that say a function reached its recompile limit."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.last = ""
+        """The function of the last one, as dynamo names it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) > 2:
+            self.count += 1
+            self.last = str(record.args[2])  # type: ignore[index]
+
+
+_HITS = _LimitHits()
+logging.getLogger("torch._dynamo.convert_frame").addHandler(_HITS)
+
+
+class Recompiles:
+    """Whether dynamo has reached its recompile limit since this handle began."""
+
+    def __init__(self) -> None:
+        self._seen = _HITS.count
+        self._said = False
+
+    def check(self) -> None:
+        """Say once (an :class:`AutotuneWarning`) that steps ran eagerly, if dynamo
+        reached its recompile limit since the last check."""
+        if _HITS.count == self._seen:
+            return
+        self._seen = _HITS.count
+        if self._said:
+            return
+        self._said = True
+        limit = torch._dynamo.config.recompile_limit
+        warn(
+            f"torch.compile reached dynamo's recompile limit ({limit} graphs) for "
+            f"{_HITS.last}: calls with a shape it has no graph for now run eagerly, slower "
+            "than tuned. Feed fewer shapes (pad batches to a few lengths: "
+            "DataCollatorWithPadding(pad_to_multiple_of=64), or drop_last=True for the "
+            "shorter last batch), or raise torch._dynamo.config.recompile_limit before "
+            "training."
+        )
+
+
+_loaded: set[str] = set()
+"""The digests of the artifacts loaded in this process (each is loaded once)."""
+
+
+def compile_artifacts() -> bytes:
+    """Every cache artifact this process compiled or loaded so far, serialized (empty:
+    none)."""
+    saved = torch.compiler.save_cache_artifacts()
+    return saved[0] if saved is not None else b""
+
+
+def load_compile_cache(artifacts: bytes) -> None:
+    """Put ``artifacts`` (from :func:`compile_artifacts`) into torch's caches, once per
+    process; artifacts torch cannot read (another torch's) are skipped with a warning:
+    the job compiles anew, as it would without them."""
+    digest = hashlib.sha256(artifacts).hexdigest()
+    if not artifacts or digest in _loaded:
+        return
+    try:
+        info = torch.compiler.load_cache_artifacts(artifacts)
+    except Exception as exc:  # torch's format changes between releases: never fatal
+        log.warning("the tuner's compile cache was not loaded (%s); compiling anew", exc)
+        return
+    _loaded.add(digest)
+    if info is not None:
+        count = sum(len(keys) for keys in info.artifacts.values())
+        log.info("compile cache: %d artifacts of the tuning run loaded", count)

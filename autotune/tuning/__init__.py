@@ -1,10 +1,11 @@
-"""The orchestration of a tuning run: the pipeline's stages called in order.
+"""The runs: a tuning run, a plan and an estimate, each written out top to bottom.
 
 * ``_device_run``: read first. ``tune_on_device``, a run on the device top to bottom:
   problem -> profile -> search -> verify -> result, its jobs done once among processes
   (:mod:`autotune.jobs`); ``_plan_ahead``: ``plan_with``, the same for a GPU and ranks
-  that are not here, traced; ``_estimate``: ``estimate()``, one config's peak without
-  tuning, and what each part costs.
+  that are not here, traced, an FSDP2 plan's rank traced with FSDP2 itself;
+  ``_estimate``: ``estimate()``, one config's peak without tuning, and what each part
+  costs.
 * ``_autotune``: ``autotune()``, and the runs one call makes: one per sequence length
   (``tune_lengths``), each one per attention implementation (``tune_attentions``).
 * ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
@@ -12,8 +13,7 @@
 * ``_profiling``: the run's profile, memory then time, on the model whole or on shallow
   copies of it where it does not fit the device whole (``Pieces``).
 * ``_data_parallel``: the search, every layout's (``ranked``), and results planned for
-  ranks not here;
-  ``_rank_check``: an FSDP2 plan's rank traced with FSDP2 itself.
+  ranks not here.
 * ``_starting_point``: a run that starts from a plan, its config verified first;
   ``_progress``: a run's progress where a person watches (a terminal, a notebook), and
   the seconds each stage took (``Stopwatch``).

@@ -1,7 +1,11 @@
 """The tuner's profile: memory first (cheap, decides what fits), then time only what can fit.
 
-The model is profiled whole, or on shallow copies where it does not fit the device whole
-(see :mod:`autotune.tuning._profiling`).
+The model as the profiler measures it (:class:`Pieces`): whole on the device, or in
+shallow pieces. A model trained sharded over several ranks may not fit the one device
+its profile runs on; then, where its blocks are one container's uniform layers, it is
+measured on shallow copies with 3 and then 4 of them (each on the device only while it
+is measured) and the profile extended to its depth (:mod:`autotune.measure._depth`).
+Tuning and :func:`autotune.estimate` both profile through this one choice.
 """
 
 from __future__ import annotations

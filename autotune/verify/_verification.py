@@ -6,6 +6,14 @@ Each run of a config is a job done once among the processes that share the run's
 kept study's, a process group's), and so is each reading of the machine's load: a run
 that resumes a study (or another process of it) decides as the first did, so it verifies
 and re-times the same configs, reading their results instead of measuring again.
+
+The baseline: the expert's recipe (:func:`autotune.cost.expert_candidates`), verified
+in every run beside the tuner's own candidates and timed the same way, so that the winner
+is never measured slower than what a knowledgeable user writes by hand, and the result
+says how it compares.
+
+The fallback ladder: verified configurations to fall back to when training runs out of
+memory, fastest first, each with a smaller measured peak than the one before.
 """
 
 from __future__ import annotations
@@ -20,19 +28,39 @@ import torch
 
 from autotune._plain_data import from_plain, to_plain
 from autotune.config import TrainConfig
-from autotune.cost import Candidate, Chooser, chooser_of
+from autotune.cost import (
+    Candidate,
+    Chooser,
+    ExpertRecipe,
+    chooser_of,
+    expert_candidates,
+    fallback_candidates,
+)
 from autotune.device import CpuClock, busy
 from autotune.jobs import Codec, JobStore, job_key
 from autotune.result import Measurement, TrialRecord, TuneResult
 from autotune.train import agree_max
-from autotune.verify._baseline import baseline_candidates, baseline_record, verify_baseline
-from autotune.verify._fallbacks import fallback_ladder
 from autotune.verify._noise import BUSY, QUIET, Noise
-from autotune.verify._time_budget import TimeBudget
 from autotune.verify._verifier import Verifier, with_eval_batches
-from autotune.verify._winner import Measure, choose_winner, fastest, settle, tied_with
+from autotune.verify._winner import (
+    Measure,
+    TimeBudget,
+    at_most,
+    choose_winner,
+    fastest,
+    settle,
+    tied_with,
+)
 
-__all__ = ["VERIFY_TOP", "Verification", "verification"]
+__all__ = [
+    "VERIFY_TOP",
+    "Verification",
+    "baseline_candidates",
+    "baseline_record",
+    "fallback_ladder",
+    "verification",
+    "verify_baseline",
+]
 
 log = logging.getLogger("autotune")
 
@@ -219,3 +247,116 @@ def _within(measure: Measure, budget: TimeBudget, what: str) -> Measure:
         return measure(config, predicted, beat)
 
     return run
+
+
+def fallback_ladder(
+    measure: Measure, chooser: Chooser, winner: TrialRecord, records: list[TrialRecord]
+) -> list[TrainConfig]:
+    """Verified configs with the winner's effective batch and optimizer, fastest first,
+    each with a lower measured peak than the one before.
+
+    Besides the candidates already verified, two more are run: the fastest predicted
+    config at 3/4 of the winner's peak, and the most frugal one (the smallest micro-batch
+    with at most 64 accumulation steps, every block checkpointed, the precision that
+    needs least); each only if no verified config goes as low as it is predicted to.
+    ``measure`` runs them for their peak alone (``peak_only``: two micro-batches a
+    step). ``records`` gains their trials. The ladder is ordered by predicted speed, the
+    one figure every rung has.
+    """
+    config = winner.config
+    assert winner.measured is not None
+
+    def same(rs: list[TrialRecord]) -> list[TrialRecord]:
+        return [
+            r
+            for r in rs
+            if r.measured is not None
+            and r.config != config
+            and r.config.effective_batch_size == config.effective_batch_size
+            and config.can_switch_to(r.config)
+        ]
+
+    for cand in fallback_candidates(chooser, config, winner.measured.peak_bytes):
+        low = cand.prediction.measurement.peak_bytes
+        if any(r.config == cand.config for r in records) or any(
+            r.measured is not None and r.measured.peak_bytes <= low for r in same(records)
+        ):
+            continue  # verified already, or a verified one goes as low
+        log.info("verifying fallback %s", cand.config.describe())
+        if (record := measure(cand.config, cand.prediction.measurement)) is not None:
+            records.append(record)
+    ladder = same(records)
+    ladder.sort(key=lambda r: -r.predicted.samples_per_s)
+    out: list[TrainConfig] = []
+    last = winner.measured.peak_bytes
+    for r in ladder:
+        assert r.measured is not None
+        if r.measured.peak_bytes < last:
+            out.append(r.config)
+            last = r.measured.peak_bytes
+    return out
+
+
+def baseline_candidates(choosers: Sequence[Chooser], device_type: str) -> ExpertRecipe:
+    """The expert's configs of a run's choosers (the one-process layout's), and the note
+    of the first that has one."""
+    recipes = [expert_candidates(p, device_type) for p in choosers]
+    ladders = tuple(ladder for r in recipes for ladder in r.ladders)
+    notes = [r.note for r in recipes if r.note and (r.ladders or not ladders)]
+    return ExpertRecipe(ladders, notes[0] if notes else "")
+
+
+def verify_baseline(
+    measure: Measure, recipe: ExpertRecipe, tried: Sequence[TrialRecord], *, slack: float
+) -> tuple[list[TrialRecord], str]:
+    """Run each of the recipe's ladders from its largest micro-batch down until a config
+    runs, as an expert finds it (a config ``tried`` already is not run again): their
+    records, and a note of the ladders not run.
+
+    Each config is held to the tuner's own candidates' rules (see
+    :func:`~autotune.verify.choose_winner`): raced against the fastest config measured
+    so far (``beat``: one that has lost by more than re-timing could call stops early),
+    and not run where its prediction, scaled by the most optimistic calibration of the
+    configs ``tried`` (measured over predicted speed) and ``slack`` more, stays below that
+    fastest: it cannot beat the winner, and the note says so with both speeds.
+    """
+    done = {r.config: r for r in tried}
+    out = []
+    best = max((r.measured.samples_per_s for r in tried if r.measured), default=0.0)
+    hopeless = []
+    for ladder in recipe.ladders:
+        for cand in ladder:
+            record = done.get(cand.config)
+            if record is None:
+                most = at_most(cand.prediction.measurement.samples_per_s, tried, slack)
+                if most is not None and most < best:
+                    hopeless.append(
+                        f"{cand.config.describe()} left out, as it cannot win (predicted at "
+                        f"most {most:.1f} samples/s, {best:.1f} measured)"
+                    )
+                    break
+                log.info("verifying the expert's recipe: %s", cand.config.describe())
+                record = measure(cand.config, cand.prediction.measurement, beat=best)
+                if record is None:  # another process runs it
+                    break
+                out.append(record)
+                done[cand.config] = record
+            if record.measured is not None:
+                best = max(best, record.measured.samples_per_s)
+                break
+            log.info("the expert's recipe failed (%s): the next micro-batch down", record.error)
+    note = "; ".join(hopeless)
+    if note:
+        log.info("the expert's recipe: %s", note)
+    return out, note
+
+
+def baseline_record(records: Sequence[TrialRecord], recipe: ExpertRecipe) -> TrialRecord | None:
+    """The fastest measured of the expert's configs among ``records`` (their last
+    timing), or ``None`` where none was timed: a fallback's peak alone, on a config that
+    is also a rung of the recipe, says nothing of its speed."""
+    configs = {c.config for ladder in recipe.ladders for c in ladder}
+    fitted = [
+        r for r in records if r.config in configs and r.measured is not None and not r.peak_only
+    ]
+    return max(fitted, key=lambda r: r.measured.samples_per_s if r.measured else 0.0, default=None)

@@ -2,8 +2,12 @@
 
 It measures the peak by the device's definition and the throughput over whole optimizer
 steps. An out-of-memory error (real on CUDA, the budget guard's on CPU) is caught and
-becomes the reason the configuration was rejected. The largest evaluation batch beside a
-config's training state is sized here too (:func:`with_eval_batches`).
+becomes the reason the configuration was rejected.
+
+The evaluation batch of each verified config (:func:`with_eval_batches`): the largest
+no-grad forward that fits the budget beside its training state (a trainer's evaluation
+loop runs between its steps, with its own batch size, on the device the training state
+fills).
 """
 
 from __future__ import annotations

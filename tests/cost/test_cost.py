@@ -15,7 +15,7 @@ import torch
 from autotune._profile_data import TimeCurve
 from autotune.config import TrainConfig
 from autotune.cost._cost_model import CHECKPOINT, KEEP, SELECTIVE, CostModel
-from autotune.cost._knapsack import min_cost_cover as _min_cost_cover
+from autotune.cost._cost_model import min_cost_cover as _min_cost_cover
 from autotune.cost._knobs import Knobs
 from autotune.verify._verifier import Verifier
 

@@ -7,7 +7,7 @@ from test_search import cost, study  # noqa: F401  (the fixture and the chooser)
 from autotune import Measurement, TrainConfig, TrialRecord
 from autotune.cost._candidates import best_config, fallback_candidates
 from autotune.cost._cost_model import CostModel
-from autotune.verify._fallbacks import fallback_ladder
+from autotune.verify._verification import fallback_ladder
 
 
 def as_predicted(asked: list[TrainConfig]):

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from autotune.cost import _knapsack
-from autotune.cost._knapsack import min_cost_choice
+from autotune.cost import _cost_model
+from autotune.cost._cost_model import min_cost_choice
 
 
 def options(n: int, seed: int) -> list[list[tuple[float, float]]]:
@@ -47,7 +47,7 @@ def test_a_small_input_gets_the_brute_force_optimum(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_a_thinned_frontier_still_covers_what_is_needed(monkeypatch, seed: int) -> None:
-    monkeypatch.setattr(_knapsack, "_FRONTIER", 6)  # thin after a few items, as huge inputs do
+    monkeypatch.setattr(_cost_model, "_FRONTIER", 6)  # thin after a few items, as huge inputs do
     opts = options(8, seed)
     need = 0.6 * sum(max(s for s, _ in o) for o in opts)
     pick = min_cost_choice(opts, need)

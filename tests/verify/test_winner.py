@@ -321,7 +321,7 @@ def test_the_experts_recipe_is_found_as_an_expert_finds_it() -> None:
     followed by the next size, until one runs; a mask none of whose sizes runs leaves the
     recipe to the other; none at all says why."""
     from autotune.cost import ExpertRecipe
-    from autotune.verify._baseline import baseline_record, verify_baseline
+    from autotune.verify._verification import baseline_record, verify_baseline
 
     ran: list[int] = []
     beaten: list[float] = []
