@@ -20,9 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autotune.device._allocator_trace import RequestLog
-from autotune.device._backend import Backend, RequestBox
+from autotune.device._backend import Backend, RequestBox, in_host_memory, is_host_storage
 from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator, OutOfMemory
-from autotune.device._host import in_host_memory, is_host_storage
 
 
 class SimulatedAllocator(TorchDispatchMode):

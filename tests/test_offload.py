@@ -20,11 +20,11 @@ import torch
 import autotune
 from autotune._profile_data import Profile, Transfer
 from autotune.config import TrainConfig
+from autotune.cost._candidates import too_small
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
 from autotune.cost._cost_model import min_cost_choice as _min_cost_choice
 from autotune.cost._knobs import Knobs
-from autotune.cost._shortfall import too_small
 from autotune.device._target import discover
 from autotune.measure._collectives import measure_transfer
 from autotune.measure._memory_profile import memory_profile

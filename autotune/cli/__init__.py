@@ -1,11 +1,11 @@
 """The ``autotune`` command line (``tune``, ``show``, ``estimate``, ``verify``, ``export``,
 ``report``); see :func:`main`.
 
-* ``_main``: the parser and ``main``; ``_commands``, ``_verify``: the commands;
-  ``_inputs``: the model and batch a command names; ``_ranks``: ``torchrun``.
-* ``_report``, ``_chart``, ``_figures``: what a command prints (its progress is
-  ``autotune.tuning``'s); ``_types``: flag values
-  checked as parsed; ``_flag_spelling``: the options as the flags spell them.
+* ``_main``: the parser and ``main``; ``_commands``, ``_verify``: the commands (and
+  ``torchrun``'s group joined); ``_inputs``: the model and batch a command names.
+* ``_report``, ``_figures``: what a command prints (its progress is
+  ``autotune.tuning``'s), the report and its chart; ``_types``: flag values checked as
+  parsed, and the options as the flags spell them.
 """
 
 from __future__ import annotations

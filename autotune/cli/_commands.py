@@ -1,4 +1,7 @@
-"""The commands of the ``autotune`` command line, one function each (see ``_main``)."""
+"""The commands of the ``autotune`` command line, one function each (see ``_main``).
+
+``autotune tune`` under ``torchrun``: join the process group it describes, and leave it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from autotune._format import GIB, format_bytes
 from autotune._plain_data import to_plain
 from autotune.cli._figures import figures, sureness
 from autotune.cli._inputs import inputs, optimizer_of
-from autotune.cli._ranks import join_torchrun, leave_group
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import OTHER, PARTS, PLANNED, Costs, LengthRow, TrialRecord, TuneResult, load
@@ -21,8 +23,19 @@ from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
     from autotune.tuning import Estimate, TuneOptions
+import contextlib
+from collections.abc import Iterator
 
-__all__ = ["estimate_command", "export_command", "report", "show", "space_of", "tune"]
+__all__ = [
+    "estimate_command",
+    "export_command",
+    "join_torchrun",
+    "leave_group",
+    "report",
+    "show",
+    "space_of",
+    "tune",
+]
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -379,3 +392,38 @@ def _checkpoint(spec: str, model: Any, blocks: Sequence[str] | None) -> tuple[st
 
         return resolve_blocks(model, blocks)
     return _names(spec)
+
+
+def join_torchrun(device: str | None) -> tuple[bool, bool]:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1 in the environment):
+    NCCL on CUDA, gloo on the CPU. (Whether this process is the first rank, whether it
+    joined one here.)"""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True, False
+    import torch
+    import torch.distributed as dist
+
+    joined = not dist.is_initialized()
+    if joined:
+        cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank() == 0, joined
+
+
+@contextlib.contextmanager
+def leave_group(joined: bool) -> Iterator[None]:
+    """Leave the process group joined for the command when it ends (its threads would
+    abort the process at exit otherwise)."""
+    try:
+        yield
+    finally:
+        if joined:
+            import torch.distributed as dist
+
+            with contextlib.suppress(RuntimeError):  # a rank that failed: nothing to wait for
+                dist.barrier()  # every rank done with its collectives before the group goes
+            dist.destroy_process_group()

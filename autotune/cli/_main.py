@@ -26,9 +26,8 @@ from typing import Any, TextIO
 
 from autotune._spelling import spelled_as
 from autotune.cli import _commands as commands
-from autotune.cli._flag_spelling import FLAGS
 from autotune.cli._plan import plan
-from autotune.cli._types import gib, positive_int, seconds
+from autotune.cli._types import FLAGS, gib, positive_int, seconds
 from autotune.cli._verify import verify
 from autotune.config import PARALLEL, PRECISIONS
 from autotune.errors import AutotuneError, AutotuneWarning

@@ -10,7 +10,7 @@ from autotune._profile_data import Profile
 from autotune.config import BITSANDBYTES_OPTIMIZERS, TrainConfig
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
-from autotune.cost._layout import Layout
+from autotune.cost._sharded import Layout
 from autotune.space import SearchSpace
 
 __all__ = ["Bounds", "chooser_of", "choosers", "layouts"]

@@ -22,9 +22,14 @@ from dataclasses import dataclass
 from autotune._profile_data import Profile
 from autotune.config import TrainConfig, timeline_parts
 from autotune.cost._knobs import Knobs, Mask
-from autotune.cost._layout import Layout
 from autotune.cost._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, MemoryModel
-from autotune.cost._sharded import comm_seconds, parallel_step_s, per_rank_peak, sharded_memory
+from autotune.cost._sharded import (
+    Layout,
+    comm_seconds,
+    parallel_step_s,
+    per_rank_peak,
+    sharded_memory,
+)
 from autotune.cost._time_model import TimeModel
 from autotune.result import Breakdown, Measurement
 

@@ -6,6 +6,13 @@ this: its peak is the live-bytes tracker's, its copies are synchronous, and ever
 here is a no-op. autotune calls a :class:`Backend` instead of ``torch.cuda``, so that CI
 runs the CUDA logic against a CPU stand-in with the same statistics and streams that run
 in order (``tests/simulated_cuda.py``).
+
+Host memory that offload keeps on purpose: pinned activation copies, host optimizer state.
+
+It is not device memory. On CUDA a device tracker never sees it; on CPU, where the host is
+the device, offload allocates it inside :func:`host_memory` (or declares it with
+:func:`mark_host`) and the live-bytes tracker leaves it out, so that offload's accounting
+can be tested without a GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Callable, Iterator
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,9 +36,13 @@ __all__ = [
     "RequestBox",
     "backend_for",
     "context_bytes",
+    "host_empty",
+    "host_memory",
+    "in_host_memory",
+    "is_host_storage",
+    "mark_host",
     "pinned_bytes",
 ]
-
 
 _NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
 """The x86 CPU flags (as ``torch.cpu.get_capabilities()`` names them) of instructions that
@@ -352,3 +365,45 @@ def context_bytes(nvml: Any, uuid: str, pid: int, reserved: int, used_on_device:
         if ours and ours[0].usedGpuMemory:
             return max(int(ours[0].usedGpuMemory) - reserved, 0)
     return min(max(used_on_device - reserved, 0), GIB)
+
+
+_HOST = threading.local()
+_HOST_STORAGES: dict[int, int] = {}  # id(storage) -> data_ptr, while the storage lives
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages allocated inside are host memory, not device memory: trackers skip them."""
+    _HOST.depth = getattr(_HOST, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST.depth -= 1
+
+
+def mark_host(tensors: Iterable[torch.Tensor]) -> None:
+    """Declare the storages of ``tensors`` host memory (e.g. a host optimizer's state)."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in _HOST_STORAGES:
+            _HOST_STORAGES[key] = storage.data_ptr()
+            weakref.finalize(storage, _HOST_STORAGES.pop, key, None)
+
+
+def in_host_memory() -> bool:
+    """Whether this thread is inside :func:`host_memory`."""
+    return getattr(_HOST, "depth", 0) > 0
+
+
+def is_host_storage(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` was declared host memory with :func:`mark_host`."""
+    return id(storage) in _HOST_STORAGES
+
+
+def host_empty(like: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+    """An empty contiguous host tensor shaped like ``like`` (pinned for CUDA transfers)."""
+    with host_memory():
+        out = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+    mark_host((out,))
+    return out

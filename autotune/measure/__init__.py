@@ -9,7 +9,8 @@
   profiled on shallow copies; ``_parameters``: what its parameters weigh.
 * ``_collectives``: host<->device copy speeds, and the process group's collectives.
 * ``_fake``: tracing on fake tensors, a model of any size profiled without its memory,
-  and where torch's fake kernels refuse what the CPU runs;
+  where torch's fake kernels refuse what the CPU runs, and the roofline clock of a GPU
+  that is not here;
   ``_rank_trace``: one rank of FSDP2 traced at any world size (a fake group).
 
 The profile's records, the cost model's only input, are :mod:`autotune._profile_data`'s:
@@ -23,12 +24,11 @@ from __future__ import annotations
 
 from autotune.measure._collectives import measure_collectives, measure_transfer
 from autotune.measure._depth import deepen, deepen_time, shallow_copies, whole_fits
-from autotune.measure._fake import TRACED_ASSUMPTIONS, is_traced, traced
+from autotune.measure._fake import TRACED_ASSUMPTIONS, Roofline, is_traced, traced
 from autotune.measure._memory_profile import memory_profile, working_copy
 from autotune.measure._peak import measure_peak
 from autotune.measure._profiler import Profiler
 from autotune.measure._rank_trace import fake_ranks, traced_rank_peak
-from autotune.measure._roofline import Roofline
 from autotune.measure._time_profile import fast_precisions, time_profile
 from autotune.measure._tracker import state_tensors
 

@@ -44,8 +44,8 @@ from autotune.config import (
 from autotune.device import AllocatorSettings, RequestLog, backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
 from autotune.measure._crossings import crossings
+from autotune.measure._fake import simulated_now
 from autotune.measure._peak import measure_peak
-from autotune.measure._roofline import simulated_now
 from autotune.measure._timeline import Lives, fit_phases, tracked_step
 from autotune.measure._tracker import LiveBytesTracker, PhaseRecord, state_tensors
 from autotune.train import (

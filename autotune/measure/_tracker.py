@@ -4,7 +4,7 @@
 allocates and is told (by a weak-reference finalizer) when it is freed. Storages that
 existed before the measured region (parameters, buffers, gradients, optimizer state) are
 registered with :meth:`LiveBytesTracker.track`. Host memory that offload keeps on purpose
-is left out where it is not the device's memory (see :mod:`autotune.device._host`); on the
+is left out where it is not the device's memory (see :mod:`autotune.device._backend`); on the
 CPU it is the same memory, so it counts and offload saves nothing.
 
 On CPU nothing runs out of memory at a budget, so the tracker doubles as a **budget

@@ -4,7 +4,7 @@
   ``Runner`` (``_runner``) or an ``Applied`` handle (``_applied``) for any loop;
   ``_fallback``: the handle's fallback ladder (``Ladder``, owned by the handle, which
   switches its own config mid-training).
-* ``_checkpoint``, ``_selective``: checkpointed and offloaded blocks (and Hugging
+* ``_checkpoint``: checkpointed (whole or selectively) and offloaded blocks (and Hugging
   Face's own checkpointing turned off); ``_offload_activations`` and
   ``_offload_optimizer``: offload to host memory; ``_compiled``: compiled blocks, the
   recompiles dynamo gave up on, and the tuner's compiled code handed to the job.
@@ -12,10 +12,11 @@
 * ``_optimizers``, ``_batch``, ``_loss``, ``_steps``, ``_lengths``, ``_sampler``:
   optimizers by name, batches of any structure, the calling convention and the loss, the
   optimizer step's pieces, sequence lengths and the length-bucketing sampler.
-* ``_attention``, ``_kv_cache``, ``_quantized``: what a Hugging
-  Face or quantized model needs set for training.
-* ``_workload``: what one training step runs, as the profiler and verifier take it;
-  ``_identity``: a model's fingerprint, and what differs from where a result was tuned.
+* ``_attention``, ``_quantized``: what a Hugging Face or quantized model needs set for
+  training (its attention, its KV cache off, a quantized layer's state).
+* ``_runner``: the ``Runner``, and the ``Workload``, what one training step runs, as the
+  profiler and verifier take it; ``_identity``: a model's fingerprint, and what differs
+  from where a result was tuned.
 
 The interface the other layers use is ``__all__``: the names imported below. The
 modules behind them are private to the package (``tests/test_layout.py`` holds both).
@@ -85,9 +86,8 @@ from autotune.train._parallel import (
 )
 from autotune.train._prepare import apply, prepare
 from autotune.train._quantized import copy_model, one_per_storage, quantization_state
-from autotune.train._runner import Runner
+from autotune.train._runner import Runner, Workload
 from autotune.train._steps import LoopRefusals, check_finite
-from autotune.train._workload import Workload
 
 __all__ = [
     "Applied",

@@ -1,5 +1,5 @@
 """Wrapping blocks: checkpointed ones recompute their activations in backward (selectively
-checkpointed ones only their cheap ops: :mod:`~autotune.train._selective`), offloaded ones
+checkpointed ones only their cheap ops: :mod:`~autotune.train._checkpoint`), offloaded ones
 send them to the host. A block's ``forward`` is replaced on the instance and put
 back by :func:`remove_checkpointing`, which leaves the model as it was.
 
@@ -10,6 +10,16 @@ calls by default, so every QLoRA model has it on) sets ``gradient_checkpointing`
 layer (on the decoder stack before transformers 4.48): every layer then recomputes its
 activations whatever the config's mask says, so kept blocks would not be kept and
 checkpointed ones would recompute twice over. The tuned mask is what must run.
+
+Selective activation checkpointing: which ops a selectively checkpointed block keeps.
+
+A checkpointed block keeps only its input and recomputes its whole forward in backward.
+A selectively checkpointed one (torch's ``create_selective_checkpoint_contexts``, the
+op-level policy torchtitan uses) keeps the outputs of its expensive ops, the matrix
+products, convolutions and attention kernels, and recomputes only the cheap ones between
+them (norms, activations, dropout, casts, elementwise arithmetic). Its memory lies
+between keeping the block and checkpointing it; its recomputation costs a fraction of a
+forward. The profile measures both, like every other choice of a block.
 """
 
 from __future__ import annotations
@@ -21,7 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointError, noop_context_fn
+from torch.utils.checkpoint import (
+    CheckpointError,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from autotune._spelling import option
@@ -29,11 +44,11 @@ from autotune.config import TrainConfig
 from autotune.errors import BlockError
 from autotune.train._fallback import tracks_statistics
 from autotune.train._offload_activations import ActivationOffloader
-from autotune.train._selective import selective_contexts
 
 __all__ = [
     "COMPILED",
     "MODEL_FORWARD",
+    "SAVED_OPS",
     "apply_checkpointing",
     "apply_offloading",
     "check_blocks",
@@ -43,6 +58,7 @@ __all__ = [
     "remove_checkpointing",
     "replace_forward",
     "restore_forwards",
+    "selective_contexts",
 ]
 
 _ORIGINAL = "_autotune_original_forward"
@@ -395,3 +411,50 @@ def disable_hf_checkpointing(model: nn.Module) -> Callable[[], None]:
             m.__dict__["gradient_checkpointing"] = True
 
     return undo
+
+
+_EXPENSIVE = (
+    # Matrix products: nn.Linear (addmm, or mm and an add), matmul's bmm, Conv1D's addmm.
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_int_mm",
+    # Convolutions of every dimension and their transposes.
+    "convolution",
+    # Fused attention kernels (the math path is plain bmm and softmax, covered above).
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+"""aten ops whose outputs a selectively checkpointed block keeps (those this torch has)."""
+
+
+def _overloads(names: tuple[str, ...]) -> frozenset[Any]:
+    """Every overload of the named aten ops that this build of torch has."""
+    found = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        found += [getattr(packet, o) for o in packet.overloads()]
+    return frozenset(found)
+
+
+SAVED_OPS: frozenset[Any] = _overloads(_EXPENSIVE)
+"""The op overloads whose outputs are kept; every other op is recomputed in backward."""
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+selective_contexts: Callable[[], tuple[Any, Any]] = functools.partial(
+    create_selective_checkpoint_contexts, _policy
+)
+"""The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for a selective block."""

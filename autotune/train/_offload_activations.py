@@ -7,7 +7,7 @@ this block's backward computes.
 
 It runs on any device. On CPU the host is the device: the copies are plain copies, the
 math is the same, and the host side is allocated inside
-:func:`~autotune.device._host.host_memory` so that tests can check the accounting
+:func:`~autotune.device._backend.host_memory` so that tests can check the accounting
 without a GPU.
 """
 

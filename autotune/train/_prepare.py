@@ -14,11 +14,11 @@ from autotune.device import backend_for, resolve_device
 from autotune.errors import ConfigError, warn
 from autotune.result import TuneResult
 from autotune.train._applied import Applied
+from autotune.train._attention import disable_kv_cache
 from autotune.train._batch_layout import layouts_of_model
 from autotune.train._checkpoint import disable_hf_checkpointing
 from autotune.train._compiled import load_compile_cache
 from autotune.train._identity import differences
-from autotune.train._kv_cache import disable_kv_cache
 from autotune.train._loss import LossFn, LossMean, check_loss_mean
 from autotune.train._optimizers import (
     OptimizerFactory,

@@ -5,11 +5,15 @@ micro-batches: exact mean-loss weighting, autocast, a GradScaler for fp16, check
 offloaded blocks, an offloaded optimizer, gradient clipping, a learning-rate scheduler and
 the fallback ladder on an out-of-memory error. Tuning profiles and verifies with this very
 runner, so what was measured is what runs.
+
+``Workload``: what one training step runs, as the profiler and the verifier take it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +28,7 @@ from autotune.train._loss import LossFn, LossMean, call_model, compute_loss
 from autotune.train._refusals import LOSS
 from autotune.train._steps import Scheduler, apply_step
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "Workload"]
 
 
 class Runner(Applied):
@@ -151,3 +155,23 @@ class Runner(Applied):
 
     def __enter__(self) -> Runner:
         return self
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """A model (the tuner's copy), the user's sample batch and loss, the blocks, and the
+    device, with what other tensors of the process held on it when tuning began."""
+
+    model: nn.Module
+    sample: Any
+    """The user's sample batch (resized to each configuration's micro-batch)."""
+    loss_fn: LossFn | None
+    blocks: tuple[str, ...]
+    """The blocks that may be checkpointed or offloaded (FSDP's units)."""
+    device: torch.device
+    foreign_bytes: int = 0
+    """CUDA bytes held by other tensors of the process when tuning began."""
+
+    def over(self, model: nn.Module, blocks: tuple[str, ...] = ()) -> Workload:
+        """The same workload on ``model`` (a copy; with ``blocks``, a shallow one)."""
+        return dataclasses.replace(self, model=model, blocks=blocks or self.blocks)

@@ -7,15 +7,15 @@
   ``_estimate``: ``estimate()``, one config's peak without tuning, and what each part
   costs.
 * ``_autotune``: ``autotune()``, and the runs one call makes: one per sequence length
-  (``tune_lengths``), each one per attention implementation (``tune_attentions``).
+  (``tune_lengths``), each one per attention implementation (``tune_attentions``); a run
+  that starts from a plan, its config verified first (``started_from``).
 * ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
   ``_problem``: those inputs validated, and what follows from them on the target.
 * ``_profiling``: the run's profile, memory then time, on the model whole or on shallow
   copies of it where it does not fit the device whole (``Pieces``).
 * ``_data_parallel``: the search, every layout's (``ranked``), and results planned for
   ranks not here.
-* ``_starting_point``: a run that starts from a plan, its config verified first;
-  ``_progress``: a run's progress where a person watches (a terminal, a notebook), and
+* ``_progress``: a run's progress where a person watches (a terminal, a notebook), and
   the seconds each stage took (``Stopwatch``).
 
 The interface the other layers use is ``__all__``: the names imported below. The
@@ -24,12 +24,11 @@ modules behind them are private to the package (``tests/test_layout.py`` holds b
 
 from __future__ import annotations
 
-from autotune.tuning._autotune import tune, with_optimizer
+from autotune.tuning._autotune import plan_record, tune, with_optimizer
 from autotune.tuning._estimate import Estimate, estimate
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._plan_ahead import plan_with
 from autotune.tuning._progress import Progress, progress
-from autotune.tuning._starting_point import plan_record
 
 __all__ = [
     "Estimate",

@@ -194,7 +194,7 @@ def test_every_flag_the_advice_names_is_an_option_a_message_marks() -> None:
     cannot silently leave a Python keyword in the command line's advice."""
     import ast
 
-    from autotune.cli._flag_spelling import FLAGS
+    from autotune.cli._types import FLAGS
 
     marked = set()
     for path in Path(autotune.__file__).parent.rglob("*.py"):

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.cli._chart import pareto_front
-from autotune.cli._report import render_html, write_report
+from autotune.cli._report import pareto_front, render_html, write_report
 from autotune.config import TrainConfig
 from autotune.errors import ConfigError
 from autotune.result import (

@@ -17,7 +17,7 @@ from autotune import TrainConfig
 from autotune._blocks import find_blocks
 from autotune._profile_data import Profile, TimeCurve
 from autotune.cost._cost_model import CostModel
-from autotune.cost._layout import Layout
+from autotune.cost._sharded import Layout
 from autotune.measure._depth import deepen, deepen_time, shallow_copies
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
