@@ -80,7 +80,7 @@ def budgets_for(
     peaks = []
     for b in (b1, b2):
         accum = max(g // b, 2) if case.global_batch_size else 1
-        measured, error = verifier.run(TrainConfig(micro_batch_size=b, grad_accum_steps=accum))
+        measured, error = verifier.trial(TrainConfig(micro_batch_size=b, grad_accum_steps=accum))
         if measured is None:
             raise RuntimeError(f"{case.name}: the budget probe at micro-batch {b} failed: {error}")
         peaks.append(measured.peak_bytes)

@@ -80,7 +80,7 @@ def main() -> None:
             blocks=blocks,
         )
         with measured_compiling():
-            measured, error = verifier.run(config)
+            measured, error = verifier.trial(config)
         row = {
             "config": config.describe(),
             "predicted_peak": predicted,

@@ -70,7 +70,7 @@ def overhead_and_prediction(device: torch.device, size: dict[str, int], b: int) 
     rows = []
     timed: dict[str, Any] = {}
     for name, config in configs.items():
-        measured, error = verifier.run(config)
+        measured, error = verifier.trial(config)
         timed[name] = measured
         rows.append({"config": name, "measured": None if error else measured.samples_per_s})
     # Time curves at b/2 and b, as autotune() measures them, on top of the memory profile.

@@ -83,7 +83,7 @@ def main() -> None:
                             precision=precision,
                             checkpoint=checkpoint,
                         )
-                        measured, error = verifier.run(config)
+                        measured, error = verifier.trial(config)
                         assert measured is not None, error
                         row = {"config": config.describe(), "measured": measured.peak_bytes}
                         for name, memory in models.items():

@@ -101,7 +101,7 @@ def test_verification_releases_pinned_host_memory_between_configs(simulated_cuda
     verifier = Verifier(
         model, gpt_batch(model.config, 4), device=CPU, budget_bytes=2**30, loss_fn=None
     )
-    measured, error = verifier.run(TrainConfig(micro_batch_size=4, offload_optimizer=True))
+    measured, error = verifier.trial(TrainConfig(micro_batch_size=4, offload_optimizer=True))
     assert error is None and measured is not None
     assert simulated_cuda.host_cache_releases >= 2  # before the config and after it
 
@@ -265,7 +265,7 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
         for b in (8, 32):  # profiled at 2 and 4
             config = TrainConfig(micro_batch_size=b, checkpoint=checkpoint)
             predicted = memory.memory(config)[0]
-            measured, error = verifier.run(config)
+            measured, error = verifier.trial(config)
             assert error is None and measured is not None
             # The allocator's model fed the profiled step's requests at this size: within
             # 0.1% (the line fitted over the profiled sizes was 26% under here: the 20 MiB
@@ -309,7 +309,7 @@ def test_the_other_expandable_segments_setting_is_predicted_as_it_runs(
     with expandable:  # the user's model and the tuner's copy, as when profiled
         held, work = copy.deepcopy(model), copy.deepcopy(model)
         verifier = Verifier(work, sample, device=CPU, budget_bytes=2**30, loss_fn=None)
-        measured, error = verifier.run(config)
+        measured, error = verifier.trial(config)
     assert error is None and measured is not None
     assert abs(predicted - measured.peak_bytes) <= 0.001 * measured.peak_bytes
     del held

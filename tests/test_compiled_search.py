@@ -63,7 +63,7 @@ def measured_peak(config: TrainConfig, sample: torch.Tensor) -> int:
         blocks=BLOCKS,
     )  # fmt: skip
     with measured_compiling():
-        measurement, error = verifier.run(config)
+        measurement, error = verifier.trial(config)
     assert error is None and measurement is not None
     return measurement.peak_bytes
 
@@ -261,7 +261,7 @@ def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte(
     verifier = Verifier(gpt2(), sample, device=torch.device("cpu"), budget_bytes=2**30,
                         loss_fn=None, blocks=())  # fmt: skip
     with measured_compiling():
-        measured, error = verifier.run(config)
+        measured, error = verifier.trial(config)
     assert error is None and measured is not None
     assert chooser.cost.memory(config)[0] == measured.peak_bytes
     eager, _ = chooser.cost.memory(config.replace(compile_model=False))

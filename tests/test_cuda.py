@@ -213,7 +213,7 @@ def _cuda_peak(model: torch.nn.Module, config: autotune.TrainConfig) -> int:
         context_bytes=context,
         foreign_bytes=foreign,
     )
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None and measured is not None
     return measured.peak_bytes
 

@@ -402,3 +402,45 @@ def test_architecture_names_only_what_exists() -> None:
     defined = _defined_names()
     missing += [n for n in names if n.split(".")[-1] not in defined]
     assert missing == []
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    """The names a module defines or imports at its top level."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def test_no_function_gives_a_module_level_name_a_second_meaning() -> None:
+    """Inside a function (its arguments, its locals, the functions it nests), no name is
+    one the module defines or imports at its top level: within one module a name means
+    one thing. A ``global`` statement is the module's own name, not a second one."""
+    shadowed = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = _module_names(tree)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = fn.args
+            names = {
+                x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x
+            }
+            declared: set[str] = set()
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node is not fn:
+                    names.add(node.name)
+                elif isinstance(node, ast.Global):
+                    declared.update(node.names)
+            shadowed += [f"{module}:{fn.lineno} {fn.name}: {n}" for n in (names & top) - declared]
+    assert shadowed == []

@@ -99,7 +99,7 @@ def measured_peak(model: nn.Module, sample: object, config: TrainConfig) -> int:
     verifier = Verifier(
         copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
     )
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None and measured is not None, error
     return measured.peak_bytes
 

@@ -264,7 +264,7 @@ def test_bandwidth_probe_measures_both_directions() -> None:
 
 def measured_peak(model, sample, config: TrainConfig) -> int:
     verifier = Verifier(copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None)
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None and measured is not None
     return measured.peak_bytes
 

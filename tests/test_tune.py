@@ -43,7 +43,7 @@ def floor_and_top(model: nn.Module, sample: object, global_batch: int) -> tuple[
             loss_fn=None,
             steps=1,
         )
-        measured, _ = verifier.run(config)
+        measured, _ = verifier.trial(config)
         assert measured is not None
         out.append(measured.peak_bytes)
     return out[0], out[1]

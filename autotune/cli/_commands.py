@@ -34,11 +34,11 @@ __all__ = [
     "report",
     "show",
     "space_of",
-    "tune",
+    "tune_command",
 ]
 
 
-def tune(args: argparse.Namespace) -> int:
+def tune_command(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")  # before minutes of tuning, and before torch loads
     plan = load(args.start_from) if args.start_from else None
     if args.budget_gb is None and plan is None:
@@ -51,7 +51,7 @@ def tune(args: argparse.Namespace) -> int:
         args, loss, _integers(lengths, "--sequence-lengths") if lengths else None, plan
     )
     first, joined = join_torchrun(args.device)
-    with tuning.progress(quiet=args.quiet or not first), leave_group(joined):
+    with tuning.showing_progress(quiet=args.quiet or not first), leave_group(joined):
         result = tuning.tune(model, batch, options)
     if not first:  # every rank has the same result; rank 0 writes and prints it
         return 0

@@ -116,8 +116,8 @@ class _Parser(argparse.ArgumentParser):
             near = self._nearest(message.split(":", 1)[1].split())
             message += f"; did you mean {near}?" if near else ""
             # reported by the top parser for every command: the help to see is the command's
-            commands = self._commands()
-            command = next((a for a in getattr(self, "_argv", []) if a in commands), None)
+            parsers = self._commands()
+            command = next((a for a in getattr(self, "_argv", []) if a in parsers), None)
             prog = f"{prog} {command}" if command else prog
         self.exit(2, f"autotune: error: {message} (see {prog} --help)\n")
 
@@ -209,7 +209,7 @@ def _add_tune(sub: Any) -> None:
     tune.add_argument("-o", "--output", default="tuned.yaml", help="result file (tuned.yaml)")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
     tune.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    tune.set_defaults(handler=commands.tune)
+    tune.set_defaults(handler=commands.tune_command)
 
     show = sub.add_parser("show", help="print a tuned YAML file for people")
     show.add_argument("path", help="a tuned YAML file")

@@ -285,10 +285,10 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 def records(result: TuneResult) -> list[TrialRecord]:
     """The trials, and the chosen configuration when they lack it (an old or hand-made result)."""
-    records = list(result.trials)
-    if all(r.config != result.config for r in records):
-        records.append(TrialRecord(result.config, result.predicted, result.measured))
-    return records
+    trials = list(result.trials)
+    if all(r.config != result.config for r in trials):
+        trials.append(TrialRecord(result.config, result.predicted, result.measured))
+    return trials
 
 
 _BEYOND = 1.03

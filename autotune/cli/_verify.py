@@ -72,7 +72,7 @@ def verify(args: argparse.Namespace) -> int:
         verifier = Verifier.of(
             work, result.budget_bytes, target.context_bytes, result.model.written or ()
         )
-        run.measured, run.error = verifier.run(run.config)
+        run.measured, run.error = verifier.trial(run.config)
     if args.json:  # an object; for a table, a list of them, one per row
         found = [_json(run, str(target.device), result.budget_bytes) for run in runs]
         print(json.dumps(found if result.by_length else found[0], indent=2))

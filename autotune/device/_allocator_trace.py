@@ -163,13 +163,13 @@ def replay(trace: Trace) -> CachingAllocator:
     Raises:
         Divergence: at the first action where the model and the trace part.
     """
-    recorded = [a for a in trace.actions if a["action"] in _SEGMENT_ACTIONS]
+    segments = [a for a in trace.actions if a["action"] in _SEGMENT_ACTIONS]
 
     def address(size: int) -> int:  # the next segment action the model is about to take
         taken = len(model.events)
-        if taken >= len(recorded):
+        if taken >= len(segments):
             raise Divergence(f"the model takes a segment of {size} bytes the trace never took")
-        return int(recorded[taken]["addr"])
+        return int(segments[taken]["addr"])
 
     model = CachingAllocator(AllocatorSettings.parse(trace.settings), segment_address=address)
     restore(model, [segment_of(s) for s in trace.start])
@@ -187,21 +187,21 @@ def replay(trace: Trace) -> CachingAllocator:
             model.free(action["addr"])
         elif kind == "oom":
             raise Divergence(f"action {i}: the recorded run ran out of memory")
-        checked = _check_segments(model, recorded, checked, i)
-    if checked < len(recorded):
-        raise Divergence(f"the trace did {recorded[checked]['action']} the model never did")
+        checked = _check_segments(model, segments, checked, i)
+    if checked < len(segments):
+        raise Divergence(f"the trace did {segments[checked]['action']} the model never did")
     return model
 
 
 def _check_segments(
-    model: CachingAllocator, recorded: list[dict[str, Any]], checked: int, i: int
+    model: CachingAllocator, segments: list[dict[str, Any]], checked: int, i: int
 ) -> int:
     """Check the model's segment actions from ``checked`` on against the recorded ones;
     how many are checked now."""
     for taken, (action, address, size) in enumerate(model.events[checked:], checked):
-        if taken >= len(recorded):
+        if taken >= len(segments):
             raise Divergence(f"action {i}: the model did {action} the trace never did")
-        r = recorded[taken]
+        r = segments[taken]
         if (r["action"], r["addr"], r["size"]) != (action, address, size):
             raise Divergence(
                 f"action {i}: the model did {action} of {size} bytes at {address}, the "

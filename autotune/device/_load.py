@@ -40,9 +40,9 @@ class CpuClock:
             return None
         # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
         ticks = [int(x) for x in fields[1:9]]
-        busy = sum(ticks) - ticks[3] - ticks[4]
+        working = sum(ticks) - ticks[3] - ticks[4]
         own = os.times()
-        return CpuClock(busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic())
+        return CpuClock(working / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic())
 
     def others_since(self, start: CpuClock) -> float:
         """Cores other processes kept busy on average since ``start``."""

@@ -13,7 +13,7 @@
   ``_problem``: those inputs validated, and what follows from them on the target.
 * ``_profiling``: the run's profile, memory then time, on the model whole or on shallow
   copies of it where it does not fit the device whole (``Pieces``).
-* ``_data_parallel``: the search, every layout's (``ranked``), and results planned for
+* ``_data_parallel``: the search, every layout's (``shortlist``), and results planned for
   ranks not here.
 * ``_progress``: a run's progress where a person watches (a terminal, a notebook), and
   the seconds each stage took (``Stopwatch``).
@@ -28,7 +28,7 @@ from autotune.tuning._autotune import plan_record, tune, with_optimizer
 from autotune.tuning._estimate import Estimate, estimate
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._plan_ahead import plan_with
-from autotune.tuning._progress import Progress, progress
+from autotune.tuning._progress import Progress, showing_progress
 
 __all__ = [
     "Estimate",
@@ -37,7 +37,7 @@ __all__ = [
     "estimate",
     "plan_record",
     "plan_with",
-    "progress",
+    "showing_progress",
     "tune",
     "with_optimizer",
 ]

@@ -71,7 +71,7 @@ from autotune.train import (
 from autotune.tuning._device_run import tune_on_device
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem, make_problem, uncompiled
-from autotune.tuning._progress import progress, shown
+from autotune.tuning._progress import showing_progress, shown
 
 __all__ = [
     "Lengths",
@@ -215,7 +215,7 @@ def tune(model: nn.Module, sample_batch: Any, options: TuneOptions) -> TuneResul
     the command line call)."""
     model = uncompiled(model)
     options = started_from(options, model)
-    with progress(quiet=not shown(options.progress)):
+    with showing_progress(quiet=not shown(options.progress)):
         if options.table:
             return tune_lengths(model, sample_batch, options)
         return tune_attentions(model, make_problem(model, sample_batch, options), options)

@@ -25,29 +25,31 @@ from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 
 __all__ = [
-    "Ranked",
+    "Shortlist",
     "merged",
     "planned_notes",
     "planned_result",
-    "ranked",
+    "shortlist",
 ]
 log = logging.getLogger("autotune")
 
 
 @dataclass(frozen=True)
-class Ranked:
-    """The search's ranking: each layout's chooser, and their candidates, fastest
+class Shortlist:
+    """What the search keeps: each layout's chooser, and their candidates, fastest
     predicted first."""
 
     choosers: list[Chooser]
     candidates: list[Candidate]
 
 
-def ranked(problem: Problem, profile: Profile, options: TuneOptions, jobs: JobStore) -> Ranked:
+def shortlist(
+    problem: Problem, profile: Profile, options: TuneOptions, jobs: JobStore
+) -> Shortlist:
     """The search of a tuning run and a plan: a chooser per layout of the problem's ranks,
     and the candidates of each searched once among ``jobs``' processes."""
     layouts = choosers(profile, problem, problem.world)
-    return Ranked(layouts, _search_layouts(layouts, jobs, options))
+    return Shortlist(layouts, _search_layouts(layouts, jobs, options))
 
 
 def merged(found: Sequence[list[Candidate]]) -> list[Candidate]:

@@ -44,7 +44,7 @@ from autotune.train import (
     rank,
     rank_zero,
 )
-from autotune.tuning._data_parallel import Ranked, planned_result, ranked
+from autotune.tuning._data_parallel import Shortlist, planned_result, shortlist
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import Problem
 from autotune.tuning._profiling import budget_cap, profile_model
@@ -77,20 +77,22 @@ def tune_on_device(model: nn.Module, problem: Problem, options: TuneOptions) -> 
         ends = None
         warn("max_tuning_s is not applied in a process group: the ranks verify in step.")
     with _old_objects_frozen():  # before the working copy: the run's own, collected with it
-        work = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
+        replica = working_copy(model, problem.target.device if on_device else torch.device("cpu"))
         try:
             with watch.stage("profile"), _holding(problem):
-                profile = _profile(work, problem, leader, whole)
+                profile = _profile(replica, problem, leader, whole)
             problem = problem.with_context(profile.context_bytes)  # after training steps
             with watch.stage("search"):
-                searched = ranked(problem, profile, options, leader)
+                searched = shortlist(problem, profile, options, leader)
             with watch.stage("verification"), _holding(problem):
                 if problem.verifiable:
-                    result = _verified(work, problem, profile, searched, jobs, options, cpu, ends)
+                    result = _verified(
+                        replica, problem, profile, searched, jobs, options, cpu, ends
+                    )
                 else:  # the ranks are not here: planned
                     result = planned_result(problem, profile, searched.candidates)
         finally:
-            del work
+            del replica
             gc.collect()
             backend_for(problem.target.device).empty_cache()
     result = dataclasses.replace(
@@ -157,16 +159,16 @@ def _holding(problem: Problem) -> Iterator[None]:
         yield
 
 
-def _profile(work: nn.Module, problem: Problem, leader: Relayed, whole: bool) -> Profile:
-    """The profile of ``work``, measured on rank 0 (once among a study's processes), with
+def _profile(replica: nn.Module, problem: Problem, leader: Relayed, whole: bool) -> Profile:
+    """The profile of ``replica``, measured on rank 0 (once among a study's processes), with
     the process group's collectives timed on every rank."""
 
     def measure() -> Profile:
-        return profile_model(work, problem, whole=whole)
+        return profile_model(replica, problem, whole=whole)
 
     profile: Profile = leader.once("profile", measure, "profiling the model", PROFILE)
     if group_size() > 1:
-        work.to(torch.device("cpu"))
+        replica.to(torch.device("cpu"))
         backend_for(problem.target.device).empty_cache()
         comm = measure_collectives(problem.target.device)
         profile = dataclasses.replace(profile, comm=comm)
@@ -174,10 +176,10 @@ def _profile(work: nn.Module, problem: Problem, leader: Relayed, whole: bool) ->
 
 
 def _verified(
-    work: nn.Module,
+    replica: nn.Module,
     problem: Problem,
     profile: Profile,
-    searched: Ranked,
+    searched: Shortlist,
     jobs: JobStore,
     options: TuneOptions,
     cpu: CpuClock | None,
@@ -186,7 +188,7 @@ def _verified(
     """The best candidates run for real (:func:`~autotune.verify.verification`), and
     the verified winner with what was predicted for it and the ladder below it."""
     verifier = Verifier.of(
-        problem.workload(work), problem.budget, problem.target.context_bytes, profile.written
+        problem.workload(replica), problem.budget, problem.target.context_bytes, profile.written
     )
     verified = verification(
         verifier,
@@ -196,7 +198,7 @@ def _verified(
         plan=options.start_from,
         started=cpu,
         eval_batch=options.eval_batch_size,
-        most=problem.space.max_micro_batch_size,
+        largest_batch=problem.space.max_micro_batch_size,
         ends=ends,
     )
     chosen = verified.chosen

@@ -51,7 +51,7 @@ from autotune.measure import TRACED_ASSUMPTIONS, Roofline, is_traced, traced, tr
 from autotune.result import PLANNED, TrialRecord, TuneResult
 from autotune.space import SearchSpace
 from autotune.train import LossFn, map_tensors
-from autotune.tuning._data_parallel import planned_result, ranked
+from autotune.tuning._data_parallel import planned_result, shortlist
 from autotune.tuning._options import TuneOptions
 from autotune.tuning._problem import make_problem, twinned
 from autotune.tuning._profiling import profile_model
@@ -59,7 +59,7 @@ from autotune.tuning._progress import Stopwatch
 
 __all__ = ["RANK_TRIES", "plan_ahead", "plan_options", "plan_with", "rank_checked"]
 
-PLANS_KEPT = 10
+CANDIDATES_KEPT = 10
 """Candidates a plan keeps, fastest predicted first (its ``trials``, none of them run)."""
 
 _LATENCY_S = 30e-6
@@ -153,7 +153,7 @@ def plan_with(
         del model, sample, made
     problem = problem.with_context(profile.context_bytes)
     with watch.stage("search"):
-        candidates = ranked(problem, profile, options, LocalJobs()).candidates
+        candidates = shortlist(problem, profile, options, LocalJobs()).candidates
     with watch.stage("verification"):
         result = planned_result(problem, profile, candidates)
         if trace_rank:  # the rank's trace in the place of verification
@@ -167,7 +167,7 @@ def plan_with(
             None,
             PLANNED,
         )
-        for c in candidates[:PLANS_KEPT]
+        for c in candidates[:CANDIDATES_KEPT]
     )
     return dataclasses.replace(
         result,
@@ -338,16 +338,17 @@ def rank_checked(
     live = CostModel(_live(profile))
     for candidate in fsdp:
         config = candidate.config
-        traced = traced_rank_peak(build, sample_batch, config, loss_fn=loss_fn)
+        rank_peak = traced_rank_peak(build, sample_batch, config, loss_fn=loss_fn)
         predicted = candidate.prediction.measurement
         expected, _ = live.memory(config)
-        peak = traced + predicted.peak_bytes - expected  # the same translation to the GPU
+        peak = rank_peak + predicted.peak_bytes - expected  # the same translation to the GPU
         if peak <= limit or candidate is fsdp[-1]:
             break
     note = (
         f"rank 0 of {config.world_size} traced with FSDP2 itself (fake tensors, a process "
-        f"group that sends nothing): {format_bytes(traced)} live at its peak where the "
-        f"one-process plan said {format_bytes(expected)} ({(traced - expected) / expected:+.2%}); "
+        f"group that sends nothing): {format_bytes(rank_peak)} live at its peak where the "
+        f"one-process plan said {format_bytes(expected)} "
+        f"({(rank_peak - expected) / expected:+.2%}); "
         "the peak per rank is the traced one, with the GPU's context and reserve"
     )
     if peak > limit:

@@ -54,20 +54,20 @@ def budget_cap(problem: Problem) -> contextlib.AbstractContextManager[None]:
 
 
 def profile_model(
-    work: nn.Module,
+    replica: nn.Module,
     problem: Problem,
     *,
     whole: bool = True,
     on_target: Callable[[Profile], Profile] | None = None,
 ) -> Profile:
-    """The profile of ``work`` (the tuner's copy, or a plan's traced model), what fits
+    """The profile of ``replica`` (the tuner's copy, or a plan's traced model), what fits
     decided over the data parallelism of the problem's ranks.
 
     ``on_target``: how the target holds a profile measured here, where it is not here (a
     plan's GPU: its context, allocator reserve and links); what fits is decided on the
     memory profile as the target holds it, and the profile is returned so.
 
-    Not ``whole`` (see :func:`~autotune.measure._depth.whole_fits`), ``work`` is on the
+    Not ``whole`` (see :func:`~autotune.measure._depth.whole_fits`), ``replica`` is on the
     host and profiled on shallow copies where it can be (else moved to the device and
     profiled whole). With offload searched, host<->device bandwidth, the offloaded variant
     and the host step of each optimizer are measured too.
@@ -78,13 +78,15 @@ def profile_model(
     """
     t0 = time.perf_counter()
     device = problem.target.device
-    pieces = Pieces(work, problem.blocks, fits=whole, device=device, whole=lambda: work.to(device))
+    pieces = Pieces(
+        replica, problem.blocks, fits=whole, device=device, whole=lambda: replica.to(device)
+    )
     profiler, draft, notes, timed = _memory_on(pieces, problem)
     context = problem.target.context_now()  # training steps have run: kernels loaded
     draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
     held = on_target(draft) if on_target is not None else draft
     layouts = choosers(held, problem, problem.world)  # as the target holds the draft
-    feasible = _caps(problem, draft, layouts)
+    feasible = _feasible_sizes(problem, draft, layouts)
     log.info("profiling time at micro-batch sizes up to %s", max(feasible.values()))
     sizes = [s for s in problem.sizes if s not in draft.untrainable]
     # The context has grown as kernels loaded: the cap shrinks with it. A model compiled
@@ -272,7 +274,7 @@ def _fits_wherever(layouts: list[Chooser]) -> Callable[[str, str], bool]:
     return fits
 
 
-def _caps(problem: Problem, draft: Profile, layouts: list[Chooser]) -> dict[str, int]:
+def _feasible_sizes(problem: Problem, draft: Profile, layouts: list[Chooser]) -> dict[str, int]:
     """Per precision of ``draft``, the largest micro-batch that fits some layout and
     optimizer of the choosers ``layouts`` (the draft as the target holds it).
 

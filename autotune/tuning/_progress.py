@@ -19,7 +19,7 @@ from typing import TextIO
 
 from autotune.result import Spent
 
-__all__ = ["Progress", "Stopwatch", "progress", "shown", "watched"]
+__all__ = ["Progress", "Stopwatch", "showing_progress", "shown", "watched"]
 
 
 def watched() -> bool:
@@ -41,7 +41,7 @@ def shown(asked: bool | None) -> bool:
 
 
 @contextlib.contextmanager
-def progress(*, quiet: bool) -> Iterator[None]:
+def showing_progress(*, quiet: bool) -> Iterator[None]:
     """Show the ``autotune`` logger's progress on stderr while tuning (nothing when quiet,
     or where progress is shown already: the command line's around ``autotune()``)."""
     logger = logging.getLogger("autotune")

@@ -48,7 +48,7 @@ from autotune.verify._winner import (
     at_most,
     choose_winner,
     fastest,
-    settle,
+    retime_contenders,
     tied_with,
 )
 
@@ -111,7 +111,7 @@ def verification(
     plan: TuneResult | None,
     started: CpuClock | None,
     eval_batch: int | None,
-    most: int,
+    largest_batch: int,
     ends: float | None = None,
 ) -> Verification:
     """Run the best ``candidates`` for real (``plan``'s config first, where there is
@@ -125,7 +125,7 @@ def verification(
         plan: A plan or earlier result to verify first (its prediction kept, to compare).
         started: The CPU's clock when the run began (how busy the machine has been).
         eval_batch: The evaluation batch the user wants (``None``: the largest that fits).
-        most: The largest micro-batch (and evaluation batch) the space allows.
+        largest_batch: The largest micro-batch (and evaluation batch) the space allows.
         ends: When the run must end (``max_tuning_s``, ``time.perf_counter``'s clock):
             past the first candidate, each run of a config only where one as long as the
             longest so far still ends in time (:class:`TimeBudget`); what was not run is
@@ -150,8 +150,8 @@ def verification(
     records = tried
     if budget.allows("re-timing the contenders"):
         records = jobs.once(
-            job_key("settle", *(r.config for r in tried)),
-            lambda: settle(verifier, tried, noise),
+            job_key("retime_contenders", *(r.config for r in tried)),
+            lambda: retime_contenders(verifier, tried, noise),
             "re-timing the contenders",
             _RECORDS,
         )
@@ -163,7 +163,7 @@ def verification(
     ladder = fallback_ladder(peaks, chooser, chosen, records)
     sized = [chosen.config, *ladder]
     if budget.allows("sizing the evaluation batch"):
-        sized = with_eval_batches(verifier, sized, eval_batch, most)
+        sized = with_eval_batches(verifier, sized, eval_batch, largest_batch)
     chosen = dataclasses.replace(chosen, config=sized[0])
     expert = baseline_record(records, experts)
     note = "; ".join(n for n in (experts.note, unrun) if n)
@@ -216,7 +216,7 @@ def _measured(
 ) -> Measure:
     """Run configs for real, each once among the processes that share the jobs, each
     run's seconds counted in ``budget``. ``timed=False``: their peak alone (see
-    :meth:`Verifier.run`)."""
+    :meth:`Verifier.trial`)."""
     kind = "verify" if timed else "verify-once"
 
     def measure(
@@ -328,11 +328,11 @@ def verify_baseline(
         for cand in ladder:
             record = done.get(cand.config)
             if record is None:
-                most = at_most(cand.prediction.measurement.samples_per_s, tried, slack)
-                if most is not None and most < best:
+                bound = at_most(cand.prediction.measurement.samples_per_s, tried, slack)
+                if bound is not None and bound < best:
                     hopeless.append(
                         f"{cand.config.describe()} left out, as it cannot win (predicted at "
-                        f"most {most:.1f} samples/s, {best:.1f} measured)"
+                        f"most {bound:.1f} samples/s, {best:.1f} measured)"
                     )
                     break
                 log.info("verifying the expert's recipe: %s", cand.config.describe())

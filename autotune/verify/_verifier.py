@@ -142,7 +142,7 @@ class Verifier:
             written=written,
         )
 
-    def run(
+    def trial(
         self, config: TrainConfig, *, timed: bool = True, beat: float = 0.0
     ) -> tuple[Measurement | None, str | None]:
         """Measure ``config``: (measurement, None), or (None, why it was rejected).
@@ -382,8 +382,8 @@ class Verifier:
         self, config: TrainConfig, predicted: Measurement, *, timed: bool = True, beat: float = 0.0
     ) -> TrialRecord:
         """Run ``config`` and wrap the outcome as a :class:`TrialRecord` (``timed`` and
-        ``beat``: as :meth:`run`; not timed, its record is ``peak_only``)."""
-        measured, error = self.run(config, timed=timed, beat=beat)
+        ``beat``: as :meth:`trial`; not timed, its record is ``peak_only``)."""
+        measured, error = self.trial(config, timed=timed, beat=beat)
         return TrialRecord(config, predicted, measured, error, peak_only=not timed)
 
     @staticmethod

@@ -36,7 +36,7 @@ __all__ = [
     "choose_winner",
     "fastest",
     "known_ahead",
-    "settle",
+    "retime_contenders",
     "speeds",
     "tied_with",
 ]
@@ -54,7 +54,7 @@ call it a tie too, at a round of timings each (seconds on a CPU)."""
 class Measure(Protocol):
     """Runs a config for real (or reads its outcome from a study); None: another process
     has it. ``beat``: the best speed measured so far (samples/s; 0: none), which a config
-    clearly slower stops being timed at (see :meth:`Verifier.run`)."""
+    clearly slower stops being timed at (see :meth:`Verifier.trial`)."""
 
     def __call__(
         self, config: TrainConfig, predicted: Measurement, /, beat: float = 0.0
@@ -291,7 +291,7 @@ def _simplicity_of(c: TrainConfig) -> tuple[int, int, int]:
     return wrapped, mixed, c.grad_accum_steps
 
 
-def settle(
+def retime_contenders(
     verifier: Verifier, records: list[TrialRecord], machine: Noise = QUIET
 ) -> list[TrialRecord]:
     """Time the contenders again, interleaved, until their order is known or they tie.

@@ -354,7 +354,7 @@ def test_estimate_predicts_the_measured_peak(config: TrainConfig) -> None:
     peak, parts = estimate(model, sample, config, device="cpu")
     assert parts.total == peak
     verifier = Verifier(model, sample, device=torch.device("cpu"), budget_bytes=2**30, loss_fn=None)
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None and measured is not None
     if config.offload_optimizer:
         # Gradients leave one by one in the last backward; the model frees a phase's

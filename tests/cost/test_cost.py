@@ -26,7 +26,7 @@ def measured_peak(model: torch.nn.Module, sample: object, config: TrainConfig) -
     verifier = Verifier(
         copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=None, steps=1
     )
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None
     assert measured is not None
     return measured.peak_bytes

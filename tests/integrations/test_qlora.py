@@ -132,7 +132,7 @@ def measured_peak(model: nn.Module, sample: Any, config: TrainConfig) -> int:
         loss_fn=None,
         blocks=BLOCKS,
     )
-    measured, error = verifier.run(config)
+    measured, error = verifier.trial(config)
     assert error is None and measured is not None
     return measured.peak_bytes
 

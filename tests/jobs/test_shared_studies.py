@@ -48,7 +48,7 @@ WORKER = textwrap.dedent(
     import autotune.verify._verification as verification
     hang, marker = int(os.environ.get("HANG_AT", "0")), os.environ.get("MARKER", "")
     stage = os.environ.get("HANG_IN", "record")
-    where = {{"record": (_verifier.Verifier, "record"), "settle": (verification, "settle"),
+    where = {{"record": (_verifier.Verifier, "record"), "retime_contenders": (verification, "retime_contenders"),
              "profile": (tuning, "profile_model"), "search": (layouts, "search")}}[stage]
     original, seen = getattr(*where), []
 
@@ -198,7 +198,7 @@ def test_two_workers_end_with_the_same_winner_and_fallbacks(tmp_path, kind: str)
             ("sqlite", "search", "1"),
             ("journal", "record", "2"),  # verifying the second candidate
             ("sqlite", "record", "2"),
-            ("sqlite", "settle", "1"),  # re-timing the contenders
+            ("sqlite", "retime_contenders", "1"),  # re-timing the contenders
         ],
         [("journal", "profile", "1"), ("sqlite", "record", "2")],  # the first and the middle
     ),
@@ -277,7 +277,10 @@ def test_the_jobs_of_a_64_block_config_fit_the_database(kind: str, tmp_path) -> 
     deep = TrainConfig(checkpoint=blocks[::2], selective_checkpoint=blocks[1::2])
     with opened(fresh(kind, tmp_path, "deep")) as db:  # its connections closed after
         store = StudyStore(db, "deep", {"blocks": list(blocks)})
-        for job in (job_key("verify", deep), job_key("settle", deep, deep.replace(checkpoint=()))):
+        for job in (
+            job_key("verify", deep),
+            job_key("retime_contenders", deep, deep.replace(checkpoint=())),
+        ):
             assert store.once(job, deep.describe, "verifying") == deep.describe()
         for name in optuna.get_all_study_names(db):
             assert len(name) < 100

@@ -409,6 +409,6 @@ def measured_peak(model: nn.Module, batch: Any, config: Any, loss_fn: LossFn | N
         copy.deepcopy(model), batch, device=torch.device("cpu"), budget_bytes=2**40,
         loss_fn=loss_fn, steps=1,
     )  # fmt: skip
-    reading, error = verifier.run(config)
+    reading, error = verifier.trial(config)
     assert error is None and reading is not None, error
     return reading.peak_bytes

@@ -171,7 +171,7 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         def die(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        _verifier.Verifier.run = die  # type: ignore[method-assign]
+        _verifier.Verifier.trial = die  # type: ignore[method-assign]
     if rank == job.get("busy_rank"):  # as if other work shared this rank's cores alone
         from autotune.verify import _verification
 

@@ -85,8 +85,8 @@ def test_the_runner_trains_with_it_and_its_peak_is_predicted() -> None:
         llama(), sample, device=torch.device("cpu"), budget_bytes=2**32, loss_fn=None,
         blocks=autotune.find_blocks(llama()),
     )  # fmt: skip
-    chunked, error = verifier.run(config)
-    plain, _ = verifier.run(config.replace(chunked_loss=False))
+    chunked, error = verifier.trial(config)
+    plain, _ = verifier.trial(config.replace(chunked_loss=False))
     assert error is None and chunked is not None and plain is not None
     assert chunked.peak_bytes == predicted
     assert chunked.peak_bytes < 0.8 * plain.peak_bytes

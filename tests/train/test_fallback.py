@@ -48,7 +48,7 @@ def peak(model: nn.Module, sample: object, config: TrainConfig, loss_fn=None) ->
     verifier = Verifier(
         copy.deepcopy(model), sample, device=CPU, budget_bytes=2**40, loss_fn=loss_fn, steps=1
     )
-    measured, _ = verifier.run(config)
+    measured, _ = verifier.trial(config)
     assert measured is not None
     return measured.peak_bytes
 

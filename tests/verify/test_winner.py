@@ -15,7 +15,7 @@ from autotune.verify._winner import (
     choose_winner,
     fastest,
     known_ahead,
-    settle,
+    retime_contenders,
     speeds,
     tied_with,
 )
@@ -143,7 +143,7 @@ def test_settle_races_only_the_contenders_whose_order_is_not_known() -> None:
     # 1.645 standard errors of the noise (the two rounds' ratios pooled with the 3%
     # assumed: 2.5%), so 4 stops racing after one round.
     clock = Clockwork({8: [0.080], 4: [4 / 92]})
-    settled = settle(clock, records)  # type: ignore[arg-type]
+    settled = retime_contenders(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4]
     timings = {r.config.micro_batch_size: r.timings for r in settled}
     assert timings == {8: (0.08, 0.08), 4: (4 / 94, 4 / 92), 2: (), 1: ()}
@@ -157,7 +157,7 @@ def test_two_rounds_that_agree_do_not_pass_for_a_quiet_machine() -> None:
     rounds, so the lead is not yet known and the race goes on."""
     records = [record(8, 100.0), record(4, 97.0)]
     clock = Clockwork({8: [0.080, 0.080], 4: [4 / 96, 4 / 96]})
-    settle(clock, records)  # type: ignore[arg-type]
+    retime_contenders(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4, 8, 4]
 
 
@@ -167,7 +167,7 @@ def test_settle_calls_a_tie_when_the_lead_stays_within_the_noise() -> None:
     3% apart in both timings, it goes on to the last round."""
     records = [record(8, 100.0), record(4, 99.0)]
     clock = Clockwork({8: [0.081, 0.079], 4: [0.0402, 0.0406]})
-    settled = settle(clock, records)  # type: ignore[arg-type]
+    settled = retime_contenders(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4]
     assert all(len(r.timings) == 2 for r in settled)
     sigma = sigma_of(settled)
@@ -175,7 +175,7 @@ def test_settle_calls_a_tie_when_the_lead_stays_within_the_noise() -> None:
     assert not known_ahead(a, b, sigma)
     records = [record(8, 100.0), record(4, 97.0)]
     clock = Clockwork({8: [0.081, 0.079], 4: [4 / 96, 4 / 96]})
-    settle(clock, records)  # type: ignore[arg-type]
+    retime_contenders(clock, records)  # type: ignore[arg-type]
     assert clock.asked == [8, 4, 8, 4]
 
 
@@ -262,9 +262,9 @@ def test_on_a_busy_machine_every_close_contender_races_a_round_more() -> None:
     from autotune.verify._winner import tied_with
 
     records = [record(8, 100.0), record(2, 87.0), record(1, 77.0)]
-    assert settle(Clockwork({}), records) == records  # quiet: nothing raced
+    assert retime_contenders(Clockwork({}), records) == records  # quiet: nothing raced
     clock = Clockwork({8: [0.080, 0.081, 0.080], 2: [2 / 99.0, 2 / 101.0, 2 / 100.0]})
-    settled = settle(clock, records, BUSY)  # type: ignore[arg-type]
+    settled = retime_contenders(clock, records, BUSY)  # type: ignore[arg-type]
     assert clock.asked == [8, 2] * 2  # 1 is 30% behind: known even here
     chosen = fastest(settled, BUSY)
     tied, sigma = tied_with(chosen, settled, BUSY)
