@@ -179,11 +179,11 @@ def tune(job: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     deepened = []
     if job.get("shallow"):  # as if the whole model did not fit the device: copies of 3 and 4
         from autotune.measure import _depth
-        from autotune.tuning import _pieces
+        from autotune.tuning import _profiling
 
         _depth._WHOLE_SHARE = 0.0
-        deepen = _pieces.deepen
-        _pieces.deepen = lambda *a: deepened.append(1) or deepen(*a)  # type: ignore[assignment]
+        deepen = _profiling.deepen
+        _profiling.deepen = lambda *a: deepened.append(1) or deepen(*a)  # type: ignore[assignment]
     model, loss_fn, data = model_and_data(job["model"], 8)
     result = autotune.autotune(
         model,

@@ -31,7 +31,7 @@ def verifier() -> Verifier:
 def test_an_offloaded_optimizer_leaves_no_hooks_behind() -> None:
     v = verifier()
     for _ in range(2):
-        measured, error = v.run(TrainConfig(micro_batch_size=4, offload_optimizer=True))
+        measured, error = v.trial(TrainConfig(micro_batch_size=4, offload_optimizer=True))
         assert error is None and measured is not None
     assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
     assert all(p.grad is None for p in v.model.parameters())
@@ -52,7 +52,7 @@ def test_an_oom_mid_step_leaves_no_gradient_on_either_side(monkeypatch) -> None:
     monkeypatch.setattr(Runner, "forward_loss", failing)
     v = verifier()
     config = TrainConfig(micro_batch_size=2, grad_accum_steps=2, offload_optimizer=True)
-    measured, error = v.run(config)
+    measured, error = v.trial(config)
     assert measured is None and error is not None and "out of memory" in error
     assert all(p.grad is None for p in v.model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in v.model.parameters())
@@ -93,12 +93,12 @@ def test_a_peak_is_measured_over_two_micro_batches_a_step_and_is_the_whole_steps
     v = verifier()
     rows: list[int] = []
     hook = v.model.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
-    alone, error = v.run(config, timed=False)
+    alone, error = v.trial(config, timed=False)
     assert error is None and alone is not None
     assert rows == [2, 2, 2]  # one micro-batch, then two and the step
     assert alone.samples_per_s == 0.0 and alone.step_s == 0.0
     rows.clear()
-    timed, error = v.run(config)
+    timed, error = v.trial(config)
     assert error is None and timed is not None and timed.samples_per_s > 0
     assert rows[:3] == [2, 2, 2] and len(rows) >= 3 + 3 * 8  # then whole steps, timed
     rows.clear()
@@ -116,10 +116,10 @@ def test_a_config_slower_than_the_best_so_far_stops_after_two_timed_steps() -> N
     steps: list[int] = []
     hook = v.model.register_forward_pre_hook(lambda m, args: steps.append(1))
     config = TrainConfig(micro_batch_size=4)
-    lost, error = v.run(config, beat=1e9)
+    lost, error = v.trial(config, beat=1e9)
     assert error is None and lost is not None and lost.samples_per_s > 0
     assert len(steps) == 2 + 2  # the warm-up and the peak's step (one micro-batch), two timed
     steps.clear()
-    plain, error = v.run(config)
+    plain, error = v.trial(config)
     hook.remove()
     assert error is None and plain is not None and len(steps) >= 2 + 3
