@@ -1,5 +1,5 @@
 """The budget held in real training on fresh batches, for every model of
-``tests/test_training_budget.py`` (the tests run the convnet alone): each is tuned, then
+``tests/train/test_training_budget.py`` (the tests run the convnet alone): each is tuned, then
 trained for 30 steps on batches made as a DataLoader makes them, every byte counted.
 
     python benchmarks/fresh_batches.py            # gpt, convnet, vit: ~6 min on 2 cores

@@ -54,7 +54,7 @@ if [ -z "$smoke" ] && [ -f .gpu/peakwatch.py ]; then meter=(python .gpu/peakwatc
 case "${1:-}" in
   all)
     if [ -n "$smoke" ]; then
-      step tests 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+      step tests 120 python -m pytest -q -p no:cacheprovider tests/device/test_cuda.py \
         --junitxml="$out/cuda-tests.xml"
       step calibrate 300 python benchmarks/calibrate.py --small --device cpu --sizes 2 \
         --precisions fp32 --variants kept ckpt --out "$out/calibration.json" \
@@ -63,7 +63,7 @@ case "${1:-}" in
       step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu \
         ${KIT_SMOKE_JOBS:+--only $KIT_SMOKE_JOBS} --out "$out/jobs.json"
     else
-      step tests 60 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
+      step tests 60 python -m pytest -q -x -p no:cacheprovider tests/device/test_cuda.py \
         --junitxml="$out/cuda-tests.xml"
       # One size a variant, each measured step's allocator trace kept (test data for the
       # allocator's model: copy them to tests/data/allocator-traces).
@@ -80,7 +80,7 @@ case "${1:-}" in
     step jobs-rest 540 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 16GiB card \
       --out "$out/jobs-rest.json" ;;
   table)     python benchmarks/gpu_jobs.py --table "$out" ;;
-  tests)     python -m pytest -q tests/test_cuda.py tests/test_caching_device.py \
+  tests)     python -m pytest -q tests/device/test_cuda.py tests/device/test_caching_device.py \
                --junitxml="$out/cuda-tests.xml" ;;
   calibrate) python benchmarks/calibrate.py --device cuda --out "$out/calibration.json" \
                --traces "$out/traces" ;;

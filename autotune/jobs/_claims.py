@@ -215,10 +215,6 @@ class Claims:
         silent = time.time() - float(attrs.get("beat", time.time()))
         return Holder(str(attrs.get("machine", "?")), int(attrs.get("pid", 0)), silent)
 
-    def live_elsewhere(self, job: str) -> bool:
-        """Whether another process holds a live claim on ``job``."""
-        return self.holder(job) is not None
-
     def _attempts(self, job: str) -> dict[int, _Attempt]:
         """``job``'s claims and commit marker in the storage, by attempt."""
         start = f"{self.prefix}{job}{_SEP}"

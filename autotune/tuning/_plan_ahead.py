@@ -160,7 +160,7 @@ def plan_with(
             result = rank_checked(
                 result, candidates, profile, build, sample_batch, options.loss_fn, problem.limit
             )
-    plans = tuple(
+    kept = tuple(
         TrialRecord(
             c.config,
             result.predicted if c.config == result.config else c.prediction.measurement,
@@ -171,7 +171,7 @@ def plan_with(
     )
     return dataclasses.replace(
         result,
-        trials=plans,
+        trials=kept,
         tuning_s=watch.elapsed(),
         spent=watch.spent(),
         unverified=(*planning_notes(spec), *result.unverified),

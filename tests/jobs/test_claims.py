@@ -38,7 +38,7 @@ def test_one_process_owns_a_job_until_it_is_done(storage) -> None:
     assert owned is not None
     with owned:
         assert b.claim("job") is None  # a live claim of another process
-        assert b.live_elsewhere("job") and not a.live_elsewhere("job")
+        assert b.holder("job") is not None and a.holder("job") is None
 
 
 def test_a_claim_that_stops_beating_lapses(storage, monkeypatch) -> None:
@@ -47,7 +47,7 @@ def test_a_claim_that_stops_beating_lapses(storage, monkeypatch) -> None:
     assert a.claim("job") is not None  # and never entered: no beat after the first
     assert b.claim("job") is None
     time.sleep(0.5)
-    assert not b.live_elsewhere("job")
+    assert b.holder("job") is None
     assert b.claim("job") is not None  # attempt 1, taken over
 
 
@@ -59,7 +59,7 @@ def test_a_live_claim_keeps_beating(storage, monkeypatch) -> None:
     assert owned is not None
     with owned:
         time.sleep(1.0)  # twice the grace: only the beat keeps it
-        assert b.live_elsewhere("job")
+        assert b.holder("job") is not None
 
 
 def test_an_interrupted_owner_releases_its_claim_at_once(storage) -> None:
@@ -68,7 +68,7 @@ def test_an_interrupted_owner_releases_its_claim_at_once(storage) -> None:
     assert owned is not None
     with pytest.raises(KeyboardInterrupt), owned:
         raise KeyboardInterrupt
-    assert not b.live_elsewhere("job")
+    assert b.holder("job") is None
     assert b.claim("job") is not None
 
 

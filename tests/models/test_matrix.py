@@ -53,7 +53,7 @@ def test_case(name: str) -> None:
 
 TUNED_HERE = ["gpt2", "resnet"]
 """Of the cases marked ``tuned``, a decoder and a BatchNorm vision model (``-m sweep``;
-tests/test_tune.py tunes a GPT end to end in CI, and the trainers' tests Hugging Face
+tests/tuning/test_tune.py tunes a GPT end to end in CI, and the trainers' tests Hugging Face
 models); every one is tuned by ``python benchmarks/matrix.py --tuned`` (10 minutes on a
 2-core VM)."""
 

@@ -3,7 +3,7 @@
 On a device with a caching allocator, peaks are the allocator's reserved peak plus the
 context; the profile's timeline is still in live bytes, counted by the tracker; the
 allocator is capped at the budget during verification and the user's cap comes back
-after. These tests run that code in CI (see tests/simulated_cuda.py); tests/test_cuda.py
+after. These tests run that code in CI (see tests/simulated_cuda.py); tests/device/test_cuda.py
 runs it on a real GPU.
 """
 

@@ -200,10 +200,10 @@ def test_autotune_searches_compiled_blocks_and_the_job_starts_from_its_compiles(
     torch's tracing builds other graphs)."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]),
     }
     path = tmp_path / "tuned.yaml"
-    run = [sys.executable, str(Path(__file__).parent / "pointwise_chain.py"), str(path)]
+    run = [sys.executable, str(Path(__file__).parents[1] / "pointwise_chain.py"), str(path)]
     done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     result = autotune.load(path)

@@ -19,7 +19,7 @@ from autotune.device._allocator_trace import (
 from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator, OutOfMemory
 
 MiB = 2**20
-TRACES = sorted((Path(__file__).parent / "data" / "allocator-traces").glob("*.json.gz"))
+TRACES = sorted((Path(__file__).parents[1] / "data" / "allocator-traces").glob("*.json.gz"))
 
 
 def test_sizes_round_to_512_bytes_or_to_power_of_two_divisions() -> None:

@@ -2,7 +2,7 @@
 
 CI has no GPU. These tests check that each call reaches torch with this device and that
 the logic around the calls holds (the cap gives back the user's fraction, the context
-is found through NVML); tests/test_cuda.py runs the same class on a real GPU.
+is found through NVML); tests/device/test_cuda.py runs the same class on a real GPU.
 """
 
 from __future__ import annotations
