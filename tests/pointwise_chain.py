@@ -1,6 +1,7 @@
 """A model whose blocks compiling speeds up by far more than any CPU's noise: a helper
 module, not a test module, so that a new process builds the same graphs the tuner did
-(pytest rewrites a test module's code)."""
+(pytest rewrites a test module's code). And the block the compiled-block tests share
+(:class:`Block`), one class whose code inductor compiles once for all of them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import torch
 from torch import nn
 
 import autotune
+
+
+class Block(nn.Module):
+    """Norm, expand, a pointwise chain inductor fuses, project, residual."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(self.norm(x))) * 2
+        return x + self.down(h).tanh()
 
 
 class Chain(nn.Module):

@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 from counted_ops import CountedOps
+from pointwise_chain import Block
 from torch import nn
 
 from autotune.errors import BlockError
@@ -25,20 +26,6 @@ from autotune.train._compiled import (
     is_compiled,
     uncompile_blocks,
 )
-
-
-class Block(nn.Module):
-    """Norm, expand, a pointwise chain inductor fuses, project, residual."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.gelu(self.up(self.norm(x))) * 2
-        return x + self.down(h).tanh()
 
 
 def model() -> nn.Sequential:

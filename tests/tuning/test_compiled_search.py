@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pointwise_chain import chained
+from pointwise_chain import Block, chained
 from sweeps import sweep
 from torch import nn
 
@@ -31,20 +31,6 @@ from autotune.train._compiled import is_compiled, measured_compiling
 from autotune.verify._verifier import Verifier
 
 BLOCKS = ("0", "1", "2")
-
-
-class Block(nn.Module):
-    """Norm, expand, a pointwise chain inductor fuses, project, residual."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.gelu(self.up(self.norm(x))) * 2
-        return x + self.down(h).tanh()
 
 
 def model() -> nn.Sequential:

@@ -35,17 +35,23 @@ def run() -> tuple[Any, Problem, Any, Shortlist]:
     return replica, problem, profile, shortlist(problem, profile, options, LocalJobs())
 
 
-def _verify(run: tuple[Any, Problem, Any, Shortlist], **kwargs: Any) -> Any:
+def _verify(
+    run: tuple[Any, Problem, Any, Shortlist],
+    plan: TuneResult | None = None,
+    ends: float | None = None,
+) -> Any:
     replica, problem, profile, searched = run
     verifier = Verifier.of(problem.workload(replica), problem.budget, 0, profile.written)
-    args: dict[str, Any] = {"plan": None, "started": None, "eval_batch": None}
     return verification(
         verifier,
         searched.choosers,
         searched.candidates,
         LocalJobs(),
+        plan=plan,
+        started=None,
+        eval_batch=None,
         largest_batch=problem.space.max_micro_batch_size,
-        **{**args, **kwargs},
+        ends=ends,
     )
 
 
