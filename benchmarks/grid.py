@@ -180,7 +180,7 @@ class Sweep:
                 )
             if seen_budget >= budget_bytes:
                 return Point(config, None, point.error)
-        measured, error = self.verifier(budget_bytes).run(config)
+        measured, error = self.verifier(budget_bytes).trial(config)
         point = Point(config, measured, error)
         if reuse and self.device.type == "cpu":
             self._seen[config] = (budget_bytes, point)
