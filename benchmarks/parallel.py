@@ -157,7 +157,7 @@ def main() -> None:
 def readings() -> dict[str, Any]:
     """FSDP2 on 2 ranks, tuned within 0.06 GiB: the winner's peak a rank as predicted, as
     verified, as ``autotune.peak_memory`` reads it from before the first step, and as an
-    independent count of every live storage (``storage_count.py``)."""
+    independent count of every live storage (``tests/storage_count.py``)."""
     job = {"model": READINGS, "budget_gb": 0.06, "global_batch": 32}
     r = launch(2, {"readings": job})
     spread = max(r[k] for k in FIGURES) / min(r[k] for k in FIGURES) - 1

@@ -444,3 +444,21 @@ def test_no_function_gives_a_module_level_name_a_second_meaning() -> None:
                     declared.update(node.names)
             shadowed += [f"{module}:{fn.lineno} {fn.name}: {n}" for n in (names & top) - declared]
     assert shadowed == []
+
+
+def test_no_test_imports_the_benchmarks() -> None:
+    """The tests stand on the package and on ``tests/`` alone: no test module imports the
+    ``benchmarks`` package (a benchmark may run a test's model at a larger size, never
+    the other way round), so a benchmark's edit cannot break CI."""
+    importing = []
+    for path in PACKAGE.parent.joinpath("tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            if "benchmarks" in roots:
+                importing.append(f"{path.name}:{node.lineno}")
+    assert importing == []

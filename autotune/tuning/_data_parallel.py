@@ -52,9 +52,9 @@ def shortlist(
     return Shortlist(layouts, _search_layouts(layouts, jobs, options))
 
 
-def merged(found: Sequence[list[Candidate]]) -> list[Candidate]:
+def merged(per_layout: Sequence[list[Candidate]]) -> list[Candidate]:
     """Every layout's candidates, fastest predicted first."""
-    return sorted((c for cs in found for c in cs), key=Candidate.order)
+    return sorted((c for cs in per_layout for c in cs), key=Candidate.order)
 
 
 def planned_notes(config: TrainConfig, comm_measured: bool) -> tuple[str, ...]:
@@ -110,7 +110,7 @@ def _search_layouts(
     """Every layout's candidates, fastest predicted first (each layout searched once
     among the processes that share ``jobs``)."""
     n_trials, timeout_s, seed = options.n_trials, options.timeout_s, options.seed
-    found = []
+    per_layout = []
     for chooser in layouts:
         log.info(
             "searching: %d micro-batch sizes x %s x %s%s",
@@ -132,8 +132,8 @@ def _search_layouts(
 
         layout = chooser.cost.layout.describe()
         job = job_id("search", layout, *map(str, (n_trials, timeout_s, seed)))
-        found.append(jobs.once(job, run_search, "searching", _candidates(chooser.cost)))
-    return merged(found)
+        per_layout.append(jobs.once(job, run_search, "searching", _candidates(chooser.cost)))
+    return merged(per_layout)
 
 
 def _candidates(cost: CostModel) -> Codec:

@@ -135,8 +135,8 @@ def readings(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """Three readings of the same three steps of ``spec`` on this rank, the first step
     included: the peak predicted from one process, ``autotune.peak_memory`` around the
     runner, and an independent count of every storage any op receives or returns."""
-    sys.path.insert(0, str(Path(__file__).parents[2]))
-    from benchmarks.storage_count import StorageCount
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/
+    from storage_count import StorageCount
 
     local = spec["micro"] * spec["accum"]
     config = config_of(spec, world)

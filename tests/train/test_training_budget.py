@@ -256,9 +256,9 @@ def test_a_runner_with_fallbacks_holds_what_was_predicted_in_every_trainer(case:
     step writes is copied for the fallbacks, and the copy is in the prediction; the
     config trained without fallbacks holds the prediction less the copy."""
     import lightning.pytorch as pl
+    from storage_count import StorageCount
 
     from autotune.integrations.lightning import Autotune
-    from benchmarks.storage_count import StorageCount
 
     build, budget_mib, written = BUFFERED[case]
     torch.manual_seed(0)
