@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from autotune.config import Timeline
+
 __all__ = [
     "CHECKPOINT",
     "KEEP",
@@ -300,9 +302,9 @@ class Requests:
 
 @dataclass(frozen=True)
 class PrecisionProfile:
-    """What one precision costs."""
+    """What one timeline costs (a precision, compiled or not, its loss chunked or not)."""
 
-    precision: str
+    timeline: Timeline
     base_bytes: int
     """Live bytes at step start without optimizer state (parameters, buffers, scaler)."""
     phases: tuple[Phase, ...]
@@ -348,7 +350,8 @@ class Profile:
     """Each block's share of the blocks' forward time (sums to 1)."""
     param_bytes: int
     grad_bytes: int
-    precisions: dict[str, PrecisionProfile]
+    precisions: dict[Timeline, PrecisionProfile]
+    """Each timeline's costs (saved as ``precisions``, by each timeline's name)."""
     optimizers: dict[str, OptimizerProfile]
     context_bytes: int = 0
     seconds: float = 0.0
@@ -367,9 +370,9 @@ class Profile:
     (the whole step's batch is held through the step; 0: it is copied up per micro-batch)."""
     comm: Collectives | None = None
     """The process group's collectives (``None``: measured in one process)."""
-    sharded: dict[str, PrecisionProfile] = dataclasses.field(default_factory=dict)
+    sharded: dict[Timeline, PrecisionProfile] = dataclasses.field(default_factory=dict)
     """Timelines with the parameters in the precision's dtype (FSDP2's mixed precision),
-    by precision (empty: not profiled)."""
+    by timeline (empty: not profiled)."""
     layout: tuple[tuple[int, int, int, int, int], ...] = ()
     """Every parameter as ``(unit, rows, bytes per row, element size, trainable)``: its
     block's index (-1: outside the blocks) and what sharding it on its first dimension
@@ -405,8 +408,20 @@ class Profile:
 
 
 def profile_to_json(profile: Profile) -> str:
-    """The profile as JSON, to keep it with a study and resume without measuring again."""
-    return json.dumps(dataclasses.asdict(profile))
+    """The profile as JSON, to keep it with a study and resume without measuring again
+    (each timeline by its name, as saved before timelines were typed)."""
+
+    def named(by_timeline: dict[Timeline, PrecisionProfile]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for timeline, costs in by_timeline.items():
+            fields = dataclasses.asdict(costs)
+            del fields["timeline"]
+            out[str(timeline)] = {"precision": str(timeline), **fields}
+        return out
+
+    d = dataclasses.asdict(dataclasses.replace(profile, precisions={}, sharded={}))
+    d.update(precisions=named(profile.precisions), sharded=named(profile.sharded))
+    return json.dumps(d)
 
 
 def profile_from_json(text: str) -> Profile:
@@ -433,7 +448,7 @@ def profile_from_json(text: str) -> Profile:
         t = p["time"]
         curve = None if t is None else TimeCurve(**{k: tuple(v) for k, v in t.items()})
         return PrecisionProfile(
-            p["precision"],
+            Timeline.named(p["precision"]),
             p["base_bytes"],
             phases,
             curve,
@@ -451,7 +466,7 @@ def profile_from_json(text: str) -> Profile:
         block_weights=tuple(d["block_weights"]),
         param_bytes=d["param_bytes"],
         grad_bytes=d["grad_bytes"],
-        precisions={k: precision(v) for k, v in d["precisions"].items()},
+        precisions={Timeline.named(k): precision(v) for k, v in d["precisions"].items()},
         optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
         context_bytes=d["context_bytes"],
         seconds=d["seconds"],
@@ -462,7 +477,7 @@ def profile_from_json(text: str) -> Profile:
         host_is_device=d["host_is_device"],
         input_bytes_per_sample=d["input_bytes_per_sample"],
         comm=_collectives(d.get("comm")),
-        sharded={k: precision(v) for k, v in d.get("sharded", {}).items()},
+        sharded={Timeline.named(k): precision(v) for k, v in d.get("sharded", {}).items()},
         layout=tuple(tuple(row) for row in d.get("layout", ())),
         untrainable=tuple(d.get("untrainable", ())),
         input_bytes_widest=tuple(d.get("input_bytes_widest", ())),

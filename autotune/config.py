@@ -24,15 +24,10 @@ __all__ = [
     "PAGED_OPTIMIZERS",
     "PARALLEL",
     "PRECISIONS",
+    "Timeline",
     "TrainConfig",
     "check_optimizer",
     "is_factory",
-    "timeline_chunked",
-    "timeline_key",
-    "timeline_knobs",
-    "timeline_level",
-    "timeline_parts",
-    "timeline_unchunked",
 ]
 
 MAX_BATCH = 2**31 - 1
@@ -96,55 +91,62 @@ COMPILE_LEVELS: tuple[str, ...] = ("none", "blocks", "model")
 """What runs through ``torch.compile``: nothing, each block (``compile_blocks``), or the
 whole model with its loss (``compile_model``)."""
 _SUFFIXES = {"none": "", "blocks": "+compiled", "model": "+model"}
-"""The suffix of each compile level's timeline key (see :func:`timeline_key`)."""
-
-
+"""The suffix of each compile level in a timeline's saved name (see :class:`Timeline`)."""
 _CHUNKED = "+chunked"
-"""The suffix of a timeline whose loss is chunked (see :func:`timeline_key`)."""
+"""The suffix of a chunked loss in a timeline's saved name."""
 
 
-def timeline_key(precision: str, level: str, chunked: bool = False) -> str:
-    """The key of a profile's timeline: the precision, ``+compiled`` where the blocks run
-    compiled, ``+model`` where the model and its loss do, ``+chunked`` where the loss is
-    chunked (each a timeline of its own)."""
-    return precision + _SUFFIXES[level] + (_CHUNKED if chunked else "")
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Which of a profile's memory timelines a config trains on: its precision, what
+    runs compiled, and whether its loss is chunked. Each is a timeline of its own; a
+    compiled timeline keeps or checkpoints its blocks whole, never selectively or
+    offloaded.
 
+    Saved (in profiles, and as a study's sampled value) by its name, ``str(timeline)``:
+    the precision, ``+compiled`` where the blocks run compiled, ``+model`` where the model
+    and its loss do, ``+chunked`` where the loss is chunked (``bf16+compiled+chunked``).
+    """
 
-def timeline_chunked(key: str) -> bool:
-    """Whether the loss of timeline ``key`` is chunked."""
-    return key.endswith(_CHUNKED)
+    precision: str
+    level: str = "none"
+    """What runs compiled, one of :data:`COMPILE_LEVELS`."""
+    chunked: bool = False
 
+    def __str__(self) -> str:
+        return self.precision + _SUFFIXES[self.level] + (_CHUNKED if self.chunked else "")
 
-def timeline_unchunked(key: str) -> str:
-    """Timeline ``key`` with the plain loss (its twin, for a chunked one)."""
-    return key.removesuffix(_CHUNKED)
+    @staticmethod
+    def named(name: str) -> Timeline:
+        """The timeline saved as ``name`` (the inverse of ``str``)."""
+        plain = name.removesuffix(_CHUNKED)
+        level = next((lv for lv, s in _SUFFIXES.items() if s and plain.endswith(s)), "none")
+        return Timeline(plain.removesuffix(_SUFFIXES[level]), level, plain != name)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether anything runs compiled (the blocks or the whole model)."""
+        return self.level != "none"
 
-def timeline_level(key: str) -> str:
-    """The compile level of a :func:`timeline_key`."""
-    key = key.removesuffix(_CHUNKED)
-    return next((level for level, s in _SUFFIXES.items() if s and key.endswith(s)), "none")
+    @property
+    def eager(self) -> Timeline:
+        """This timeline's precision and loss, nothing compiled."""
+        return dataclasses.replace(self, level="none")
 
+    @property
+    def unchunked(self) -> Timeline:
+        """This timeline with the plain loss (its twin, for a chunked one)."""
+        return dataclasses.replace(self, chunked=False)
 
-def timeline_parts(key: str) -> tuple[str, bool]:
-    """(precision, compiled at any level) of a :func:`timeline_key`: a compiled timeline
-    keeps or checkpoints its blocks whole, never selectively or offloaded."""
-    level = timeline_level(key)
-    return key.removesuffix(_CHUNKED).removesuffix(_SUFFIXES[level]), level != "none"
-
-
-def timeline_knobs(key: str, blocks: tuple[str, ...]) -> dict[str, Any]:
-    """The :class:`TrainConfig` knobs of timeline ``key`` over a model's ``blocks``: its
-    precision, every block compiled or the model compiled, and the loss chunked, as the
-    timeline is."""
-    precision, _ = timeline_parts(key)
-    level = timeline_level(key)
-    return {
-        "precision": precision,
-        "compile_blocks": blocks if level == "blocks" else (),
-        "compile_model": level == "model",
-        "chunked_loss": timeline_chunked(key),
-    }
+    def knobs(self, blocks: tuple[str, ...]) -> dict[str, Any]:
+        """The :class:`TrainConfig` knobs of this timeline over a model's ``blocks``: its
+        precision, every block compiled or the model compiled, and the loss chunked."""
+        return {
+            "precision": self.precision,
+            "compile_blocks": blocks if self.level == "blocks" else (),
+            "compile_model": self.level == "model",
+            "chunked_loss": self.chunked,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +213,9 @@ class TrainConfig:
         return "blocks" if self.compile_blocks else "none"
 
     @property
-    def timeline(self) -> str:
-        """The key of the profile's timeline this config trains on (see :func:`timeline_key`)."""
-        return timeline_key(self.precision, self.compile_level, self.chunked_loss)
+    def timeline(self) -> Timeline:
+        """The profile's timeline this config trains on."""
+        return Timeline(self.precision, self.compile_level, self.chunked_loss)
 
     def __post_init__(self) -> None:
         names = ("micro_batch_size", "grad_accum_steps")

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import autotune
 from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE
+from autotune.config import Timeline
 from autotune.measure._profiler import Profiler
 from benchmarks.budgets import budgets_for
 from benchmarks.cases import Case, cases_for
@@ -123,7 +124,7 @@ def _variants(case: Case, model: torch.nn.Module, config: autotune.TrainConfig) 
     profiler = Profiler(copy.deepcopy(model), case.sample(8), blocks, device=torch.device("cpu"),
                         loss_fn=case.loss_fn)  # fmt: skip
     b, p = config.micro_batch_size, config.precision
-    times = profiler.fwd_bwd_times(p, b, (KEEP, CHECKPOINT, SELECTIVE))
+    times = profiler.fwd_bwd_times(Timeline(p), b, (KEEP, CHECKPOINT, SELECTIVE))
     base = autotune.TrainConfig(micro_batch_size=b, precision=p)
     peaks = {
         name: autotune.estimate(model, case.sample(8), c, device="cpu", loss_fn=case.loss_fn)[0]

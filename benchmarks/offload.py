@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 import autotune
+from autotune.config import Timeline
 from autotune.cost._cost_model import CHECKPOINT, CostModel
 from autotune.device._target import discover
 from autotune.measure._collectives import measure_transfer
@@ -52,7 +53,7 @@ def overhead_and_prediction(device: torch.device, size: dict[str, int], b: int) 
     )
     profile, _ = memory_profile(
         profiler,
-        (precision,),
+        (Timeline(precision),),
         ("adamw",),
         device_name=target.name,
         context_bytes=0,
@@ -94,10 +95,11 @@ def _with_time(profile, model, sample, device, precision, b):
         copy.deepcopy(model).to(device), sample, profile.blocks, device=device, loss_fn=None
     )
     sizes = sorted({max(1, b // 2), b})
-    times = tuple(profiler.fwd_bwd_time(precision, s) for s in sizes)
-    ratio = profiler.fwd_bwd_time(precision, b, every=CHECKPOINT) / times[-1] - 1
+    timeline = Timeline(precision)
+    times = tuple(profiler.fwd_bwd_time(timeline, s) for s in sizes)
+    ratio = profiler.fwd_bwd_time(timeline, b, every=CHECKPOINT) / times[-1] - 1
     curve = TimeCurve(tuple(sizes), times, (b,), (ratio,))
-    weights = profiler.block_weights(precision, b)
+    weights = profiler.block_weights(timeline, b)
     optimizers = {
         k: dataclasses.replace(v, step_s=_step_s(profiler, b))
         for k, v in profile.optimizers.items()

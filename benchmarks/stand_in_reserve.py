@@ -31,7 +31,7 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "tests")]
 from simulated_cuda import SimulatedAllocator, SimulatedCuda  # noqa: E402
 
 from autotune._profile_data import Profile  # noqa: E402
-from autotune.config import TrainConfig  # noqa: E402
+from autotune.config import Timeline, TrainConfig  # noqa: E402
 from autotune.cost._memory_model import MemoryModel  # noqa: E402
 from autotune.device import _backend  # noqa: E402
 from autotune.measure._memory_profile import memory_profile  # noqa: E402
@@ -66,7 +66,11 @@ def main() -> None:
         work = copy.deepcopy(model)
         profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
         profile, _ = memory_profile(
-            profiler, tuple(args.precisions), ("adamw",), device_name="stand-in", context_bytes=0
+            profiler,
+            tuple(Timeline(p) for p in args.precisions),
+            ("adamw",),
+            device_name="stand-in",
+            context_bytes=0,
         )
         del profiler
         models = {"fitted": MemoryModel(fitted_only(profile)), "replayed": MemoryModel(profile)}

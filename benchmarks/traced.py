@@ -32,6 +32,7 @@ from torchvision_ops import declare_torchvision_ops
 
 from autotune._blocks import find_blocks
 from autotune._profile_data import profile_to_json
+from autotune.config import Timeline
 from autotune.measure._fake import traced
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
@@ -47,7 +48,12 @@ def memory_of(built: Built, precisions: tuple[str, ...]) -> dict[str, Any]:
     blocks = tuple(find_blocks(model))
     profiler = Profiler(model, batch, blocks, device=torch.device("cpu"), loss_fn=loss_fn)
     profile, _ = memory_profile(
-        profiler, precisions, ("adamw",), device_name="cpu", context_bytes=0, selective=True
+        profiler,
+        tuple(Timeline(p) for p in precisions),
+        ("adamw",),
+        device_name="cpu",
+        context_bytes=0,
+        selective=True,
     )
     return _bytes_only(json.loads(profile_to_json(profile)))
 

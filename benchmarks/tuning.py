@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import autotune
-from autotune.config import timeline_parts
+from autotune.config import Timeline
 
 from .budgets import Budget
 from .cases import Case
@@ -64,7 +64,7 @@ def tune(
         if found := _SEARCHING.search(m):
             precisions, optimizers = found.group(1).split("/"), found.group(2).split("/")
     # The grid is eager: a compiled timeline's precision is searched there without it.
-    precisions = list(dict.fromkeys(timeline_parts(p)[0] for p in precisions))
+    precisions = list(dict.fromkeys(Timeline.named(p).precision for p in precisions))
     notes = [m.removeprefix("note: ") for m in messages if m.startswith("note:")]
     return result, Searched(precisions, optimizers, notes)
 

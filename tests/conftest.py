@@ -10,6 +10,7 @@ import torch
 from torchvision_ops import declare_torchvision_ops
 
 from autotune._profile_data import Profile
+from autotune.config import Timeline
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
 from autotune.models import GPT, gpt_batch, tiny_gpt
@@ -74,7 +75,7 @@ def gpt_profile(gpt3_model: GPT, gpt3_sample: object) -> Profile:
     profiler = Profiler(work, gpt3_sample, blocks, device=torch.device("cpu"), loss_fn=None)
     profile, _ = memory_profile(
         profiler,
-        ("fp32", "bf16"),
+        (Timeline("fp32"), Timeline("bf16")),
         ("adamw", "sgd"),
         device_name="cpu",
         context_bytes=0,

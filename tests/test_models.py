@@ -18,6 +18,7 @@ from torch import nn
 
 from autotune import TrainConfig, find_blocks
 from autotune._profile_data import Profile, profile_from_json, profile_to_json
+from autotune.config import Timeline
 from autotune.cost._cost_model import CostModel
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
@@ -89,7 +90,11 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, object]]] = {
 def profile(model: nn.Module, sample: object, blocks: tuple[str, ...]) -> Profile:
     profiler = Profiler(model, sample, blocks, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
-        profiler, ("fp32", "bf16"), ("adamw",), device_name="cpu", context_bytes=0
+        profiler,
+        (Timeline("fp32"), Timeline("bf16")),
+        ("adamw",),
+        device_name="cpu",
+        context_bytes=0,
     )
     return profile
 
@@ -147,7 +152,7 @@ def test_a_checkpointed_layer_holding_what_python_drops_is_predicted_exactly() -
     model, sample = peft.get_peft_model(transformers.Qwen2ForCausalLM(c), lora), lm_batch(96)
     blocks = find_blocks(model)
     measured_profile = profile(copy.deepcopy(model), sample, blocks)
-    assert measured_profile.precisions["fp32"].crossings  # what moves, kept with a study:
+    assert measured_profile.precisions[Timeline("fp32")].crossings  # what moves, kept with a study:
     assert profile_from_json(profile_to_json(measured_profile)) == measured_profile
     cost = CostModel(measured_profile)
     for config in (

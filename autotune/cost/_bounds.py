@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from autotune._profile_data import Profile
-from autotune.config import BITSANDBYTES_OPTIMIZERS, TrainConfig
+from autotune.config import BITSANDBYTES_OPTIMIZERS, Timeline, TrainConfig
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.cost._sharded import Layout
@@ -62,7 +62,7 @@ def choosers(profile: Profile, bounds: Bounds, world: int = 1) -> list[Chooser]:
     ]
 
 
-def chooser(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Chooser:
+def chooser(cost: CostModel, timelines: Sequence[Timeline], bounds: Bounds) -> Chooser:
     """The chooser of ``bounds``' space on ``cost``; offload only where it was profiled."""
     space = bounds.space
     offload_optimizer, offload_activations = space.offloads(bounds.device_type)
@@ -72,11 +72,11 @@ def chooser(cost: CostModel, precisions: Sequence[str], bounds: Bounds) -> Choos
         optimizers = tuple(o for o in optimizers if o not in BITSANDBYTES_OPTIMIZERS)
         optimizers = optimizers or ("adamw",)
         if cost.layout.parallel == "fsdp":
-            precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
+            timelines = [t for t in timelines if t.precision != "fp16"] or [Timeline("fp32")]
     return Chooser(
         cost=cost,
         sizes=tuple(s for s in bounds.sizes if s not in cost.profile.untrainable),
-        precisions=tuple(precisions),
+        timelines=tuple(timelines),
         optimizers=optimizers,
         global_batch_size=bounds.global_batch_size,
         limit=bounds.limit,

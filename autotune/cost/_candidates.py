@@ -11,7 +11,7 @@ import math
 
 from autotune._format import format_bytes
 from autotune._spelling import option
-from autotune.config import TrainConfig, timeline_knobs, timeline_parts
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._chooser import Candidate, Chooser
 from autotune.errors import BudgetTooSmallError, ConfigError
 from autotune.space import SearchSpace
@@ -56,7 +56,7 @@ def micro_batch_candidates(space: SearchSpace, global_batch_size: int | None) ->
 
 
 def largest_fitting(
-    chooser: Chooser, precision: str, optimizer: str, offload: bool | None = None
+    chooser: Chooser, timeline: Timeline, optimizer: str, offload: bool | None = None
 ) -> int | None:
     """The largest allowed micro-batch size for which some configuration fits.
 
@@ -67,26 +67,26 @@ def largest_fitting(
     """
     if offload is None:
         found = [
-            largest_fitting(chooser, precision, optimizer, h) for h in chooser.offload_optimizer
+            largest_fitting(chooser, timeline, optimizer, h) for h in chooser.offload_optimizer
         ]
         return max((b for b in found if b is not None), default=None)
     return next(
         (
             b
             for b in reversed(chooser.sizes)
-            if chooser.config(precision, optimizer, b, offload) is not None
+            if chooser.config(timeline, optimizer, b, offload) is not None
         ),
         None,
     )
 
 
-def space_points(chooser: Chooser) -> list[tuple[int, str, str, bool]]:
-    """Every setting of the searched knobs that can fit: ``(micro-batch, precision,
+def space_points(chooser: Chooser) -> list[tuple[int, Timeline, str, bool]]:
+    """Every setting of the searched knobs that can fit: ``(micro-batch, timeline,
     optimizer, optimizer offload)``, the micro-batch no larger than the largest that fits
     with those other knobs (a larger one cannot fit)."""
     points = []
     for p, o, h in itertools.product(
-        chooser.precisions, chooser.optimizers, chooser.offload_optimizer
+        chooser.timelines, chooser.optimizers, chooser.offload_optimizer
     ):
         top = largest_fitting(chooser, p, o, h)
         if top is not None:
@@ -95,7 +95,7 @@ def space_points(chooser: Chooser) -> list[tuple[int, str, str, bool]]:
 
 
 def enumerate_candidates(
-    chooser: Chooser, points: list[tuple[int, str, str, bool]] | None = None
+    chooser: Chooser, points: list[tuple[int, Timeline, str, bool]] | None = None
 ) -> list[Candidate]:
     """The cheapest fitting configuration of every point of the space (``points``:
     :func:`space_points`), fastest predicted first (ties: smaller peak, then the order
@@ -129,7 +129,7 @@ def fallback_candidates(chooser: Chooser, config: TrainConfig, peak_bytes: int) 
     ladder = Chooser(
         cost=chooser.cost,
         sizes=sizes,
-        precisions=chooser.precisions,
+        timelines=chooser.timelines,
         optimizers=(config.optimizer,),
         global_batch_size=effective,
         limit=int(peak_bytes * _LADDER_STEP),
@@ -148,17 +148,17 @@ def fallback_candidates(chooser: Chooser, config: TrainConfig, peak_bytes: int) 
         placements.append(((), cost.profile.blocks))
     # The last resort runs eagerly where it can: no graph of its own to compile at the
     # smallest micro-batch, mid-training, when the fallback is taken.
-    eager = [p for p in chooser.precisions if not timeline_parts(p)[1]] or chooser.precisions
+    eager = [p for p in chooser.timelines if not p.compiled] or chooser.timelines
     frugal = [
         c
         for p, h, (ckpt, off) in itertools.product(eager, chooser.offload_optimizer, placements)
-        if not (off and timeline_parts(p)[1])  # a compiled block is never offloaded
+        if not (off and p.compiled)  # a compiled block is never offloaded
         and chooser.host_fits(
             c := cost.layout.apply(
                 TrainConfig(
                     micro_batch_size=smallest,
                     grad_accum_steps=effective // smallest,
-                    **timeline_knobs(p, cost.profile.blocks),
+                    **p.knobs(cost.profile.blocks),
                     checkpoint=ckpt,
                     offload_activations=off,
                     optimizer=config.optimizer,
@@ -201,7 +201,7 @@ def too_small(
     """
     cost = chooser.cost
     settings = itertools.product(
-        chooser.sizes, chooser.precisions, chooser.optimizers, chooser.offload_optimizer
+        chooser.sizes, chooser.timelines, chooser.optimizers, chooser.offload_optimizer
     )
     # The first of the least (ties keep the order of the space: the user's choices first).
     peak, micro_batch, p, o, h = min(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.config import TrainConfig, timeline_parts
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel, Prediction
 from autotune.cost._knobs import Knobs, Mask
 
@@ -39,8 +39,8 @@ class Chooser:
     """The cost model of the profiled model."""
     sizes: Sequence[int]
     """Micro-batch sizes allowed, ascending."""
-    precisions: Sequence[str]
-    """Precisions to consider."""
+    timelines: Sequence[Timeline]
+    """Timelines to consider (precisions, compiled or not, loss chunked or not)."""
     optimizers: Sequence[str]
     """Optimizers to consider; the first is the user's."""
     global_batch_size: int | None
@@ -56,22 +56,22 @@ class Chooser:
     offload_activations: bool = False
     """Whether blocks may be offloaded (needs an offload profile)."""
 
-    def offloads_activations(self, precision: str) -> bool:
-        """Whether blocks may be offloaded at timeline ``precision`` (a compiled block
-        never is: its saved tensors are the compiled graph's)."""
-        return self.offload_activations and not timeline_parts(precision)[1]
+    def offloads_activations(self, timeline: Timeline) -> bool:
+        """Whether blocks may be offloaded at ``timeline`` (a compiled block never is: its
+        saved tensors are the compiled graph's)."""
+        return self.offload_activations and not timeline.compiled
 
     def accum(self, micro_batch: int) -> int:
         """Accumulation steps at ``micro_batch`` samples per micro-batch."""
         return self.global_batch_size // micro_batch if self.global_batch_size else 1
 
     def knobs(
-        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
+        self, timeline: Timeline, optimizer: str, micro_batch: int, offload: bool = False
     ) -> Knobs:
         """The cost model's knobs of a setting of the sampled ones (``offload``: the
         optimizer's): accumulation derived, the block choices still to be solved."""
         return Knobs(
-            precision=precision,
+            timeline=timeline,
             optimizer=optimizer,
             micro_batch=micro_batch,
             accum=self.accum(micro_batch),
@@ -85,7 +85,7 @@ class Chooser:
             return self.cost.fitting_mask(
                 knobs,
                 self.limit,
-                offload_activations=acts and self.offloads_activations(knobs.precision),
+                offload_activations=acts and self.offloads_activations(knobs.timeline),
                 selective=self.selective,
             )
         none = (KEEP,) * self.cost.n_blocks
@@ -93,17 +93,17 @@ class Chooser:
         return none if fits <= self.limit else None
 
     def candidate(
-        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
+        self, timeline: Timeline, optimizer: str, micro_batch: int, offload: bool = False
     ) -> Candidate | None:
         """The cheapest fitting configuration of these knobs and its prediction, or None."""
-        config = self.config(precision, optimizer, micro_batch, offload)
+        config = self.config(timeline, optimizer, micro_batch, offload)
         return None if config is None else Candidate(config, self.cost.predict(config))
 
     def config(
-        self, precision: str, optimizer: str, micro_batch: int, offload: bool = False
+        self, timeline: Timeline, optimizer: str, micro_batch: int, offload: bool = False
     ) -> TrainConfig | None:
         """The cheapest fitting configuration of these knobs, host memory allowing."""
-        knobs = self.knobs(precision, optimizer, micro_batch, offload)
+        knobs = self.knobs(timeline, optimizer, micro_batch, offload)
         for acts in (True, False):  # without offloaded activations if the host is too small
             mask = self.mask(knobs, acts=acts)
             if mask is None:
@@ -130,13 +130,13 @@ class Chooser:
         """``knobs`` with every block checkpointed, or offloaded where that saves more (or
         kept: no blocks)."""
         full = knobs.masked((CHECKPOINT if self.checkpointing else KEEP,) * self.cost.n_blocks)
-        if not (self.offloads_activations(knobs.precision) and self.checkpointing):
+        if not (self.offloads_activations(knobs.timeline) and self.checkpointing):
             return full
         off = knobs.masked((OFFLOAD,) * self.cost.n_blocks)
         return off if self.cost.peak_of(off) < self.cost.peak_of(full) else full
 
-    def frugal_peak(self, precision: str, optimizer: str, micro_batch: int, offload: bool) -> int:
+    def frugal_peak(
+        self, timeline: Timeline, optimizer: str, micro_batch: int, offload: bool
+    ) -> int:
         """Predicted peak of :meth:`frugal`: the least these knobs can need."""
-        return self.cost.peak_of(
-            self.frugal(self.knobs(precision, optimizer, micro_batch, offload))
-        )
+        return self.cost.peak_of(self.frugal(self.knobs(timeline, optimizer, micro_batch, offload)))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autotune._profile_data import Profile
-from autotune.config import TrainConfig, timeline_parts
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._knobs import Knobs, Mask
 from autotune.cost._memory_model import CHECKPOINT, KEEP, OFFLOAD, SELECTIVE, MemoryModel
 from autotune.cost._sharded import (
@@ -77,15 +77,15 @@ class CostModel(MemoryModel, TimeModel):
         return self.profile.transfer is not None and all(
             len(p.moved) == self.n_blocks
             for key, p in self.profile.precisions.items()
-            if not timeline_parts(key)[1]  # a compiled block is never offloaded
+            if not key.compiled  # a compiled block is never offloaded
         )
 
-    def can_select(self, precision: str) -> bool:
+    def can_select(self, timeline: Timeline) -> bool:
         """Whether blocks may be checkpointed selectively at ``precision``: its variant
         profiled, in memory and in time (under FSDP2's bf16, in its own timeline too)."""
-        prof = self.profile.precisions[precision]
+        prof = self.profile.precisions[timeline]
         timed = prof.time is not None and bool(prof.time.selective_ratio)
-        sharded = self.profile.sharded.get(precision) if self.layout.parallel == "fsdp" else None
+        sharded = self.profile.sharded.get(timeline) if self.layout.parallel == "fsdp" else None
         return prof.selective and timed and (sharded is None or sharded.selective)
 
     def fitting_mask(
@@ -104,12 +104,12 @@ class CostModel(MemoryModel, TimeModel):
         knapsack over the Pareto frontier of (bytes saved, seconds added), checked against
         the simulated peak and tightened until it fits.
         """
-        precision = knobs.precision
+        timeline = knobs.timeline
         return self._mask(
             knobs.masked(()),  # one cache entry whatever mask they came with
             limit,
-            offload_activations and self.can_offload and not timeline_parts(precision)[1],
-            selective and self.can_select(precision),
+            offload_activations and self.can_offload and not timeline.compiled,
+            selective and self.can_select(timeline),
         )
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one model per tuning run
@@ -125,7 +125,7 @@ class CostModel(MemoryModel, TimeModel):
             return none
         if not self.n_blocks:
             return None
-        options = self._options(knobs.precision, knobs.micro_batch, offload_activations, selective)
+        options = self._options(knobs.timeline, knobs.micro_batch, offload_activations, selective)
         frugal: Mask = tuple(_most_saving(o) for o in options)
         if peak(frugal) > limit:
             full: Mask = (CHECKPOINT,) * self.n_blocks
@@ -143,11 +143,11 @@ class CostModel(MemoryModel, TimeModel):
         return _relaxed(found, options, lambda m: peak(m) <= limit)
 
     def _options(
-        self, precision: str, micro_batch: int, offload: bool, selective: bool
+        self, timeline: Timeline, micro_batch: int, offload: bool, selective: bool
     ) -> list[list[tuple[float, float]]]:
         """Per block: (bytes saved through the forward, seconds added) of each choice, at
         the index of its mask value; a choice not allowed saves nothing."""
-        prof = self.profile.precisions[precision]
+        prof = self.profile.precisions[timeline]
         curve = prof.time
         recompute = curve.recompute(micro_batch) if curve is not None else 0.0
         partial = curve.selective(micro_batch) if curve is not None else 0.0
@@ -161,7 +161,7 @@ class CostModel(MemoryModel, TimeModel):
             weight = self.profile.block_weights[i]
             choices = [(0.0, 0.0), (saved[i][CHECKPOINT], weight * recompute)]
             if offload or selective:
-                off = self.offload_cost(precision, micro_batch, i) if offload else 0.0
+                off = self.offload_cost(timeline, micro_batch, i) if offload else 0.0
                 choices.append((saved[i][OFFLOAD] if offload else 0.0, off))
             if selective:
                 choices.append((saved[i][SELECTIVE], weight * partial))

@@ -16,14 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.config import (
-    TrainConfig,
-    timeline_chunked,
-    timeline_key,
-    timeline_knobs,
-    timeline_level,
-    timeline_parts,
-)
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._chooser import Candidate, Chooser
 
 __all__ = ["ExpertRecipe", "expert_candidates"]
@@ -50,43 +43,45 @@ def expert_candidates(chooser: Chooser, device_type: str) -> ExpertRecipe:
     process)."""
     if chooser.cost.layout.parallel != "none":
         return ExpertRecipe(note="data parallel: the expert's recipe is a loop of one process")
-    key = _timeline(chooser, device_type)
-    if key is None:
+    timeline = _timeline(chooser, device_type)
+    if timeline is None:
         return ExpertRecipe(note="no eager timeline was profiled to write it with")
     note = ""
-    if device_type != "cpu" and timeline_level(key) != "model":
+    if device_type != "cpu" and timeline.level != "model":
         note = "eager: the whole model compiled was not profiled here (not searched)"
     blocks = chooser.cost.profile.blocks
     masks = [(), blocks] if blocks and chooser.checkpointing else [()]
-    ladders = tuple(ladder for m in masks if (ladder := _fitting(chooser, key, m)))
+    ladders = tuple(ladder for m in masks if (ladder := _fitting(chooser, timeline, m)))
     if not ladders:
         note = "no micro-batch of it is predicted to fit the budget"
     return ExpertRecipe(ladders, note)
 
 
-def _timeline(chooser: Chooser, device_type: str) -> str | None:
+def _timeline(chooser: Chooser, device_type: str) -> Timeline | None:
     """The expert's timeline among the chooser's: on a GPU the first of
     :data:`_GPU_PRECISIONS`, the whole model compiled where that was profiled; on a CPU the
     eager precision predicted fastest at the smallest micro-batch."""
-    keys = list(chooser.precisions)
-    eager = [k for k in keys if not timeline_parts(k)[1] and not timeline_chunked(k)]
+    timelines = list(chooser.timelines)
+    eager = [t for t in timelines if not t.compiled and not t.chunked]
     if not eager:
         return None
     if device_type != "cpu":
-        precision = next((p for p in _GPU_PRECISIONS if p in eager), eager[0])
-        whole = timeline_key(precision, "model")
-        return whole if whole in keys else precision
+        first = next((t for p in _GPU_PRECISIONS for t in eager if t.precision == p), eager[0])
+        whole = Timeline(first.precision, "model")
+        return whole if whole in timelines else first
     profile, b = chooser.cost.profile, chooser.sizes[0]
 
-    def seconds(key: str) -> float:
-        curve = profile.precisions[key].time
+    def seconds(timeline: Timeline) -> float:
+        curve = profile.precisions[timeline].time
         return curve.fwd_bwd(b) if curve is not None else float("inf")
 
     return min(eager, key=seconds)
 
 
-def _fitting(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> tuple[Candidate, ...]:
-    """The configs of timeline ``key`` with ``checkpoint`` whose predicted peak fits,
+def _fitting(
+    chooser: Chooser, timeline: Timeline, checkpoint: tuple[str, ...]
+) -> tuple[Candidate, ...]:
+    """The configs of ``timeline`` with ``checkpoint`` whose predicted peak fits,
     largest micro-batch first, with the user's optimizer on the device."""
     cost, optimizer = chooser.cost, chooser.optimizers[0]
     out = []
@@ -94,7 +89,7 @@ def _fitting(chooser: Chooser, key: str, checkpoint: tuple[str, ...]) -> tuple[C
         config = TrainConfig(
             micro_batch_size=b,
             grad_accum_steps=chooser.accum(b),
-            **timeline_knobs(key, cost.profile.blocks),
+            **timeline.knobs(cost.profile.blocks),
             checkpoint=checkpoint,
             optimizer=optimizer,
         )

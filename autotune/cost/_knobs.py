@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autotune._profile_data import CHECKPOINT, OFFLOAD, SELECTIVE
-from autotune.config import TrainConfig, timeline_knobs
+from autotune.config import Timeline, TrainConfig
 
 __all__ = ["Knobs", "Mask"]
 
@@ -25,9 +25,9 @@ checkpointed)."""
 class Knobs:
     """What the cost model reads of one configuration (its layout aside)."""
 
-    precision: str
-    """The profile's timeline: the precision, ``+compiled`` where the blocks are compiled
-    (see :attr:`TrainConfig.timeline <autotune.config.TrainConfig.timeline>`)."""
+    timeline: Timeline
+    """The profile's timeline (see :attr:`TrainConfig.timeline
+    <autotune.config.TrainConfig.timeline>`)."""
     optimizer: str
     """Optimizer name."""
     micro_batch: int
@@ -43,16 +43,17 @@ class Knobs:
     @classmethod
     def given(
         cls,
-        precision: str,
+        timeline: Timeline | str,
         optimizer: str,
         micro_batch: int,
         accum: int,
         mask: Mask = (),
         offload_optimizer: bool = False,
     ) -> Knobs:
-        """The knobs given one by one, in the order of the fields."""
+        """The knobs given one by one, in the order of the fields (a timeline by its
+        name, or an eager precision's)."""
         return cls(
-            precision=precision,
+            timeline=timeline if isinstance(timeline, Timeline) else Timeline.named(timeline),
             optimizer=optimizer,
             micro_batch=micro_batch,
             accum=accum,
@@ -65,7 +66,7 @@ class Knobs:
         """The knobs of ``config``, its block choices as ``mask`` (the cost model's
         :meth:`~autotune.cost._memory_model.ProfileView.config_mask` of it)."""
         return cls(
-            precision=config.timeline,
+            timeline=config.timeline,
             optimizer=config.optimizer,
             micro_batch=config.micro_batch_size,
             accum=config.grad_accum_steps,
@@ -87,7 +88,7 @@ class Knobs:
         return TrainConfig(
             micro_batch_size=self.micro_batch,
             grad_accum_steps=self.accum,
-            **timeline_knobs(self.precision, blocks),
+            **self.timeline.knobs(blocks),
             checkpoint=named(CHECKPOINT),
             selective_checkpoint=named(SELECTIVE),
             offload_activations=named(OFFLOAD),

@@ -23,7 +23,7 @@ from autotune._profile_data import (
     Phase,
     Profile,
 )
-from autotune.config import TrainConfig
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._knobs import Knobs, Mask
 from autotune.device import AllocatorSettings, pinned_bytes, relaid, reserved_beyond
 from autotune.result import Breakdown, Costs
@@ -69,8 +69,8 @@ class MemoryModel(ProfileView):
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
-        self._replayed: dict[tuple[str, int, int, int], int] = {}
-        self._moves: dict[tuple[str, int, Mask], Moves | None] = {}
+        self._replayed: dict[tuple[Timeline, int, int, int], int] = {}
+        self._moves: dict[tuple[Timeline, int, Mask], Moves | None] = {}
         self._micro = {
             name: (
                 tuple(ph for ph in prec.phases if ph.key.micro == 1),
@@ -94,21 +94,21 @@ class MemoryModel(ProfileView):
             device, live_peak, held = self.peaks_of(on_device)
             masters = self.profile.grad_bytes
             return device + masters, live_peak + masters, held
-        precision, accum, mask = knobs.precision, knobs.accum, knobs.mask
+        timeline, accum, mask = knobs.timeline, knobs.accum, knobs.mask
         micro_batch, offload_optimizer = knobs.micro_batch, knobs.offload_optimizer
-        first, later = self._micro[precision]
+        first, later = self._micro[timeline]
         opt = self.profile.optimizers[knobs.optimizer]
         state = 0 if offload_optimizer else opt.state_bytes
         shares = self.variant_shares(mask)
-        moved = self.profile.precisions[precision].moved
-        start = float(self.profile.precisions[precision].base_bytes + state)
+        moved = self.profile.precisions[timeline].moved
+        start = float(self.profile.precisions[timeline].base_bytes + state)
         batch = self.profile.batch_bytes(micro_batch, accum)
         start += batch  # the step's batch, held through the step
         between_steps = start + batch  # a loader makes the next batch while this one is held
         start += self.profile.snapshot_bytes  # a fallback's copy of the written buffers
         # An offloaded optimizer takes each gradient off the device in the last micro-batch.
         release = _released(first) if offload_optimizer else None
-        moves = self._moved_frees(precision, 1, mask), self._moved_frees(precision, 2, mask)
+        moves = self._moved_frees(timeline, 1, mask), self._moved_frees(timeline, 2, mask)
         peak, live, grads = self._replay(
             first, start, micro_batch, mask, shares, moved, release if accum == 1 else None,
             moves[0],
@@ -139,18 +139,18 @@ class MemoryModel(ProfileView):
         if between_steps > peak:
             peak, grads = between_steps, 0
         live_peak = math.ceil(max(peak, start))
-        device = self.device_bytes(live_peak, precision, micro_batch, shares, accum)
+        device = self.device_bytes(live_peak, timeline, micro_batch, shares, accum)
         return device, live_peak, grads
 
-    def _moved_frees(self, precision: str, micro: int, mask: Mask) -> Moves | None:
+    def _moved_frees(self, timeline: Timeline, micro: int, mask: Mask) -> Moves | None:
         """What each phase of micro-batch ``micro`` gains in (delta, rise) where ``mask``
         frees a :class:`~autotune._profile_data.Crossing` elsewhere than the replay of
         its phases does (each phase frees it as much as the runs it is taken from did);
         ``None``: nothing moves."""
-        key = (precision, micro, mask)
+        key = (timeline, micro, mask)
         if key not in self._moves:
-            phases = self._micro[precision][micro - 1]
-            every = self.profile.precisions[precision].crossings
+            phases = self._micro[timeline][micro - 1]
+            every = self.profile.precisions[timeline].crossings
             crossings = [c for c in every if c.micro == micro]
             self._moves[key] = _moves(phases, crossings, mask, self.variant_shares(mask))
         return self._moves[key]
@@ -204,7 +204,7 @@ class MemoryModel(ProfileView):
     def device_bytes(
         self,
         live_bytes: int,
-        precision: str,
+        timeline: Timeline,
         b: int,
         shares: tuple[float, ...],
         accum: int = 2,
@@ -213,14 +213,14 @@ class MemoryModel(ProfileView):
         beyond them at micro-batch ``b`` with ``accum`` micro-batches a step (each
         variant's, weighted by the ``shares`` of :meth:`variant_shares` as between
         blocks), and the context."""
-        prec = self.profile.precisions[precision]
+        prec = self.profile.precisions[timeline]
         if not prec.reserve and not prec.requests:
             return live_bytes + self.profile.context_bytes
-        kept = self._beyond(precision, KEEP, b, accum)
+        kept = self._beyond(timeline, KEEP, b, accum)
         beyond = kept
         for share, v in zip(shares, WRAPPED, strict=True):
             if share:
-                beyond += share * (self._beyond(precision, v, b, accum) - kept)
+                beyond += share * (self._beyond(timeline, v, b, accum) - kept)
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
 
     def other_allocator_mode(self, config: TrainConfig) -> tuple[str, int, int] | None:
@@ -228,20 +228,20 @@ class MemoryModel(ProfileView):
         peak device bytes of ``config`` the allocator's model predicts with the profiled
         setting and with that one (``None``: no requests were recorded)."""
         knobs = self.knobs(config)
-        prec = self.profile.precisions[knobs.precision]
+        prec = self.profile.precisions[knobs.timeline]
         requests = [r for r in prec.requests if r is not None]
         if not requests:
             return None
         settings = AllocatorSettings.parse(requests[0].settings)
         other = "expandable_segments:" + ("False" if settings.expandable_segments else "True")
         now = self.peaks_of(knobs)[0]
-        flipped = MemoryModel(self._with_settings(knobs.precision, other))
+        flipped = MemoryModel(self._with_settings(knobs.timeline, other))
         return other, now, flipped.peaks_of(knobs)[0]
 
-    def _with_settings(self, precision: str, settings: str) -> Profile:
+    def _with_settings(self, timeline: Timeline, settings: str) -> Profile:
         """The profile with ``precision``'s requests replayed under ``settings`` (the
         allocator's other keys kept), the run's lasting tensors laid out under them."""
-        prec = self.profile.precisions[precision]
+        prec = self.profile.precisions[timeline]
         requests = tuple(
             None
             if r is None
@@ -254,20 +254,20 @@ class MemoryModel(ProfileView):
         )
         changed = dataclasses.replace(prec, requests=requests)
         return dataclasses.replace(
-            self.profile, precisions={**self.profile.precisions, precision: changed}
+            self.profile, precisions={**self.profile.precisions, timeline: changed}
         )
 
-    def _beyond(self, precision: str, v: int, b: int, accum: int) -> float:
+    def _beyond(self, timeline: Timeline, v: int, b: int, accum: int) -> float:
         """What the allocator reserves beyond the live bytes in a step of variant ``v`` at
         micro-batch ``b`` with ``accum`` micro-batches: its model fed the step's requests
         where they were recorded (the allocator's rules at this very size), else the line
         fitted over the profiled sizes (a variant not profiled: the kept run's)."""
-        prec = self.profile.precisions[precision]
+        prec = self.profile.precisions[timeline]
         requests = prec.requests[v] if v < len(prec.requests) else None
         if requests is None and prec.requests:
             requests = prec.requests[KEEP]
         if requests is not None:
-            key = (precision, v, b, min(accum, 3))  # steady from the third micro-batch
+            key = (timeline, v, b, min(accum, 3))  # steady from the third micro-batch
             if key not in self._replayed:
                 self._replayed[key] = reserved_beyond(requests, b, accum)
             return self._replayed[key]
@@ -290,7 +290,7 @@ class MemoryModel(ProfileView):
             total += prof.host_param_bytes or 2 * prof.grad_bytes
             total += prof.optimizers[knobs.optimizer].state_bytes
         rounds = prof.transfer is not None and prof.transfer.rounds_host
-        variant = prof.precisions[knobs.precision]
+        variant = prof.precisions[knobs.timeline]
         for i in (i for i, m in enumerate(knobs.mask) if m == OFFLOAD):
             if rounds and variant.copies:
                 total += sum(pinned_bytes(math.ceil(c(micro_batch))) for c in variant.copies[i])
@@ -305,7 +305,7 @@ class MemoryModel(ProfileView):
         opt = prof.optimizers[knobs.optimizer]
         device_peak, live_peak, _ = self.peaks_of(knobs)
         acts = self._activations(knobs, knobs.micro_batch)
-        base = prof.precisions[knobs.precision].base_bytes
+        base = prof.precisions[knobs.timeline].base_bytes
         return Costs(
             micro_batch=knobs.micro_batch,
             parameters=prof.param_bytes,
@@ -321,10 +321,10 @@ class MemoryModel(ProfileView):
     def _activations(self, knobs: Knobs, b: int) -> int:
         """The most the first micro-batch's forward and backward hold at micro-batch ``b``
         above what it began with, less the gradients it has made by then."""
-        first, _ = self._micro[knobs.precision]
+        first, _ = self._micro[knobs.timeline]
         shares = self.variant_shares(knobs.mask)
-        moved = self.profile.precisions[knobs.precision].moved
-        moves = self._moved_frees(knobs.precision, 1, knobs.mask)
+        moved = self.profile.precisions[knobs.timeline].moved
+        moves = self._moved_frees(knobs.timeline, 1, knobs.mask)
         peak, _, grads = self._replay(first, 0.0, b, knobs.mask, shares, moved, None, moves)
         return max(math.ceil(peak - grads), 0)
 
@@ -335,7 +335,7 @@ class MemoryModel(ProfileView):
         prof = self.profile
         state = 0 if knobs.offload_optimizer else prof.optimizers[knobs.optimizer].state_bytes
         batch = prof.batch_bytes(knobs.micro_batch, knobs.accum)
-        base = prof.precisions[knobs.precision].base_bytes
+        base = prof.precisions[knobs.timeline].base_bytes
         other = base - prof.param_bytes + math.ceil(batch)
         if live_peak <= math.ceil(base + state + 2 * batch):
             other += math.ceil(batch)  # the peak is the next batch made beside this one

@@ -18,7 +18,7 @@ from typing import Any
 
 import optuna
 
-from autotune.config import TrainConfig
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._candidates import enumerate_candidates, largest_fitting, space_points
 from autotune.cost._chooser import Candidate, Chooser
 from autotune.jobs import quiet_optuna
@@ -27,8 +27,9 @@ __all__ = ["default_trials", "search"]
 
 log = logging.getLogger("autotune")
 
-_Key = tuple[int, str, str, bool]
-"""A trial's sampled knobs: micro-batch, precision, optimizer, optimizer offload."""
+_Key = tuple[int, Timeline, str, bool]
+"""A trial's sampled knobs: micro-batch, timeline, optimizer, optimizer offload (the study
+holds the timeline by its name, as its ``precision``)."""
 
 
 _EXACT_POINTS = 4096
@@ -103,7 +104,7 @@ def _keep(
                 optuna.trial.create_trial(
                     params={
                         k: v
-                        for k, v in zip(_NAMES, _key(c.config), strict=True)
+                        for k, v in zip(_NAMES, _saved(c.config), strict=True)
                         if k in distributions
                     },
                     distributions=distributions,
@@ -117,7 +118,7 @@ def _keep(
 
 def default_trials(chooser: Chooser) -> int:
     """Trials for a space of this size: twice its settings, within 30..200."""
-    size = min(len(chooser.sizes), 64) * len(chooser.precisions) * len(chooser.optimizers)
+    size = min(len(chooser.sizes), 64) * len(chooser.timelines) * len(chooser.optimizers)
     return max(30, min(200, 2 * size * len(chooser.offload_optimizer)))
 
 
@@ -131,7 +132,7 @@ def _objective(chooser: Chooser) -> Any:
             trial.set_user_attr("micro_batch_size", b)  # the size planned, not the one drawn
         else:
             b = int(trial.suggest_categorical("micro_batch_size", sizes))
-        p = str(_choose(trial, "precision", chooser.precisions))
+        p = Timeline.named(str(_choose(trial, "precision", _names(chooser.timelines))))
         o = str(_choose(trial, "optimizer", chooser.optimizers))
         h = bool(_choose(trial, "offload_optimizer", chooser.offload_optimizer))
         found = chooser.candidate(p, o, b, h)
@@ -164,7 +165,7 @@ def _candidates(chooser: Chooser, trials: Sequence[optuna.trial.FrozenTrial]) ->
             continue
         key: _Key = (
             int(t.user_attrs.get("micro_batch_size", t.params.get("micro_batch_size", 0))),
-            t.params.get("precision", chooser.precisions[0]),
+            Timeline.named(t.params.get("precision", str(chooser.timelines[0]))),
             t.params.get("optimizer", chooser.optimizers[0]),
             bool(t.params.get("offload_optimizer", chooser.offload_optimizer[0])),
         )
@@ -173,7 +174,7 @@ def _candidates(chooser: Chooser, trials: Sequence[optuna.trial.FrozenTrial]) ->
             b in chooser.sizes
             # Another process sharing the study may have searched other choices
             # (e.g. it timed a precision as slow and dropped it): skip what is not ours.
-            and p in chooser.precisions
+            and p in chooser.timelines
             and o in chooser.optimizers
             and h in chooser.offload_optimizer
             and key not in seen
@@ -186,8 +187,15 @@ def _candidates(chooser: Chooser, trials: Sequence[optuna.trial.FrozenTrial]) ->
 _NAMES = ("micro_batch_size", "precision", "optimizer", "offload_optimizer")
 
 
-def _key(config: TrainConfig) -> _Key:
-    return (config.micro_batch_size, config.timeline, config.optimizer, config.offload_optimizer)
+def _saved(config: TrainConfig) -> tuple[int, str, str, bool]:
+    """The study's values of ``config``'s sampled knobs, in the order of :data:`_NAMES`."""
+    b, timeline = config.micro_batch_size, str(config.timeline)
+    return (b, timeline, config.optimizer, config.offload_optimizer)
+
+
+def _names(timelines: Sequence[Timeline]) -> list[str]:
+    """The study's values of ``timelines``: their names."""
+    return [str(t) for t in timelines]
 
 
 def _distributions(chooser: Chooser) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -196,7 +204,7 @@ def _distributions(chooser: Chooser) -> dict[str, optuna.distributions.BaseDistr
         "micro_batch_size": optuna.distributions.CategoricalDistribution(list(chooser.sizes))
     }
     choices: dict[str, Sequence[str | bool]] = {
-        "precision": chooser.precisions,
+        "precision": _names(chooser.timelines),
         "optimizer": chooser.optimizers,
         "offload_optimizer": chooser.offload_optimizer,
     }
@@ -207,14 +215,14 @@ def _distributions(chooser: Chooser) -> dict[str, optuna.distributions.BaseDistr
 
 
 def _seeds(chooser: Chooser) -> Iterator[dict[str, object]]:
-    """Good starting points: per precision, the largest micro-batch that fits."""
-    for p in chooser.precisions:
+    """Good starting points: per timeline, the largest micro-batch that fits."""
+    for p in chooser.timelines:
         for h in chooser.offload_optimizer:
             b = largest_fitting(chooser, p, chooser.optimizers[0], h)
             if b is not None:
                 params: dict[str, object] = {"micro_batch_size": b}
-                if len(chooser.precisions) > 1:
-                    params["precision"] = p
+                if len(chooser.timelines) > 1:
+                    params["precision"] = str(p)
                 if len(chooser.optimizers) > 1:
                     params["optimizer"] = chooser.optimizers[0]
                 if len(chooser.offload_optimizer) > 1:

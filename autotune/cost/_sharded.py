@@ -72,21 +72,21 @@ def per_rank_peak(
 ) -> tuple[int, int, dict[str, int]]:
     """:func:`sharded_peak` of ``knobs`` under ``layout``: what the chooser asks, many
     times, with no config."""
-    precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
+    timeline, micro_batch, mask = knobs.timeline, knobs.micro_batch, knobs.mask
     prof = model.profile
     opt = prof.optimizers[knobs.optimizer]
     batch = prof.batch_bytes(micro_batch, knobs.accum)
-    others = prof.precisions[precision].base_bytes - prof.param_bytes
+    others = prof.precisions[timeline].base_bytes - prof.param_bytes
     if layout.parallel == "ddp":
         state = opt.state_bytes
-        start = prof.precisions[precision].base_bytes + state + batch + prof.grad_bytes
-        later = [ph for ph in prof.precisions[precision].phases if ph.key.micro == 2]
+        start = prof.precisions[timeline].base_bytes + state + batch + prof.grad_bytes
+        later = [ph for ph in prof.precisions[timeline].phases if ph.key.micro == 2]
         live, peak = _ddp(later, knobs, model)
         step = opt.step_peak_bytes
         parts = {"parameters": prof.param_bytes, "gradients": prof.grad_bytes, "optimizer": state}
     else:
-        timeline = prof.sharded.get(precision)  # measured with the parameters in bf16, as FSDP has
-        units = Units.of(prof, layout.world_size, precision, cast=timeline is not None)
+        sharded = prof.sharded.get(timeline)  # measured with the parameters in bf16, as FSDP has
+        units = Units.of(prof, layout.world_size, timeline.precision, cast=sharded is not None)
         ratio = sum(units.grad_shard) / prof.grad_bytes if prof.grad_bytes else 0.0
         state = math.ceil(opt.state_bytes * ratio)
         params = sum(units.shard)
@@ -94,8 +94,8 @@ def per_rank_peak(
         if knobs.offload_optimizer and not prof.host_is_device:
             state = params = grads = 0  # FSDP's CPUOffloadPolicy: all three on the host
         start = others + params + state + batch
-        every = (timeline or prof.precisions[precision]).phases
-        casts = timeline is None and precision != "fp32"  # the timeline is autocast's over fp32
+        every = (sharded or prof.precisions[timeline]).phases
+        casts = sharded is None and timeline.precision != "fp32"  # autocast's over fp32
         fsdp = _Fsdp(units, layout, model, mask, micro_batch, grads, casts=casts)
         live, peak = fsdp.replay([ph for ph in every if ph.key.micro == 1], knobs.accum, every)
         step = 0 if knobs.offload_optimizer else math.ceil(opt.step_peak_bytes * ratio)
@@ -106,7 +106,7 @@ def per_rank_peak(
     live_peak = math.ceil(start + peak)
     return (
         model.device_bytes(
-            live_peak, precision, micro_batch, model.variant_shares(mask), knobs.accum
+            live_peak, timeline, micro_batch, model.variant_shares(mask), knobs.accum
         ),
         live_peak,
         parts,
@@ -118,7 +118,7 @@ def sharded_memory(model: MemoryModel, config: TrainConfig) -> tuple[int, Breakd
     device_peak, live_peak, parts = sharded_peak(model, config)
     prof = model.profile
     batch = math.ceil(prof.batch_bytes(config.micro_batch_size, config.grad_accum_steps))
-    other = prof.precisions[config.precision].base_bytes - prof.param_bytes + batch
+    other = prof.precisions[config.timeline].base_bytes - prof.param_bytes + batch
     held = parts["parameters"] + parts["gradients"] + parts["optimizer"]
     acts = max(live_peak - held - other, 0)
     return device_peak, Breakdown(

@@ -8,6 +8,7 @@ arithmetic over the profile.
 
 from __future__ import annotations
 
+from autotune.config import Timeline
 from autotune.cost._knobs import Knobs
 from autotune.cost._memory_model import CHECKPOINT, OFFLOAD, SELECTIVE, ProfileView
 
@@ -19,9 +20,9 @@ class TimeModel(ProfileView):
 
     def step_s_of(self, knobs: Knobs) -> float:
         """Predicted seconds of one optimizer step of ``knobs``."""
-        precision, micro_batch, mask = knobs.precision, knobs.micro_batch, knobs.mask
-        curve = self.profile.precisions[precision].time
-        assert curve is not None, f"precision {precision} has no time profile"
+        timeline, micro_batch, mask = knobs.timeline, knobs.micro_batch, knobs.mask
+        curve = self.profile.precisions[timeline].time
+        assert curve is not None, f"timeline {timeline} has no time profile"
         weights = self.profile.block_weights
         full = sum(w for w, m in zip(weights, mask, strict=True) if m == CHECKPOINT)
         selective = sum(w for w, m in zip(weights, mask, strict=True) if m == SELECTIVE)
@@ -42,21 +43,21 @@ class TimeModel(ProfileView):
             return opt.step_s
         # Gradients go down during the last backward; what outlasts it is exposed. The
         # weights come up after the host step, before the next forward.
-        _, bwd = self._block_seconds(knobs.precision, knobs.micro_batch)
+        _, bwd = self._block_seconds(knobs.timeline, knobs.micro_batch)
         down = self.profile.grad_bytes / transfer.d2h_bytes_per_s
         up = self.profile.grad_bytes / transfer.h2d_bytes_per_s  # the trained weights
         return max(down - sum(bwd), 0.0) + opt.host_step_s + up
 
-    def _block_seconds(self, precision: str, b: int) -> tuple[list[float], list[float]]:
+    def _block_seconds(self, timeline: Timeline, b: int) -> tuple[list[float], list[float]]:
         """Forward and backward seconds of each block at micro-batch ``b``."""
-        curve = self.profile.precisions[precision].time
+        curve = self.profile.precisions[timeline].time
         forward = curve.recompute(b) if curve is not None else 0.0
         fwd = [w * forward for w in self.profile.block_weights]
         return fwd, [2.0 * f for f in fwd]  # a backward costs about two forwards
 
     def _recomputed(self, knobs: Knobs) -> list[float]:
         """Seconds each block recomputes in its backward."""
-        curve = self.profile.precisions[knobs.precision].time
+        curve = self.profile.precisions[knobs.timeline].time
         if curve is None:
             return [0.0] * self.n_blocks
         micro_batch = knobs.micro_batch
@@ -75,8 +76,8 @@ class TimeModel(ProfileView):
         transfer = self.profile.transfer
         assert transfer is not None
         mask, micro_batch = knobs.mask, knobs.micro_batch
-        moved = self.profile.precisions[knobs.precision].moved
-        fwd, bwd = self._block_seconds(knobs.precision, micro_batch)
+        moved = self.profile.precisions[knobs.timeline].moved
+        fwd, bwd = self._block_seconds(knobs.timeline, micro_batch)
         again = self._recomputed(knobs)
         size = [
             max(moved[i](micro_batch), 0.0) if m == OFFLOAD else 0.0 for i, m in enumerate(mask)
@@ -108,12 +109,12 @@ class TimeModel(ProfileView):
             clock += bwd[i] + again[i]
         return max(clock - sum(fwd) - sum(bwd) - sum(again), 0.0)
 
-    def offload_cost(self, precision: str, b: int, i: int) -> float:
+    def offload_cost(self, timeline: Timeline, b: int, i: int) -> float:
         """Seconds offloading block ``i`` alone adds: its copies not hidden by its compute."""
         transfer = self.profile.transfer
         assert transfer is not None
-        fwd, bwd = self._block_seconds(precision, b)
-        nbytes = max(self.profile.precisions[precision].moved[i](b), 0.0)
+        fwd, bwd = self._block_seconds(timeline, b)
+        nbytes = max(self.profile.precisions[timeline].moved[i](b), 0.0)
         hidden_down = fwd[i + 1] if i + 1 < self.n_blocks else 0.0
         exposed = max(nbytes / transfer.d2h_bytes_per_s - hidden_down, 0.0)
         exposed += max(nbytes / transfer.h2d_bytes_per_s - bwd[i], 0.0)

@@ -221,7 +221,7 @@ def _precision(three: PrecisionProfile, four: PrecisionProfile, n: int) -> Preci
         for e in (_line(a, b, n),)
     )
     return PrecisionProfile(
-        four.precision,
+        four.timeline,
         int(_linear(three.base_bytes, four.base_bytes, n)),
         _phases(three.phases, four.phases, n),
         four.time,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotune._profile_data import OptimizerProfile, PrecisionProfile, Profile, Transfer
-from autotune.config import timeline_chunked, timeline_key, timeline_parts
+from autotune.config import Timeline
 from autotune.errors import BlockError, NonFiniteError, ProfileError
 from autotune.measure._parameters import block_parameter_bytes, parameter_bytes, parameter_layout
 from autotune.measure._profiler import Profiler
@@ -38,7 +38,7 @@ def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
 
 def memory_profile(
     profiler: Profiler,
-    precisions: Sequence[str],
+    timelines: Sequence[Timeline],
     optimizers: Sequence[str],
     *,
     device_name: str,
@@ -52,17 +52,17 @@ def memory_profile(
 ) -> tuple[Profile, list[str]]:
     """The memory half of a profile (no time curves), and notes on what was left out.
 
-    Optimizers are measured at micro-batch 2, precisions at 2 and 4; at 1 and 2 when
-    the device cannot hold those. A precision that runs out of device memory is left out.
-    With ``transfer`` (offload is searched), the offloaded variant and each optimizer's
-    host step are measured too; with ``selective``, the selectively checkpointed variant;
-    for each of the precisions ``compiled``, its timeline with every block compiled (kept
-    and checkpointed), for each of ``whole``, with the model compiled whole with its
-    loss (every block kept, and checkpointed), unless compiling fails (a note says why).
-    ``chunked``: the compiled timelines with the chunked loss (``precisions`` are then
-    the eager chunked timelines' keys); each compiled timeline is profiled where its eager
-    twin fitted. ``sharded`` (FSDP2 searched or asked for): FSDP2's own bf16 timeline
-    too (:func:`_sharded_precisions`, with the first optimizer).
+    Optimizers are measured at micro-batch 2, ``timelines`` (eager) at 2 and 4; at 1 and
+    2 when the device cannot hold those. A timeline that runs out of device memory is left
+    out. With ``transfer`` (offload is searched), the offloaded variant and each
+    optimizer's host step are measured too; with ``selective``, the selectively
+    checkpointed variant; for each of the precisions ``compiled``, its timeline with every
+    block compiled (kept and checkpointed), for each of ``whole``, with the model compiled
+    whole with its loss (every block kept, and checkpointed), unless compiling fails (a
+    note says why). ``chunked``: the compiled timelines with the chunked loss (as
+    ``timelines`` then have); each compiled timeline is profiled where its eager twin
+    fitted. ``sharded`` (FSDP2 searched or asked for): FSDP2's own bf16 timeline too
+    (:func:`_sharded_precisions`, with the first optimizer).
 
     Raises:
         ProfileError: nothing fits the device.
@@ -70,12 +70,12 @@ def memory_profile(
     notes: list[str] = []
     loss = " with the chunked loss" if chunked else ""
     extra = {
-        f"compiled blocks{loss}": tuple(timeline_key(p, "blocks", chunked) for p in compiled),
-        f"the model compiled whole{loss}": tuple(timeline_key(p, "model", chunked) for p in whole),
+        f"compiled blocks{loss}": tuple(Timeline(p, "blocks", chunked) for p in compiled),
+        f"the model compiled whole{loss}": tuple(Timeline(p, "model", chunked) for p in whole),
     }
     with written_buffers(profiler.model) as written:
         memory, measured = _measure(
-            profiler, precisions, optimizers, transfer, selective, extra, notes
+            profiler, timelines, optimizers, transfer, selective, extra, notes
         )
     if not memory:
         raise ProfileError(
@@ -89,11 +89,6 @@ def memory_profile(
     return profile, notes
 
 
-def _eager_twin(key: str) -> str:
-    """The eager timeline of compiled timeline ``key``, with the same loss."""
-    return timeline_key(timeline_parts(key)[0], "none", timeline_chunked(key))
-
-
 def _with_written(profile: Profile, model: nn.Module, written: Sequence[str]) -> Profile:
     """``profile`` with the buffers of ``model`` a training step writes, and the bytes of
     the copy a runner with fallbacks takes of them before each step (one tensor each)."""
@@ -104,14 +99,14 @@ def _with_written(profile: Profile, model: nn.Module, written: Sequence[str]) ->
 
 def _measure(
     profiler: Profiler,
-    precisions: Sequence[str],
+    timelines: Sequence[Timeline],
     optimizers: Sequence[str],
     transfer: Transfer | None,
     selective: bool,
-    extra: dict[str, tuple[str, ...]],
+    extra: dict[str, tuple[Timeline, ...]],
     notes: list[str],
-) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
-    """Each precision's timeline (and those of ``extra``: the timelines of other ways to
+) -> tuple[dict[Timeline, PrecisionProfile], dict[str, OptimizerProfile]]:
+    """Each of ``timelines`` (and those of ``extra``: the timelines of other ways to
     train, by what they are, each of a precision measured) and each optimizer's step, at
     micro-batches 2 and 4 (1 and 2 where those do not fit); what is left out is said in
     ``notes``.
@@ -130,16 +125,12 @@ def _measure(
             backend.empty_cache()
         with backend.lifted() if lift else contextlib.nullcontext():
             memory, measured = _attempt(
-                profiler, precisions, optimizers, transfer, selective, b1, b2, notes
+                profiler, timelines, optimizers, transfer, selective, b1, b2, notes
             )
-            for what, keys in extra.items():
-                if memory and (ranked := [k for k in keys if _eager_twin(k) in memory]):
-                    eager = {"offload": transfer is not None, "selective": selective}
-                    knobs = {} if timeline_parts(ranked[0])[1] else eager
+            for what, compiled in extra.items():
+                if memory and (twinned := [t for t in compiled if t.eager in memory]):
                     sizes = (b1, b2)
-                    memory.update(
-                        _timelines(profiler, ranked, what, optimizers[0], sizes, notes, knobs)
-                    )
+                    memory.update(_compiled(profiler, twinned, what, optimizers[0], sizes, notes))
         if memory:
             if lift:
                 notes.append(
@@ -152,17 +143,17 @@ def _measure(
 
 def _attempt(
     profiler: Profiler,
-    precisions: Sequence[str],
+    timelines: Sequence[Timeline],
     optimizers: Sequence[str],
     transfer: Transfer | None,
     selective: bool,
     b1: int,
     b2: int,
     notes: list[str],
-) -> tuple[dict[str, PrecisionProfile], dict[str, OptimizerProfile]]:
+) -> tuple[dict[Timeline, PrecisionProfile], dict[str, OptimizerProfile]]:
     """The timelines and optimizer steps at ``b1`` and ``b2`` (none where the optimizers'
     steps do not fit)."""
-    memory: dict[str, PrecisionProfile] = {}
+    memory: dict[Timeline, PrecisionProfile] = {}
     try:
         measured = {o: profiler.optimizer(o, b1) for o in optimizers}
         if transfer is not None:
@@ -172,7 +163,7 @@ def _attempt(
             }
     except torch.OutOfMemoryError:
         return memory, {}
-    for p in precisions:
+    for p in timelines:
         try:
             try:
                 memory[p] = profiler.memory(
@@ -195,7 +186,7 @@ def _attempt(
 
 def _profile(
     profiler: Profiler,
-    memory: dict[str, PrecisionProfile],
+    memory: dict[Timeline, PrecisionProfile],
     measured: dict[str, OptimizerProfile],
     context_bytes: int,
     transfer: Transfer | None,
@@ -226,28 +217,26 @@ def _profile(
     )
 
 
-def _timelines(
+def _compiled(
     profiler: Profiler,
-    keys: Sequence[str],
+    compiled: Sequence[Timeline],
     what: str,
     optimizer: str,
     sizes: tuple[int, int],
     notes: list[str],
-    knobs: dict[str, bool],
-) -> dict[str, PrecisionProfile]:
-    """The timeline of each of ``keys`` (``what`` they are, for notes; ``knobs``: the
-    variants :meth:`Profiler.memory` runs); none once one fails, with a note that says why
-    (no compiler, an op the compiler rejects, a block checkpointed inside the graph that
-    cannot be, ...)."""
+) -> dict[Timeline, PrecisionProfile]:
+    """Each of the ``compiled`` timelines (``what`` they are, for notes), kept and
+    checkpointed; none once one fails, with a note that says why (no compiler, an op the
+    compiler rejects, a block checkpointed inside the graph that cannot be, ...)."""
     out = {}
     b1, b2 = sizes
-    for key in keys:
+    for timeline in compiled:
         try:
-            out[key] = profiler.memory(key, optimizer, b1, b2, **knobs)
+            out[timeline] = profiler.memory(timeline, optimizer, b1, b2)
         except torch.OutOfMemoryError:
-            notes.append(f"{key}: out of device memory profiling up to micro-batch {2 * b2}")
+            notes.append(f"{timeline}: out of device memory profiling up to micro-batch {2 * b2}")
         except NonFiniteError:
-            notes.append(f"{key}: the loss is not finite on the sample batch; not searched")
+            notes.append(f"{timeline}: the loss is not finite on the sample batch; not searched")
         except BlockError as exc:  # a block the compiled model cannot checkpoint
             notes.append(f"{what}: not searched, {_why(exc)}")
             return {}
@@ -269,15 +258,16 @@ def _sharded_precisions(profiler: Profiler, profile: Profile, optimizer: str) ->
     ``MixedPrecisionPolicy`` computes: the activations differ from autocast's over fp32
     parameters wherever an op's dtype follows a parameter's (an embedding's output, a
     residual stream). Nothing is added where bf16 was not profiled."""
-    if "bf16" not in profile.precisions:
+    bf16 = Timeline("bf16")
+    if bf16 not in profile.precisions:
         return profile
     inner = profiler.over(copy_model(profiler.model).to(torch.bfloat16))
     try:
         for b1, b2 in ((2, 4), (1, 2)):
             try:
-                selective = profile.precisions["bf16"].selective
-                timeline = inner.memory("bf16", optimizer, b1, b2, selective=selective)
-                return dataclasses.replace(profile, sharded={"bf16": timeline})
+                selective = profile.precisions[bf16].selective
+                timeline = inner.memory(bf16, optimizer, b1, b2, selective=selective)
+                return dataclasses.replace(profile, sharded={bf16: timeline})
             except torch.OutOfMemoryError:
                 continue
         return profile

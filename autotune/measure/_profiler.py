@@ -35,11 +35,9 @@ from autotune._profile_data import (
 )
 from autotune._spelling import option
 from autotune.config import (
+    Timeline,
     TrainConfig,
     is_factory,
-    timeline_knobs,
-    timeline_level,
-    timeline_parts,
 )
 from autotune.device import AllocatorSettings, RequestLog, backend_for
 from autotune.errors import AutotuneError, BatchError, LossError, ProfileError
@@ -127,9 +125,9 @@ class Profiler:
             foreign_bytes=self.foreign_bytes,
         )
 
-    def config(self, key: str, b: int, **knobs: Any) -> TrainConfig:
-        """The config of timeline ``key`` (a precision, compiled or not) at micro-batch ``b``."""
-        return TrainConfig(micro_batch_size=b, **timeline_knobs(key, self.blocks), **knobs)
+    def config(self, timeline: Timeline, b: int, **knobs: Any) -> TrainConfig:
+        """The config of ``timeline`` at micro-batch ``b``."""
+        return TrainConfig(micro_batch_size=b, **timeline.knobs(self.blocks), **knobs)
 
     def runner(self, config: TrainConfig) -> Runner:
         lr = None if is_factory(config.optimizer) else _PROFILE_LR  # a factory sets its own
@@ -190,7 +188,7 @@ class Profiler:
 
     def memory(
         self,
-        precision: str,
+        timeline: Timeline,
         optimizer: str,
         b1: int,
         b2: int,
@@ -198,22 +196,21 @@ class Profiler:
         offload: bool = False,
         selective: bool = False,
     ) -> PrecisionProfile:
-        """The phase timeline of ``precision`` (a timeline key: compiled blocks are a
-        timeline of their own) at micro-batch sizes ``b1`` < ``b2``.
+        """The phase timeline of ``timeline`` at micro-batch sizes ``b1`` < ``b2``.
 
         Variants: every block kept, every block checkpointed, (``offload``) every block
         offloaded, with the bytes each block sends to the host, and (``selective``) every
         block checkpointed selectively; compiled blocks, or the model compiled whole, only
         kept and checkpointed. A variant not run takes the kept run's lines.
         """
-        compiled = timeline_parts(precision)[1]
-        whole = timeline_level(precision) == "model"
+        compiled = timeline.compiled
+        whole = timeline.level == "model"
         at: tuple[int, ...] = (b1, b2)
         if compiled:
             offload = selective = False
         if compiled and not whole:  # its peaks bend at small sizes: a third size (Phase.floor)
             at = (b1, b2, 2 * b2)
-        runner = self.first_step(self.config(precision, b1, optimizer=optimizer), b1)
+        runner = self.first_step(self.config(timeline, b1, optimizer=optimizer), b1)
         variants = [KEEP, CHECKPOINT] if self.blocks else [KEEP]
         if self.blocks and offload:
             variants.append(OFFLOAD)
@@ -246,7 +243,7 @@ class Profiler:
         reserve = tuple(Line.rising(beyond.get(v, beyond[KEEP])) for v in indices if beyond)
         requests = _requests(tracked.requests, b1, b2, indices, self.foreign_bytes)
         return PrecisionProfile(
-            precision,
+            timeline,
             base - state,
             micro,
             reserve=reserve,
@@ -304,19 +301,21 @@ class Profiler:
                     out.beyond.setdefault(variant, []).append((b, float(reserved - live)))
         return out
 
-    def fwd_bwd_time(self, precision: str, b: int, *, every: int = KEEP) -> float:
+    def fwd_bwd_time(self, timeline: Timeline, b: int, *, every: int = KEEP) -> float:
         """Median seconds of one micro-batch's forward+backward at size ``b``, with every
         block kept, checkpointed (``every=CHECKPOINT``) or checkpointed selectively."""
-        return self.fwd_bwd_times(precision, b, (every,))[every]
+        return self.fwd_bwd_times(timeline, b, (every,))[every]
 
-    def fwd_bwd_times(self, precision: str, b: int, variants: Sequence[int]) -> dict[int, float]:
+    def fwd_bwd_times(
+        self, timeline: Timeline, b: int, variants: Sequence[int]
+    ) -> dict[int, float]:
         """:meth:`fwd_bwd_time` of each of ``variants`` (KEEP, CHECKPOINT, SELECTIVE), on
         one runner after one warm-up pass, the variants timed in turn (several rounds where
         the first round's pass was shorter than :data:`_SHORT_PASS_S`), so that a slow spell
         hits them alike. The warm-up does not decide the rounds: the process's first pass,
         or a precision's first at a shape, pays one-time costs (lazy initialisation, the
         kernels' primitives made) several times a pass."""
-        runner = self.runner(self.config(precision, b))
+        runner = self.runner(self.config(timeline, b))
         chunk = resize(self.sample, b)
         times: dict[int, list[float]] = {v: [] for v in variants}
         plain = runner.config.compile_model
@@ -347,17 +346,17 @@ class Profiler:
             selective = variant == SELECTIVE
             apply_checkpointing(self.model, self.blocks, selective=selective, plain=plain)
 
-    def block_weights(self, precision: str, b: int) -> tuple[float, ...]:
+    def block_weights(self, timeline: Timeline, b: int) -> tuple[float, ...]:
         """Each block's share of the blocks' forward time, from one timed forward."""
-        spent, _ = self.block_times(precision, b)
+        spent, _ = self.block_times(timeline, b)
         total = sum(spent)
         if total <= 0 or not self.modules:
             return tuple(1.0 / max(len(self.modules), 1) for _ in self.modules)
         return tuple(s / total for s in spent)
 
-    def block_times(self, precision: str, b: int) -> tuple[tuple[float, ...], float]:
+    def block_times(self, timeline: Timeline, b: int) -> tuple[tuple[float, ...], float]:
         """(each block's seconds, the whole forward's seconds) of one timed forward."""
-        runner = self.runner(self.config(precision, b))
+        runner = self.runner(self.config(timeline, b))
         starts: dict[int, float] = {}
         spent = [0.0] * len(self.modules)
         handles = []

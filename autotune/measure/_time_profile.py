@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from autotune._profile_data import CHECKPOINT, KEEP, SELECTIVE, PrecisionProfile, Profile, TimeCurve
-from autotune.config import timeline_chunked, timeline_parts, timeline_unchunked
+from autotune.config import Timeline
 from autotune.device import backend_for
 from autotune.errors import BatchError, ProfileError
 from autotune.measure._profiler import Profiler
@@ -60,8 +60,9 @@ class Fast(NamedTuple):
     """The smallest sizes the model cannot train on."""
     notes: list[str]
     """A note per precision or size left out."""
-    seconds: dict[str, dict[int, float]]
-    """The passes it timed, by precision and micro-batch: the time profile reuses them."""
+    seconds: dict[Timeline, dict[int, float]]
+    """The passes it timed, by (eager) timeline and micro-batch: the time profile reuses
+    them."""
 
 
 def fast_precisions(
@@ -86,10 +87,10 @@ def fast_precisions(
     backend = backend_for(profiler.device)
     untrainable: list[int] = []
     notes: list[str] = []
-    timed: dict[str, dict[int, float]] = {}
+    timed: dict[Timeline, dict[int, float]] = {}
     try:
-        b, seconds = _first_trainable(profiler, reference, sizes, untrainable, notes)
-        timed[reference] = {b: seconds}
+        b, seconds = _first_trainable(profiler, Timeline(reference), sizes, untrainable, notes)
+        timed[Timeline(reference)] = {b: seconds}
         kept = [reference]
         for p in precisions:
             if p == reference:
@@ -100,8 +101,9 @@ def fast_precisions(
             if backend.emulates(p):  # no pass to time: it cannot be fast here
                 notes.append(f"{p}: {device_name} has no {p} arithmetic of its own, not searched")
                 continue
-            timed[p] = {b: profiler.fwd_bwd_time(p, b)}
-            ratio = _ratio(profiler, p, reference, b, timed[p][b] / seconds)
+            timed[Timeline(p)] = {b: profiler.fwd_bwd_time(Timeline(p), b)}
+            first = timed[Timeline(p)][b] / seconds
+            ratio = _ratio(profiler, Timeline(p), Timeline(reference), b, first)
             if ratio > _SLOW_PRECISION:
                 notes.append(_slow_note(p, ratio, device_name))
             else:
@@ -113,7 +115,7 @@ def fast_precisions(
 
 def _first_trainable(
     profiler: Profiler,
-    precision: str,
+    timeline: Timeline,
     sizes: Sequence[int],
     untrainable: list[int],
     notes: list[str],
@@ -128,7 +130,7 @@ def _first_trainable(
     first: ProfileError | BatchError | None = None
     for b in sizes[:_TRIED_SIZES]:
         try:
-            return b, profiler.fwd_bwd_time(precision, b)
+            return b, profiler.fwd_bwd_time(timeline, b)
         except (ProfileError, BatchError) as exc:  # BatchNorm at 1 sample: its forward fails
             first = first or exc
             untrainable.append(b)
@@ -143,39 +145,40 @@ def _untrainable_note(b: int, exc: ProfileError | BatchError) -> str:
     return f"micro-batch {b}: the model does not train on it ({cause}); not searched"
 
 
-def _slow_note(precision: str, ratio: float, device_name: str) -> str:
-    return f"{precision}: {ratio:.1f}x slower than fp32 on {device_name}, not searched"
+def _slow_note(timeline: Timeline | str, ratio: float, device_name: str) -> str:
+    return f"{timeline}: {ratio:.1f}x slower than fp32 on {device_name}, not searched"
 
 
 def time_profile(
     profiler: Profiler,
     draft: Profile,
-    caps: Mapping[str, int],
+    caps: Mapping[Timeline, int],
     sizes: Sequence[int],
     *,
     device_name: str,
-    timed: Mapping[str, Mapping[int, float]] | None = None,
-    fits_wherever: Callable[[str, str], bool] | None = None,
+    timed: Mapping[Timeline, Mapping[int, float]] | None = None,
+    fits_wherever: Callable[[Timeline, Timeline], bool] | None = None,
 ) -> Profile:
     """``draft`` (a memory profile) with time curves and block weights measured.
 
     Args:
         profiler: The profiler of the tuner's copy of the model.
         draft: The memory profile; its notes are kept and added to.
-        caps: Per precision to time, the largest micro-batch that fits.
+        caps: Per timeline to time, the largest micro-batch that fits.
         sizes: The micro-batch sizes the search may pick (ascending).
         device_name: For notes.
         timed: Passes timed already on this profiler (:attr:`Fast.seconds`), reused.
         fits_wherever: Whether the first timeline fits every config of the second's
-            (the memory model's say); ``None``: no precision is outrun.
+            (the memory model's say); ``None``: no timeline is outrun.
 
     Returns:
-        The profile with only the precisions that were timed.
+        The profile with only the timelines that were timed.
     """
     feasible = dict(caps)
     notes = list(draft.notes)
     probe = {p: _nearest(sizes, min(8, b)) for p, b in feasible.items()}
-    reference = "fp32" if "fp32" in feasible else next(iter(feasible))
+    fp32 = Timeline("fp32")
+    reference = fp32 if fp32 in feasible else next(iter(feasible))
     times = {p: dict((timed or {}).get(p, {})) for p in feasible}
     probe[reference], seconds = _probe(profiler, reference, probe[reference], sizes, times)
     times[reference][probe[reference]] = seconds
@@ -202,7 +205,7 @@ def time_profile(
 
 def _time_ladder(
     profiler: Profiler,
-    precision: str,
+    timeline: Timeline,
     ladder: list[int],
     times: dict[int, float],
     notes: list[str],
@@ -235,10 +238,10 @@ def _time_ladder(
         if b not in times or paired:
             try:
                 if paired and wrapped is not None:
-                    wrapped[b] = profiler.fwd_bwd_times(precision, b, (KEEP, *variants))
+                    wrapped[b] = profiler.fwd_bwd_times(timeline, b, (KEEP, *variants))
                     times[b] = wrapped[b][KEEP]
                 else:
-                    times[b] = profiler.fwd_bwd_time(precision, b)
+                    times[b] = profiler.fwd_bwd_time(timeline, b)
             except ProfileError as exc:
                 if not done or done[-1] != _previous_size(ladder, b):
                     raise  # the first size, or two in a row: the model is at fault, not a size
@@ -252,7 +255,7 @@ def _time_ladder(
                 # The memory model said b fits the budget, but the device (shared, or
                 # fragmented) did not hold it: time up to here, verification decides the rest.
                 notes.append(
-                    f"{precision}: out of device memory timing micro-batch {b}; "
+                    f"{timeline}: out of device memory timing micro-batch {b}; "
                     f"timed up to {done[-1]}"
                 )
                 break
@@ -288,18 +291,18 @@ def _previous_size(ladder: Sequence[int], b: int) -> int | None:
 
 def _probe(
     profiler: Profiler,
-    precision: str,
+    timeline: Timeline,
     b: int,
     sizes: Sequence[int],
-    times: Mapping[str, Mapping[int, float]],
+    times: Mapping[Timeline, Mapping[int, float]],
 ) -> tuple[int, float]:
     """(size, seconds) of the first timing: at ``b``, or halved until the device holds it
     (already in ``times``: not timed again)."""
     while True:
-        if b in times[precision]:
-            return b, times[precision][b]
+        if b in times[timeline]:
+            return b, times[timeline][b]
         try:
-            return b, profiler.fwd_bwd_time(precision, b)
+            return b, profiler.fwd_bwd_time(timeline, b)
         except torch.OutOfMemoryError:
             smaller = [s for s in sizes if s <= b // 2]
             if not smaller:
@@ -322,10 +325,10 @@ def _ladder(sizes: Sequence[int], cap: int) -> list[int]:
 
 
 def _drop_outrun(
-    feasible: dict[str, int],
-    times: dict[str, dict[int, float]],
+    feasible: dict[Timeline, int],
+    times: dict[Timeline, dict[int, float]],
     notes: list[str],
-    fits_wherever: Callable[[str, str], bool],
+    fits_wherever: Callable[[Timeline, Timeline], bool],
     device_name: str,
 ) -> None:
     """Drop from ``feasible`` and ``times`` (with a note) each eager precision that is
@@ -335,8 +338,8 @@ def _drop_outrun(
     smallest sizes (where a pass is mostly overhead and the two are alike) tied with it.
     Its chunked loss's timeline goes with it. A precision with a compiled timeline is left
     alone: the compiled one was not compared."""
-    eager = [p for p in feasible if not timeline_parts(p)[1] and not timeline_chunked(p)]
-    compiled = {timeline_parts(k)[0] for k in feasible if timeline_parts(k)[1]}
+    eager = [p for p in feasible if not p.compiled and not p.chunked]
+    compiled = {k.eager for k in feasible if k.compiled}
     for p in [p for p in eager if p not in compiled]:
         for q in eager:
             if q == p or q not in feasible:
@@ -355,7 +358,7 @@ def _drop_outrun(
                 f"{p}: the time of {q} times {at} (micro-batch) on {device_name}, and {q} "
                 f"fits wherever {p} does: not timed further, not searched"
             )
-            for key in [k for k in feasible if k == p or timeline_unchunked(k) == p]:
+            for key in [k for k in feasible if k.unchunked == p]:
                 del feasible[key], times[key]
             break
 
@@ -366,10 +369,10 @@ def _nearest(sizes: Sequence[int], b: int) -> int:
 
 def _drop_slow(
     profiler: Profiler,
-    feasible: dict[str, int],
-    times: dict[str, dict[int, float]],
-    at: Mapping[str, int],
-    reference: str,
+    feasible: dict[Timeline, int],
+    times: dict[Timeline, dict[int, float]],
+    at: Mapping[Timeline, int],
+    reference: Timeline,
     notes: list[str],
     device_name: str,
 ) -> None:
@@ -380,21 +383,21 @@ def _drop_slow(
     (where only the chunked loss fits, it stays)."""
     slow = set()
     for p in list(feasible):
-        if p == reference or timeline_chunked(p):
+        if p == reference or p.chunked:
             continue
         b = at[p]
         times[p][b] = times[p].get(b) or profiler.fwd_bwd_time(p, b)
         ref = times[reference].get(b) or profiler.fwd_bwd_time(reference, b)
-        eager, compiled = timeline_parts(p)
+        eager = p.eager
         ratio = times[p][b] / ref
         if (
-            "fp32" in feasible
+            Timeline("fp32") in feasible
             and (ratio := _ratio(profiler, p, reference, b, ratio)) > _SLOW_PRECISION
         ):
             notes.append(_slow_note(p, ratio, device_name))
             del feasible[p], times[p]
             slow.add(p)
-        elif compiled and eager in feasible:
+        elif p.compiled and eager in feasible:
             twin = times[eager].get(b) or profiler.fwd_bwd_time(eager, b)
             times[eager][b] = twin
             if times[p][b] > _COMPILED_PAYS * twin:
@@ -404,13 +407,13 @@ def _drop_slow(
                 )
                 del feasible[p], times[p]
                 slow.add(p)
-    for p in [p for p in feasible if timeline_chunked(p)]:
-        if timeline_unchunked(p) in slow:
+    for p in [p for p in feasible if p.chunked]:
+        if p.unchunked in slow:
             del feasible[p], times[p]
 
 
-def _ratio(profiler: Profiler, p: str, reference: str, b: int, first: float) -> float:
-    """Precision ``p``'s time over the reference's at micro-batch ``b``: ``first`` or, when
+def _ratio(profiler: Profiler, p: Timeline, reference: Timeline, b: int, first: float) -> float:
+    """Timeline ``p``'s time over the reference's at micro-batch ``b``: ``first`` or, when
     near the threshold, the median of it and two more pairs timed in turn."""
     if abs(math.log(first / _SLOW_PRECISION)) >= math.log(_NEAR):
         return first
@@ -421,17 +424,17 @@ def _ratio(profiler: Profiler, p: str, reference: str, b: int, first: float) -> 
 def _timed(
     profiler: Profiler,
     draft: Profile,
-    p: str,
+    p: Timeline,
     cap: int,
     sizes: Sequence[int],
     times: dict[int, float],
     notes: list[str],
     untrainable: list[int],
 ) -> PrecisionProfile:
-    """Precision ``p``'s memory profile with its time curve: forward+backward seconds at
+    """Timeline ``p``'s memory profile with its time curve: forward+backward seconds at
     the sizes of its ladder up to ``cap`` (``times``: those timed already, added to)."""
     allowed = [s for s in sizes if s not in untrainable]
-    if timeline_parts(p)[1]:  # one sample is a graph of its own: not compiled for a curve
+    if p.compiled:  # one sample is a graph of its own: not compiled for a curve
         allowed = [s for s in allowed if s > 1] or allowed
     # Every block checkpointed, and selectively: timed on the runner of the kept pass
     # (after its warm-up, in turn with it) at the second size and at the last one.

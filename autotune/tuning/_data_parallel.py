@@ -115,7 +115,7 @@ def _search_layouts(
         log.info(
             "searching: %d micro-batch sizes x %s x %s%s",
             len(chooser.sizes),
-            "/".join(chooser.precisions),
+            "/".join(map(str, chooser.timelines)),
             "/".join(chooser.optimizers),
             _note(chooser),
         )

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from autotune._profile_data import CHECKPOINT, KEEP, Profile
-from autotune.config import TrainConfig, timeline_key, timeline_parts
+from autotune.config import Timeline, TrainConfig
 from autotune.cost import Chooser, CostModel, choosers, largest_fitting, too_small
 from autotune.device import backend_for
 from autotune.errors import AutotuneError
@@ -102,7 +102,8 @@ def profile_model(
             fits_wherever=_fits_wherever(layouts),
         )
     if pieces.shallow:
-        reference = "fp32" if "fp32" in profile.precisions else next(iter(profile.precisions))
+        fp32 = Timeline("fp32")
+        reference = fp32 if fp32 in profile.precisions else next(iter(profile.precisions))
         seconds, forward_s = profiler.block_times(reference, min(8, feasible[reference]))
         profile = deepen_time(profile, seconds, forward_s)
     for note in profile.notes:
@@ -116,10 +117,10 @@ def profile_model(
 
 def _memory_on(
     pieces: Pieces, problem: Problem
-) -> tuple[Profiler, Profile, list[str], dict[str, dict[int, float]]]:
+) -> tuple[Profiler, Profile, list[str], dict[Timeline, dict[int, float]]]:
     """The memory profile of ``pieces`` in the precisions fast enough to search: (the
     profiler the time profile runs on, the last piece's; the profile; notes; the passes
-    timed while choosing the precisions, by precision and size).
+    timed while choosing the precisions, by timeline and size).
 
     On shallow copies the precisions are timed on the copy of 3 blocks, not on the copy
     the time profile runs on, and no compiled timeline is profiled.
@@ -165,7 +166,7 @@ def _memory(
     with budget_cap(problem):
         draft, notes = memory_profile(
             profiler,
-            precisions,
+            tuple(Timeline(p) for p in precisions),
             problem.space.optimizers,
             device_name=problem.target.name,
             context_bytes=problem.target.context_bytes,
@@ -195,21 +196,21 @@ def _with_chunked_loss(
         if wanted and why is not None:
             notes.append(f"the chunked loss: not searched, {why}")
         return draft
-    eager = [p for p in draft.precisions if not timeline_parts(p)[1]]
+    eager = [t.precision for t in draft.precisions if not t.compiled]
     if wanted is None and _logits_share(profiler, draft, eager[0]) < _LOGITS_SHARE:
         return draft
     log.info("profiling the chunked loss")
     try:
         found, more = memory_profile(
             profiler,
-            tuple(timeline_key(p, "none", chunked=True) for p in eager),
+            tuple(Timeline(p, chunked=True) for p in eager),
             problem.space.optimizers[:1],
             device_name=problem.target.name,
             context_bytes=problem.target.context_bytes,
             transfer=draft.transfer,
             selective=problem.space.selective_checkpointing,
-            compiled=[p for p in eager if timeline_key(p, "blocks") in draft.precisions],
-            whole=[p for p in eager if timeline_key(p, "model") in draft.precisions],
+            compiled=[p for p in eager if Timeline(p, "blocks") in draft.precisions],
+            whole=[p for p in eager if Timeline(p, "model") in draft.precisions],
             chunked=True,
         )
     except AutotuneError as exc:  # it does not fit, or the model refuses it: not searched
@@ -237,24 +238,24 @@ compiled timeline: compiling a slower precision costs seconds and rarely wins.""
 
 
 def _worth_compiling(
-    precisions: tuple[str, ...], timed: dict[str, dict[int, float]]
+    precisions: tuple[str, ...], timed: dict[Timeline, dict[int, float]]
 ) -> tuple[str, ...]:
     """The precisions to profile compiled: near the fastest eager one at the first size
     timed (every one where they were not all timed)."""
-    seconds = {p: min(timed[p].values()) for p in precisions if timed.get(p)}
+    seconds = {p: min(timed[t].values()) for p in precisions if timed.get(t := Timeline(p))}
     if len(seconds) < len(precisions):
         return precisions
     best = min(seconds.values())
     return tuple(p for p in precisions if seconds[p] <= _COMPILE_WITHIN * best)
 
 
-def _fits_wherever(layouts: list[Chooser]) -> Callable[[str, str], bool]:
+def _fits_wherever(layouts: list[Chooser]) -> Callable[[Timeline, Timeline], bool]:
     """Whether timeline ``q`` fits every config timeline ``p`` fits under the choosers
     ``layouts``: at every size, optimizer and placement of every layout, with every block
     kept and with every block checkpointed (a mask between them fits where both ends do,
     or needs a little more checkpointing in ``q``)."""
 
-    def fits(q: str, p: str) -> bool:
+    def fits(q: Timeline, p: Timeline) -> bool:
         for chooser in layouts:
             n = chooser.cost.n_blocks
             masks = [(KEEP,) * n, (CHECKPOINT,) * n] if chooser.checkpointing else [(KEEP,) * n]
@@ -274,8 +275,10 @@ def _fits_wherever(layouts: list[Chooser]) -> Callable[[str, str], bool]:
     return fits
 
 
-def _feasible_sizes(problem: Problem, draft: Profile, layouts: list[Chooser]) -> dict[str, int]:
-    """Per precision of ``draft``, the largest micro-batch that fits some layout and
+def _feasible_sizes(
+    problem: Problem, draft: Profile, layouts: list[Chooser]
+) -> dict[Timeline, int]:
+    """Per timeline of ``draft``, the largest micro-batch that fits some layout and
     optimizer of the choosers ``layouts`` (the draft as the target holds it).
 
     Raises:
@@ -287,7 +290,7 @@ def _feasible_sizes(problem: Problem, draft: Profile, layouts: list[Chooser]) ->
                 b
                 for q in layouts
                 for o in q.optimizers
-                if p in q.precisions and (b := largest_fitting(q, p, o))
+                if p in q.timelines and (b := largest_fitting(q, p, o))
             ),
             default=None,
         )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autotune._profile_data import TimeCurve
-from autotune.config import TrainConfig
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._cost_model import CHECKPOINT, KEEP, SELECTIVE, CostModel
 from autotune.cost._cost_model import min_cost_cover as _min_cost_cover
 from autotune.cost._knobs import Knobs
@@ -164,7 +164,7 @@ def test_plan_with_selective_checkpointing_is_the_brute_force_optimum(gpt_profil
         block_weights=(0.5, 0.3, 0.2),  # unequal blocks: "the first k" is not the answer
     )
     cost = CostModel(timed)
-    knobs = Knobs(precision="fp32", optimizer="adamw", micro_batch=16, accum=1)
+    knobs = Knobs(timeline=Timeline("fp32"), optimizer="adamw", micro_batch=16, accum=1)
     none = cost.peak_of(knobs.masked((KEEP,) * 3))
     full = cost.peak_of(knobs.masked((CHECKPOINT,) * 3))
     every = [knobs.masked(m) for m in itertools.product((KEEP, CHECKPOINT, SELECTIVE), repeat=3)]
@@ -197,7 +197,8 @@ def test_knobs_are_what_the_cost_model_reads_of_a_config(gpt_profile) -> None:
     cost = CostModel(gpt_profile)
     knobs = cost.knobs(config)
     mask = (CHECKPOINT, KEEP, SELECTIVE)
-    assert knobs == Knobs(precision="bf16", optimizer="sgd", micro_batch=6, accum=3, mask=mask)
+    bf16 = Timeline("bf16")
+    assert knobs == Knobs(timeline=bf16, optimizer="sgd", micro_batch=6, accum=3, mask=mask)
     assert knobs.config(gpt_profile.blocks) == config
     assert Knobs.given("bf16", "sgd", 6, 3, mask) == knobs
     assert cost.peak_of(knobs) == cost.memory(config)[0] == cost.peaks_of(knobs)[0]

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from autotune._profile_data import Profile, TimeCurve
+from autotune.config import Timeline
 from autotune.cost._candidates import best_config, enumerate_candidates, largest_fitting
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
@@ -23,7 +24,9 @@ CURVES = {
 
 @pytest.fixture(scope="module")
 def cost(gpt_profile: Profile) -> CostModel:
-    timed = {p: dataclasses.replace(pp, time=CURVES[p]) for p, pp in gpt_profile.precisions.items()}
+    timed = {
+        p: dataclasses.replace(pp, time=CURVES[str(p)]) for p, pp in gpt_profile.precisions.items()
+    }
     return CostModel(dataclasses.replace(gpt_profile, precisions=timed))
 
 
@@ -34,7 +37,7 @@ def study(cost: CostModel, limit_fraction: float, global_batch: int | None = 64)
     return Chooser(
         cost=cost,
         sizes=sizes,
-        precisions=("fp32", "bf16"),
+        timelines=(Timeline("fp32"), Timeline("bf16")),
         optimizers=("adamw",),
         global_batch_size=global_batch,
         limit=int(top * limit_fraction),
@@ -61,9 +64,9 @@ def test_a_small_space_is_enumerated_exactly(cost: CostModel, fraction: float) -
     best = best_config(s)
     assert best is not None and found[0].config == best.config
     # every fitting setting is there, once
-    keys = {(c.config.micro_batch_size, c.config.precision) for c in found}
+    keys = {(c.config.micro_batch_size, c.config.timeline) for c in found}
     assert len(keys) == len(found)
-    fitting = [(b, p) for p in s.precisions for b in s.sizes if s.config(p, "adamw", b)]
+    fitting = [(b, p) for p in s.timelines for b in s.sizes if s.config(p, "adamw", b)]
     assert keys == set(fitting)
 
 
@@ -117,7 +120,7 @@ def test_tight_budget_prefers_checkpointing_or_bf16(cost: CostModel) -> None:
 
 
 def test_largest_fitting_is_monotone_in_the_limit(cost: CostModel) -> None:
-    sizes = [largest_fitting(study(cost, f), "fp32", "adamw") for f in (0.2, 0.4, 0.8)]
+    sizes = [largest_fitting(study(cost, f), Timeline("fp32"), "adamw") for f in (0.2, 0.4, 0.8)]
     assert all(s is not None for s in sizes)
     assert sizes == sorted(sizes)
 

@@ -17,6 +17,7 @@ import torch
 
 import autotune
 from autotune._profile_data import PhaseKey
+from autotune.config import Timeline
 from autotune.cost._knobs import Knobs
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._peak import measure_peak
@@ -113,13 +114,13 @@ def test_the_profile_timeline_is_in_live_bytes_as_on_cpu(simulated_cuda, gpt_pro
     profiler = Profiler(model, gpt_batch(model.config, 4), blocks, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
         profiler,
-        ("fp32", "bf16"),
+        (Timeline("fp32"), Timeline("bf16")),
         ("adamw", "sgd"),
         device_name="sim",
         context_bytes=0,
         selective=True,  # as gpt_profile
     )
-    for p in ("fp32", "bf16"):
+    for p in (Timeline("fp32"), Timeline("bf16")):
         mine, cpu = profile.precisions[p], gpt_profile.precisions[p]
         assert [ph.key for ph in mine.phases] == [ph.key for ph in cpu.phases]
         assert [ph.delta for ph in mine.phases] == [ph.delta for ph in cpu.phases]
@@ -199,7 +200,7 @@ def _need(simulated_cuda, b1: int, b2: int) -> int:
     profiler = _profiler()
     base = simulated_cuda.high_water = simulated_cuda.reserved
     profiler.optimizer("adamw", b1)
-    profiler.memory("fp32", "adamw", b1, b2)
+    profiler.memory(Timeline("fp32"), "adamw", b1, b2)
     need = simulated_cuda.high_water - base
     del profiler
     gc.collect()
@@ -213,11 +214,11 @@ def test_a_device_too_small_for_micro_batch_4_is_profiled_at_1_and_2(simulated_c
     profiler = _profiler()
     simulated_cuda.cap = simulated_cuda.reserved + small  # room for 1 and 2, not for 2 and 4
     profile, notes = memory_profile(
-        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
     )
-    assert "fp32" in profile.precisions
+    assert Timeline("fp32") in profile.precisions
     assert notes == ["fp32: out of device memory while profiling at micro-batch 4"]
-    assert {ph.key.micro for ph in profile.precisions["fp32"].phases} == {1, 2}
+    assert {ph.key.micro for ph in profile.precisions[Timeline("fp32")].phases} == {1, 2}
 
 
 def test_a_budget_below_every_block_kept_at_micro_batch_1_lifts_the_cap_and_says_so(
@@ -227,9 +228,9 @@ def test_a_budget_below_every_block_kept_at_micro_batch_1_lifts_the_cap_and_says
     profiler = _profiler()
     cap = simulated_cuda.cap = simulated_cuda.reserved + small // 2  # a budget, not the device
     profile, notes = memory_profile(
-        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
     )
-    assert {ph.key.micro for ph in profile.precisions["fp32"].phases} == {1, 2}
+    assert {ph.key.micro for ph in profile.precisions[Timeline("fp32")].phases} == {1, 2}
     assert any("above the budget" in n for n in notes), notes
     assert simulated_cuda.cap == cap  # lifted for those steps only
 
@@ -239,7 +240,9 @@ def test_a_device_too_small_for_micro_batch_2_is_a_profile_error(simulated_cuda)
     profiler = _profiler()
     simulated_cuda.total = simulated_cuda.reserved + small // 2  # a device this small
     with pytest.raises(autotune.ProfileError, match="does not fit sim even at micro-batch 2"):
-        memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
+        memory_profile(
+            profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
+        )
 
 
 def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simulated_cuda) -> None:
@@ -253,9 +256,13 @@ def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simula
     foreign = simulated_cuda.reserved  # the user's model: the tuner measures copies
     work = copy.deepcopy(model)
     profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
-    profile, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
+    profile, _ = memory_profile(
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
+    )
     del profiler
-    assert all(r is not None for r in profile.precisions["fp32"].requests)  # both variants'
+    assert all(
+        r is not None for r in profile.precisions[Timeline("fp32")].requests
+    )  # both variants'
     memory = MemoryModel(profile)
     verifier = Verifier(
         work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
@@ -297,7 +304,9 @@ def test_the_other_expandable_segments_setting_is_predicted_as_it_runs(
     sample = gpt_batch(model.config, 4)
     blocks = tuple(f"blocks.{i}" for i in range(4))
     profiler = Profiler(copy.deepcopy(model), sample, blocks, device=CPU, loss_fn=None)
-    profile, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0)
+    profile, _ = memory_profile(
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
+    )
     del profiler
     config = TrainConfig(micro_batch_size=8)
     other, _, predicted = MemoryModel(profile).other_allocator_mode(config)

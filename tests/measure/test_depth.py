@@ -16,6 +16,7 @@ from torch import nn
 from autotune import TrainConfig
 from autotune._blocks import find_blocks
 from autotune._profile_data import Profile, TimeCurve
+from autotune.config import Timeline
 from autotune.cost._cost_model import CostModel
 from autotune.cost._sharded import Layout
 from autotune.measure._depth import deepen, deepen_time, shallow_copies
@@ -29,7 +30,12 @@ CPU = torch.device("cpu")
 def profiled(model: nn.Module, sample: Any, blocks: tuple[str, ...]) -> Profile:
     profiler = Profiler(model, sample, blocks, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
-        profiler, ["fp32", "bf16"], ["adamw"], device_name="cpu", context_bytes=0, sharded=True
+        profiler,
+        [Timeline("fp32"), Timeline("bf16")],
+        ["adamw"],
+        device_name="cpu",
+        context_bytes=0,
+        sharded=True,
     )
     return profile
 
@@ -75,9 +81,9 @@ def test_copies_of_3_and_4_blocks_give_the_whole_models_timelines(which: str) ->
         whole, deep = whole_and_deepened(model, sample)
         assert deep.blocks == whole.blocks and deep.layout == whole.layout
         assert deep.optimizers["adamw"].state_bytes == whole.optimizers["adamw"].state_bytes
-        for name in ("fp32", "bf16"):
+        for name in (Timeline("fp32"), Timeline("bf16")):
             for a, b in ((whole.precisions[name], deep.precisions[name]),
-                         (whole.sharded["bf16"], deep.sharded["bf16"])):  # fmt: skip
+                         (whole.sharded[Timeline("bf16")], deep.sharded[Timeline("bf16")])):  # fmt: skip
                 assert b.base_bytes == a.base_bytes
                 assert [p.key for p in b.phases] == [p.key for p in a.phases]
                 for x, y in zip(a.phases, b.phases, strict=True):
@@ -162,7 +168,7 @@ def test_the_time_grows_by_a_middle_blocks_share_of_the_forward_per_block() -> N
     curve = TimeCurve((1, 4), (1.0, 2.0), (4,), (0.3,))
     timed = {p: dataclasses.replace(pp, time=curve) for p, pp in deep.precisions.items()}
     out = deepen_time(dataclasses.replace(deep, precisions=timed), (1.0, 2.0, 2.0, 1.0), 10.0)
-    got = out.precisions["fp32"].time
+    got = out.precisions[Timeline("fp32")].time
     assert got is not None
     assert got.seconds == pytest.approx((1.8, 3.6))
     assert got.ckpt_ratio == pytest.approx((0.3 * (14 / 6) / 1.8,))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autotune.config import Timeline
 from autotune.cost._cost_model import SELECTIVE, CostModel
 from autotune.cost._knobs import Knobs
 from autotune.measure._memory_profile import memory_profile
@@ -33,7 +34,12 @@ def test_blocks_that_change_a_kept_output_leave_selective_checkpointing_out_with
         model, sample, ("0", "1"), device=CPU, loss_fn=lambda out, batch: out.square().mean()
     )
     profile, notes = memory_profile(
-        profiler, ("fp32", "bf16"), ("adamw",), device_name="cpu", context_bytes=0, selective=True
+        profiler,
+        (Timeline("fp32"), Timeline("bf16")),
+        ("adamw",),
+        device_name="cpu",
+        context_bytes=0,
+        selective=True,
     )
     assert not any(p.selective for p in profile.precisions.values())
     assert any(
@@ -46,7 +52,7 @@ def test_blocks_that_change_a_kept_output_leave_selective_checkpointing_out_with
     assert cost.peak_of(Knobs.given("fp32", "adamw", 8, 1, (1, 1))) < cost.peak_of(
         Knobs.given("fp32", "adamw", 8, 1, (0, 0))
     )
-    assert not cost.can_select("fp32")
+    assert not cost.can_select(Timeline("fp32"))
     assert SELECTIVE not in (cost.fitting_mask(Knobs.given("fp32", "adamw", 8, 1), 2**40) or ())
 
 
@@ -63,10 +69,17 @@ def test_a_model_that_takes_selective_checkpointing_measures_it() -> None:
         loss_fn=lambda out, batch: out.square().mean(),
     )
     profile, notes = memory_profile(
-        profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0, selective=True
+        profiler,
+        (Timeline("fp32"),),
+        ("adamw",),
+        device_name="cpu",
+        context_bytes=0,
+        selective=True,
     )
-    assert profile.precisions["fp32"].selective and not notes
-    assert all(len(ph.delta) == SELECTIVE + 1 for ph in profile.precisions["fp32"].phases)
-    off, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0)
-    assert not off.precisions["fp32"].selective
-    assert all(len(ph.delta) == 2 for ph in off.precisions["fp32"].phases)
+    assert profile.precisions[Timeline("fp32")].selective and not notes
+    assert all(len(ph.delta) == SELECTIVE + 1 for ph in profile.precisions[Timeline("fp32")].phases)
+    off, _ = memory_profile(
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="cpu", context_bytes=0
+    )
+    assert not off.precisions[Timeline("fp32")].selective
+    assert all(len(ph.delta) == 2 for ph in off.precisions[Timeline("fp32")].phases)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from autotune._profile_data import Line, Requests, profile_from_json, profile_to_json
+from autotune.config import Timeline, TrainConfig
+from autotune.cost._cost_model import CostModel
 
 
 def test_a_rising_line_fits_the_points_least_squares() -> None:
@@ -28,9 +32,37 @@ def test_the_profile_survives_json_with_its_reserve_lines(gpt_profile) -> None:
     start = ((1 << 32, 0, True, False, ((512, True), (2**21 - 512, False))),)
     requests = Requests("expandable_segments:True", start, (Line(8.0, 4.0),), (0,), (0, -1), 9, 2)
     fp32 = dataclasses.replace(
-        gpt_profile.precisions["fp32"],
+        gpt_profile.precisions[Timeline("fp32")],
         reserve=(Line(1.0, 2.0), Line(3.0, 0.0)),
         requests=(requests, None),
     )
-    profile = dataclasses.replace(gpt_profile, precisions={"fp32": fp32}, untrainable=(1, 3))
+    profile = dataclasses.replace(gpt_profile, precisions={fp32.timeline: fp32}, untrainable=(1, 3))
     assert profile_from_json(profile_to_json(profile)) == profile
+
+
+def test_a_profile_saved_with_named_timelines_loads_and_saves_the_same() -> None:
+    """A profile saved before timelines were typed (a study's, kept to resume: each
+    timeline by its name) loads with typed timelines, predicts, and saves as it was."""
+    text = (Path(__file__).parents[1] / "data" / "profile-with-named-timelines.json").read_text()
+    profile = profile_from_json(text)
+    fp32, bf16 = Timeline("fp32"), Timeline("bf16")
+    assert list(profile.precisions) == [
+        fp32,
+        bf16,
+        Timeline("bf16", "blocks"),
+        Timeline("fp32", "model"),
+    ]
+    assert all(key == p.timeline for key, p in profile.precisions.items())
+    assert json.loads(profile_to_json(profile)) == json.loads(text)
+    config = TrainConfig(micro_batch_size=2, precision="bf16", compile_blocks=profile.blocks)
+    assert CostModel(profile).memory(config)[0] > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_every_timeline_is_found_again_by_its_name(precision: str) -> None:
+    for level in ("none", "blocks", "model"):
+        for chunked in (False, True):
+            timeline = Timeline(precision, level, chunked)
+            assert Timeline.named(str(timeline)) == timeline
+    assert str(Timeline(precision, "blocks", True)) == f"{precision}+compiled+chunked"
+    assert str(Timeline(precision, "model")) == f"{precision}+model"

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from autotune.config import Timeline
 from autotune.device._backend import Backend
 from autotune.errors import BatchError
 from autotune.measure._memory_profile import memory_profile
@@ -25,7 +26,9 @@ def setup() -> tuple[Profiler, object]:
     profiler = Profiler(
         copy.deepcopy(model), gpt_batch(model.config, 4), blocks, device=CPU, loss_fn=None
     )
-    draft, _ = memory_profile(profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0)
+    draft, _ = memory_profile(
+        profiler, (Timeline("fp32"),), ("adamw",), device_name="cpu", context_bytes=0
+    )
     return profiler, draft
 
 
@@ -34,14 +37,16 @@ def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, lim
     profiler, draft = setup
     timed = profiler.fwd_bwd_times
 
-    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+    def fwd_bwd_times(timeline: Timeline, b: int, variants: tuple[int, ...]) -> dict[int, float]:
         if b >= limit and 0 in variants:  # the kept pass runs out, where it is timed
             raise torch.OutOfMemoryError("CUDA out of memory. (injected: a shared device)")
-        return timed(precision, b, variants)
+        return timed(timeline, b, variants)
 
     monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
-    profile = time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
-    curve = profile.precisions["fp32"].time
+    profile = time_profile(
+        profiler, draft, {Timeline("fp32"): 32}, tuple(range(1, 33)), device_name="cpu"
+    )
+    curve = profile.precisions[Timeline("fp32")].time
     assert curve is not None and max(curve.batch_sizes) == limit // 2
     assert any(f"out of device memory timing micro-batch {limit};" in n for n in profile.notes)
 
@@ -49,12 +54,14 @@ def test_an_oom_while_timing_ends_the_ladder_with_a_note(setup, monkeypatch, lim
 def test_an_oom_at_the_first_size_is_not_hidden(setup, monkeypatch) -> None:
     profiler, draft = setup
 
-    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+    def fwd_bwd_times(timeline: Timeline, b: int, variants: tuple[int, ...]) -> dict[int, float]:
         raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
 
     monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
     with pytest.raises(torch.OutOfMemoryError):
-        time_profile(profiler, draft, {"fp32": 32}, tuple(range(1, 33)), device_name="cpu")
+        time_profile(
+            profiler, draft, {Timeline("fp32"): 32}, tuple(range(1, 33)), device_name="cpu"
+        )
 
 
 @pytest.mark.parametrize(
@@ -68,9 +75,9 @@ def test_a_precision_much_slower_at_micro_batch_1_is_dropped_first(
     profiler, _ = setup
     asked: list[tuple[str, int]] = []
 
-    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
-        asked.append((precision, b))
-        return 0.01 * b * slowdown.get(precision, 1.0)
+    def fwd_bwd_time(timeline: Timeline, b: int, *, every: int = 0) -> float:
+        asked.append((str(timeline), b))
+        return 0.01 * b * slowdown.get(str(timeline), 1.0)
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
     monkeypatch.setattr(Backend, "emulates", lambda self, precision: False)  # any CPU's flags
@@ -92,7 +99,7 @@ def test_a_precision_the_cpu_has_no_arithmetic_for_is_not_timed(setup, monkeypat
     profiler, _ = setup
     asked: list[str] = []
     monkeypatch.setattr(
-        profiler, "fwd_bwd_time", lambda p, b, every=0: asked.append(p) or 0.01
+        profiler, "fwd_bwd_time", lambda p, b, every=0: asked.append(str(p)) or 0.01
     )  # fmt: skip
     flags = {**torch.cpu.get_capabilities(), "architecture": "x86_64"}
     monkeypatch.setattr(
@@ -110,14 +117,15 @@ def test_without_fp32_or_with_one_precision_one_pass_finds_the_smallest_size(
     timed = profiler.fwd_bwd_time
     asked: list[tuple[str, int]] = []
 
-    def fwd_bwd_time(precision: str, b: int, *, every: int = 0) -> float:
-        asked.append((precision, b))
-        return timed("fp32", b)
+    def fwd_bwd_time(timeline: Timeline, b: int, *, every: int = 0) -> float:
+        asked.append((str(timeline), b))
+        return timed(Timeline("fp32"), b)
 
     monkeypatch.setattr(profiler, "fwd_bwd_time", fwd_bwd_time)
     found = fast_precisions(profiler, ("bf16", "fp16"), (2, 4), device_name="cpu")
     assert found[:3] == (("bf16", "fp16"), (), []) and asked == [("bf16", 2)]
-    assert set(found.seconds) == {"bf16"} and set(found.seconds["bf16"]) == {2}
+    bf16 = Timeline("bf16")
+    assert set(found.seconds) == {bf16} and set(found.seconds[bf16]) == {2}
     again = fast_precisions(profiler, ("fp32",), (3, 6), device_name="cpu")
     assert again[:3] == (("fp32",), (), [])
     assert asked == [("bf16", 2), ("fp32", 3)]  # the space's smallest size, never 1
@@ -143,9 +151,9 @@ def test_a_size_the_model_cannot_train_on_is_left_out_not_fatal(setup, monkeypat
     assert "Expected more than 1 value per channel" in notes[0]
 
     draft = dataclasses.replace(draft, untrainable=untrainable)
-    profile = time_profile(profiler, draft, {"fp32": 8}, (1, 2, 4, 8), device_name="cpu")
+    profile = time_profile(profiler, draft, {Timeline("fp32"): 8}, (1, 2, 4, 8), device_name="cpu")
     assert profile.untrainable == (1,)
-    assert 1 not in profile.precisions["fp32"].time.batch_sizes  # never timed
+    assert 1 not in profile.precisions[Timeline("fp32")].time.batch_sizes  # never timed
 
 
 def test_a_model_that_trains_on_no_size_is_a_batch_error(setup, monkeypatch) -> None:
@@ -169,19 +177,26 @@ def test_checkpointed_and_selective_passes_are_timed_on_the_kept_pass_runner(
     warm-up): the ratios come from passes timed in turn, and nothing is timed twice."""
     profiler, _ = setup
     draft, _ = memory_profile(
-        profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0, selective=True
+        profiler,
+        (Timeline("fp32"),),
+        ("adamw",),
+        device_name="cpu",
+        context_bytes=0,
+        selective=True,
     )
-    assert draft.precisions["fp32"].selective
+    assert draft.precisions[Timeline("fp32")].selective
     timed = profiler.fwd_bwd_times
     asked: list[tuple[int, tuple[int, ...]]] = []
 
-    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+    def fwd_bwd_times(timeline: Timeline, b: int, variants: tuple[int, ...]) -> dict[int, float]:
         asked.append((b, tuple(variants)))
-        return timed(precision, b, variants)
+        return timed(timeline, b, variants)
 
     monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
-    profile = time_profile(profiler, draft, {"fp32": 16}, (1, 2, 4, 8, 16), device_name="cpu")
-    curve = profile.precisions["fp32"].time
+    profile = time_profile(
+        profiler, draft, {Timeline("fp32"): 16}, (1, 2, 4, 8, 16), device_name="cpu"
+    )
+    curve = profile.precisions[Timeline("fp32")].time
     assert curve is not None and curve.ckpt_batch_sizes == (2, 16)
     assert len(curve.ckpt_ratio) == len(curve.selective_ratio) == 2
     assert (2, (0, 1, 3)) in asked and (16, (0, 1, 3)) in asked
@@ -199,7 +214,7 @@ def test_a_precision_near_the_slow_line_is_timed_again_before_it_is_dropped(
     monkeypatch.setattr(
         profiler,
         "fwd_bwd_time",
-        lambda precision, b: 1.0 if precision == "fp32" else next(ratios),
+        lambda timeline, b: 1.0 if timeline == Timeline("fp32") else next(ratios),
     )
     fast = fast_precisions(profiler, ("fp32", "bf16"), (1, 2, 4), device_name="cpu")
     assert ("bf16" not in fast.precisions) is dropped
@@ -217,39 +232,41 @@ def test_a_precision_outrun_where_the_other_fits_is_timed_no_further(
     timed up its ladder nor searched, and a note says why; nearer, or where it fits
     configs bf16 does not, its ladder is timed."""
     profiler, draft = setup
-    draft = dataclasses.replace(draft, precisions={**draft.precisions, "bf16": draft.precisions["fp32"]})  # fmt: skip
+    fp32, bf16 = Timeline("fp32"), Timeline("bf16")
+    draft = dataclasses.replace(
+        draft, precisions={**draft.precisions, bf16: draft.precisions[fp32]}
+    )
     asked: list[tuple[str, int]] = []
 
-    def fwd_bwd_times(precision: str, b: int, variants: tuple[int, ...]) -> dict[int, float]:
-        asked.append((precision, b))
-        slower = at_8 if precision == "fp32" and b > 1 else 1.0
+    def fwd_bwd_times(timeline: Timeline, b: int, variants: tuple[int, ...]) -> dict[int, float]:
+        asked.append((str(timeline), b))
+        slower = at_8 if timeline == fp32 and b > 1 else 1.0
         return {v: 0.01 * b * slower * (1.5 if v else 1.0) for v in variants}
 
     monkeypatch.setattr(profiler, "fwd_bwd_times", fwd_bwd_times)
-    timed = {"fp32": {1: 0.01}, "bf16": {1: 0.01}}  # as fast_precisions left them
+    timed = {fp32: {1: 0.01}, bf16: {1: 0.01}}  # as fast_precisions left them
     profile = time_profile(
-        profiler, draft, {"fp32": 32, "bf16": 32}, (1, 2, 4, 8, 16, 32), device_name="cpu",
+        profiler, draft, {fp32: 32, bf16: 32}, (1, 2, 4, 8, 16, 32), device_name="cpu",
         timed=timed, fits_wherever=lambda q, p: fits,
     )  # fmt: skip
-    fp32 = [b for p, b in asked if p == "fp32"]
+    at = [b for p, b in asked if p == "fp32"]
     if outrun:
-        assert list(profile.precisions) == ["bf16"] and fp32 == [8]
+        assert list(profile.precisions) == [bf16] and at == [8]
         assert any(n.startswith("fp32: the time of bf16 times 1.00x at 1, 1.30x at 8 (micro-batch)") for n in profile.notes)  # fmt: skip
     else:
-        assert set(profile.precisions) == {"fp32", "bf16"} and 32 in fp32
+        assert set(profile.precisions) == {fp32, bf16} and 32 in at
 
 
 def test_a_precision_compiled_too_is_not_outrun_by_its_eager_times() -> None:
     """Its compiled timeline was not compared with the other's: both stay."""
-    from autotune.config import timeline_key
     from autotune.measure._time_profile import _drop_outrun
 
-    compiled = timeline_key("fp32", "blocks")
-    feasible = {"fp32": 32, compiled: 32, "bf16": 32}
-    times = {"fp32": {1: 0.01, 8: 0.13}, compiled: {1: 0.01, 8: 0.09}, "bf16": {1: 0.01, 8: 0.1}}
+    fp32, compiled, bf16 = Timeline("fp32"), Timeline("fp32", "blocks"), Timeline("bf16")
+    feasible = {fp32: 32, compiled: 32, bf16: 32}
+    times = {fp32: {1: 0.01, 8: 0.13}, compiled: {1: 0.01, 8: 0.09}, bf16: {1: 0.01, 8: 0.1}}
     notes: list[str] = []
     _drop_outrun(feasible, times, notes, lambda q, p: True, "cpu")
-    assert set(feasible) == {"fp32", compiled, "bf16"} and notes == []
+    assert set(feasible) == {fp32, compiled, bf16} and notes == []
     del feasible[compiled], times[compiled]
     _drop_outrun(feasible, times, notes, lambda q, p: True, "cpu")
-    assert set(feasible) == {"bf16"} and len(notes) == 1
+    assert set(feasible) == {bf16} and len(notes) == 1

@@ -15,7 +15,7 @@ from sweeps import SWEEP, sweep
 
 from autotune._blocks import find_blocks
 from autotune._profile_data import profile_to_json
-from autotune.config import TrainConfig
+from autotune.config import Timeline, TrainConfig
 from autotune.measure._fake import is_traced, traced
 from autotune.measure._memory_profile import memory_profile
 from autotune.measure._profiler import Profiler
@@ -41,7 +41,12 @@ def _memory(
     names = tuple(find_blocks(model)) if blocks else ()
     profiler = Profiler(model, batch, names, device=torch.device("cpu"), loss_fn=loss_fn)
     profile, _ = memory_profile(
-        profiler, precisions, optimizers, device_name="cpu", context_bytes=0, selective=selective
+        profiler,
+        tuple(Timeline(p) for p in precisions),
+        optimizers,
+        device_name="cpu",
+        context_bytes=0,
+        selective=selective,
     )
     return _bytes_only(json.loads(profile_to_json(profile)))
 

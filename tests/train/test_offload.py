@@ -19,7 +19,7 @@ import torch
 
 import autotune
 from autotune._profile_data import Profile, Transfer
-from autotune.config import TrainConfig
+from autotune.config import Timeline, TrainConfig
 from autotune.cost._candidates import too_small
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CHECKPOINT, KEEP, OFFLOAD, CostModel
@@ -72,7 +72,7 @@ def offload_profile(model: torch.nn.Module, sample: object) -> Profile:
     profiler = Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None)
     profile, _ = memory_profile(
         profiler,
-        ("fp32", "bf16"),
+        (Timeline("fp32"), Timeline("bf16")),
         ("adamw", "sgd"),
         device_name="cpu",
         context_bytes=0,
@@ -336,7 +336,12 @@ def test_host_bytes_are_planned_as_the_pinned_allocator_takes_them(
     transfer = measure_transfer(discover("cpu"), nbytes=2**20)
     assert transfer.rounds_host  # the stand-in takes host buffers as CUDA does
     profile, _ = memory_profile(
-        profiler, ("fp32",), ("adamw",), device_name="sim", context_bytes=0, transfer=transfer
+        profiler,
+        (Timeline("fp32"),),
+        ("adamw",),
+        device_name="sim",
+        context_bytes=0,
+        transfer=transfer,
     )
     del profiler
     cost = CostModel(profile)
@@ -372,7 +377,7 @@ def test_copy_stalls_follow_the_bandwidth(offload_profile) -> None:
     assert fast.step_s_of(Knobs.given("fp32", "adamw", 8, 1, mask)) == pytest.approx(
         plain, rel=1e-4
     )
-    moved = sum(line(8) for line in timed.precisions["fp32"].moved)
+    moved = sum(line(8) for line in timed.precisions[Timeline("fp32")].moved)
     slow = CostModel(dataclasses.replace(timed, transfer=Transfer(1e6, 1e6, 2**40)))
     stall = slow.step_s_of(Knobs.given("fp32", "adamw", 8, 1, mask)) - plain
     # Every byte goes down and comes back at 1 MB/s; little of it hides behind compute.
@@ -410,7 +415,7 @@ def study(profile, limit: int, *, offload: bool) -> Chooser:
     return Chooser(
         cost=CostModel(profile),
         sizes=(1, 2, 4, 8, 16),
-        precisions=("fp32",),
+        timelines=(Timeline("fp32"),),
         optimizers=("adamw",),
         global_batch_size=16,
         limit=limit,
@@ -423,9 +428,14 @@ def test_offload_lets_the_search_fit_a_budget_nothing_else_fits(offload_profile)
     cost = CostModel(offload_profile)
     full = cost.peak_of(Knobs.given("fp32", "adamw", 1, 16, (CHECKPOINT,) * 3))
     limit = full - 1  # below the most frugal config without offload
-    assert study(offload_profile, limit, offload=False).config("fp32", "adamw", 1) is None
+    assert study(offload_profile, limit, offload=False).config(Timeline("fp32"), "adamw", 1) is None
     s = study(offload_profile, limit, offload=True)
-    found = [c for b in s.sizes for h in (False, True) if (c := s.config("fp32", "adamw", b, h))]
+    found = [
+        c
+        for b in s.sizes
+        for h in (False, True)
+        if (c := s.config(Timeline("fp32"), "adamw", b, h))
+    ]
     assert found
     for c in found:
         assert c.offload_optimizer or c.offload_activations
@@ -441,7 +451,9 @@ def test_host_memory_limits_offload(offload_profile) -> None:
         - 1
     )
     s = study(tiny_host, limit, offload=True)
-    assert all(s.config("fp32", "adamw", b, h) is None for b in s.sizes for h in (False, True))
+    assert all(
+        s.config(Timeline("fp32"), "adamw", b, h) is None for b in s.sizes for h in (False, True)
+    )
 
 
 def test_too_small_accounts_for_offload_and_says_what_to_allow(offload_profile) -> None:
@@ -468,7 +480,7 @@ def test_tune_with_offload_on_a_separate_host_verifies_what_it_picks(model, samp
     cost = CostModel(
         memory_profile(
             Profiler(copy.deepcopy(model), sample, BLOCKS, device=CPU, loss_fn=None),
-            ("fp32",),
+            (Timeline("fp32"),),
             ("adamw",),
             device_name="cpu",
             context_bytes=0,

@@ -22,7 +22,7 @@ from torch import nn
 
 import autotune
 from autotune import ConfigError, SearchSpace, TrainConfig
-from autotune.config import timeline_key
+from autotune.config import Timeline
 from autotune.cost._chooser import Chooser
 from autotune.cost._cost_model import CostModel
 from autotune.measure._memory_profile import memory_profile
@@ -93,33 +93,32 @@ def test_the_compiled_timeline_is_planned_beside_the_eager_one() -> None:
                         loss_fn=loss)  # fmt: skip
     with measured_compiling():
         profile, notes = memory_profile(
-            profiler, ("fp32",), ("adamw",), device_name="cpu", context_bytes=0,
+            profiler, (Timeline("fp32"),), ("adamw",), device_name="cpu", context_bytes=0,
             selective=True, compiled=("fp32",),
         )  # fmt: skip
-    assert set(profile.precisions) == {"fp32", "fp32+compiled"} and not notes
-    assert (
-        profile.precisions["fp32"].selective and not profile.precisions["fp32+compiled"].selective
-    )
+    fp32, fp32_compiled = Timeline("fp32"), Timeline("fp32", "blocks")
+    assert set(profile.precisions) == {fp32, fp32_compiled} and not notes
+    assert profile.precisions[fp32].selective and not profile.precisions[fp32_compiled].selective
     cost = CostModel(profile)
     chooser = Chooser(
-        cost=cost, sizes=(1, 2, 4, 8, 16), precisions=tuple(profile.precisions),
+        cost=cost, sizes=(1, 2, 4, 8, 16), timelines=tuple(profile.precisions),
         optimizers=("adamw",), global_batch_size=16, limit=2**30,
     )  # fmt: skip
     eager, compiled = (
-        chooser.config("fp32", "adamw", 16),
-        chooser.config("fp32+compiled", "adamw", 16),
+        chooser.config(fp32, "adamw", 16),
+        chooser.config(fp32_compiled, "adamw", 16),
     )
     assert eager is not None and compiled is not None
     assert compiled.compile_blocks == BLOCKS and compiled.precision == "fp32"
-    assert compiled.timeline == "fp32+compiled" and eager.compile_blocks == ()
+    assert compiled.timeline == fp32_compiled and eager.compile_blocks == ()
     assert cost.memory(compiled)[0] < cost.memory(eager)[0]
     # Tight: the compiled config checkpoints whole blocks, never selectively.
     limit = (cost.memory(compiled)[0] + cost.memory(compiled.replace(checkpoint=BLOCKS))[0]) // 2
     tight = Chooser(
-        cost=cost, sizes=(16,), precisions=("fp32+compiled",), optimizers=("adamw",),
+        cost=cost, sizes=(16,), timelines=(fp32_compiled,), optimizers=("adamw",),
         global_batch_size=16, limit=limit,
     )  # fmt: skip
-    config = tight.config("fp32+compiled", "adamw", 16)
+    config = tight.config(fp32_compiled, "adamw", 16)
     assert config is not None and config.checkpoint and not config.selective_checkpoint
 
 
@@ -230,7 +229,7 @@ def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte(
     ids = torch.randint(VOCAB, (2 * MICRO, SEQ), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids}
     profiler = Profiler(gpt2(), sample, (), device=torch.device("cpu"), loss_fn=None)
-    eager, whole = timeline_key("fp32", "none", chunked), timeline_key("fp32", "model", chunked)
+    eager, whole = Timeline("fp32", "none", chunked), Timeline("fp32", "model", chunked)
     with measured_compiling():
         profile, notes = memory_profile(
             profiler, (eager,), ("adamw_fused",), device_name="cpu", context_bytes=0,
@@ -238,7 +237,7 @@ def test_the_model_compiled_whole_is_planned_and_its_peak_verified_to_the_byte(
         )  # fmt: skip
     assert set(profile.precisions) == {eager, whole} and not notes
     chooser = Chooser(
-        cost=CostModel(profile), sizes=(MICRO,), precisions=(whole,),
+        cost=CostModel(profile), sizes=(MICRO,), timelines=(whole,),
         optimizers=("adamw_fused",), global_batch_size=2 * MICRO, limit=2**30,
     )  # fmt: skip
     config = chooser.config(whole, "adamw_fused", MICRO)
