@@ -390,6 +390,10 @@ class Profile:
     snapshot_bytes: int = 0
     """Device bytes of that copy, held through each step of a runner with fallbacks (the
     cost model counts them; 0 where a step writes no buffer, or none is taken)."""
+    reserve_cap: int = 0
+    """The most the caching allocator may reserve for the run's tensors where the
+    profile is tuned: the budget less the context, as the runner caps it (0: uncapped,
+    as an estimate without a budget is). Its model replays a step under it."""
 
     def batch_bytes(self, micro_batch: int, accum: int) -> float:
         """Device bytes of a step's batch of ``accum`` micro-batches of ``micro_batch``."""
@@ -483,6 +487,7 @@ def profile_from_json(text: str) -> Profile:
         input_bytes_widest=tuple(d.get("input_bytes_widest", ())),
         written=tuple(d.get("written", ())),
         snapshot_bytes=d.get("snapshot_bytes", 0),
+        reserve_cap=d.get("reserve_cap", 0),
     )
 
 

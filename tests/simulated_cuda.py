@@ -39,6 +39,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.context = 0
         """Device memory outside the allocator, as a test sets it (kernels load lazily)."""
         """The most ever reserved (``peak`` is reset by measurements, this never is)."""
+        self.settings = settings
+        """Its settings, as the allocator reports those in force (its snapshot's)."""
         self.model = CachingAllocator(AllocatorSettings.parse(settings))
         """The allocator's rules, fed the CPU's real requests and frees."""
         self.log: RequestLog | None = None
@@ -187,7 +189,7 @@ class SimulatedCuda(Backend):
     @contextlib.contextmanager
     def requests(self) -> Iterator[RequestBox]:
         allocator = self.allocator
-        log = RequestLog(start=allocator.model.snapshot())
+        log = RequestLog(start=allocator.model.snapshot(), settings=allocator.settings)
         allocator.log, allocator._made = log, {}
         box = RequestBox(lambda: len(log.order))
         try:

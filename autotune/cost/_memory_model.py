@@ -269,7 +269,8 @@ class MemoryModel(ProfileView):
         if requests is not None:
             key = (timeline, v, b, min(accum, 3))  # steady from the third micro-batch
             if key not in self._replayed:
-                self._replayed[key] = reserved_beyond(requests, b, accum)
+                cap = self.profile.reserve_cap
+                self._replayed[key] = reserved_beyond(requests, b, accum, cap)
             return self._replayed[key]
         reserve = prec.reserve
         return reserve[v](b) if v < len(reserve) else reserve[KEEP](b)

@@ -23,13 +23,20 @@ from typing import Any
 import torch
 
 from autotune._profile_data import Requests, Segment
-from autotune.device._caching_allocator import AllocatorSettings, CachingAllocator
+from autotune.device._caching_allocator import (
+    UNLIMITED,
+    AllocatorSettings,
+    CachingAllocator,
+    OutOfMemory,
+)
 
 __all__ = [
+    "CANNOT_RUN",
     "Divergence",
     "Recorded",
     "RequestLog",
     "Trace",
+    "allocator_conf",
     "read_trace",
     "recorded",
     "recording",
@@ -55,7 +62,8 @@ class Trace:
     """A stretch of a run as the caching allocator saw it."""
 
     settings: str
-    """``PYTORCH_CUDA_ALLOC_CONF`` of the run."""
+    """The allocator's settings in force, as a ``PYTORCH_CUDA_ALLOC_CONF`` string (see
+    :func:`allocator_conf`)."""
     start: list[dict[str, Any]]
     """Segments when the stretch began, each with its blocks."""
     actions: list[dict[str, Any]]
@@ -97,13 +105,47 @@ def recorded(device: torch.device, **about: Any) -> Iterator[Recorded]:
     finally:
         memory._record_memory_history(None, device=device)
     out.trace = Trace(
-        settings=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        settings=allocator_conf(snapshot),
         start=start,
         actions=[_kept(a, _ACTION_KEYS) for a in snapshot["device_traces"][index]],
         end=_segments(snapshot, index),
         max_reserved=int(torch.cuda.max_memory_reserved(device)),
         about=about,
     )
+
+
+_NO_SPLIT_LIMIT = 1 << 62
+"""A ``max_split_size`` this large or larger is the allocator's default: none."""
+
+
+def allocator_conf(snapshot: dict[str, Any] | None = None) -> str:
+    """The caching allocator's settings in force, as a ``PYTORCH_CUDA_ALLOC_CONF`` string
+    of what decides what it reserves: from ``snapshot`` (``torch.cuda.memory._snapshot()``,
+    which carries them however they were set: either environment variable, or
+    ``torch.cuda.memory._set_allocator_settings`` at run time), else from the environment
+    as the allocator reads it (``PYTORCH_ALLOC_CONF`` first, then
+    ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    given = (snapshot or {}).get("allocator_settings")
+    if not given:
+        env = os.environ
+        return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    parts = []
+    if 0 < int(given.get("max_split_size", _NO_SPLIT_LIMIT)) < _NO_SPLIT_LIMIT:
+        parts.append(f"max_split_size_mb:{int(given['max_split_size']) >> 20}")
+    divisions = given.get("roundup_power2_divisions") or {}
+    if any(int(v) for v in divisions.values()):
+        table = ",".join(
+            f"{int(k)}:{int(v)}" for k, v in sorted(divisions.items(), key=lambda x: int(x[0]))
+        )
+        parts.append(f"roundup_power2_divisions:[{table}]")
+    if given.get("expandable_segments"):
+        parts.append("expandable_segments:True")
+    if float(given.get("garbage_collection_threshold", 0.0)) > 0:
+        parts.append(f"garbage_collection_threshold:{float(given['garbage_collection_threshold'])}")
+    conf = str(given.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if "backend:cudaMallocAsync" in conf.replace(" ", ""):
+        parts.append("backend:cudaMallocAsync")
+    return ",".join(parts)
 
 
 def _started(device: torch.device, index: int) -> list[dict[str, Any]] | None:
@@ -221,12 +263,14 @@ class RequestLog:
     order: list[int] = field(default_factory=list)
     cuts: list[int] = field(default_factory=list)
     """Where stretches of the step begin, as positions in ``order``."""
+    settings: str = ""
+    """The allocator's settings in force (:func:`allocator_conf`)."""
 
 
 def request_log(trace: Trace, cuts: Sequence[int] = ()) -> RequestLog:
     """The requests of a recorded trace (its allocations and completed frees); ``cuts``:
     where stretches begin, counted in the trace's allocations and completed frees."""
-    log = RequestLog(start=[segment_of(s) for s in trace.start])
+    log = RequestLog(start=[segment_of(s) for s in trace.start], settings=trace.settings)
     live: dict[int, int] = {}  # address -> allocation
     counted = 0  # allocations and completed frees so far, the cuts' unit
     pending = list(cuts)
@@ -258,17 +302,51 @@ def segment_of(segment: dict[str, Any]) -> Segment:
     )
 
 
-def reserved_beyond(requests: Requests, b: int, accum: int = 2) -> int:
+CANNOT_RUN = 1 << 50
+"""What :func:`reserved_beyond` says of a step the capped allocator cannot serve: more
+than any budget, so that the config is refused as the device would refuse it."""
+
+
+def reserved_beyond(requests: Requests, b: int, accum: int = 2, cap: int = 0) -> int:
     """What the caching allocator reserves for the run beyond its live bytes, at the most
     of each, in a step of ``requests`` at micro-batch ``b`` with ``accum`` micro-batches:
     the allocator's model fed the step's requests at that size from the segments the
     step began with (the recorded second micro-batch repeated for the third on, at most
-    twice: the cache is steady by then; none with one micro-batch)."""
-    model = CachingAllocator(AllocatorSettings.parse(requests.settings))
+    twice: the cache is steady by then; none with one micro-batch).
+
+    ``cap``: the most the allocator may reserve for the run's tensors, as a runner caps
+    it (the budget less the context; 0: uncapped). Under it the model does as the
+    allocator does before a request would pass it: gives back cached segments
+    (``garbage_collection_threshold`` first, where set) and tries again, so that it
+    reserves less than uncapped; a step it cannot serve even then is
+    :data:`CANNOT_RUN`."""
+    limit = cap + requests.foreign if cap else UNLIMITED
+    model = CachingAllocator(AllocatorSettings.parse(requests.settings), limit=limit)
     restore(model, requests.start)
+    order = _step_order(requests, accum)
+    peak = 0
+    for _ in range(STEADY_STEPS):  # each step from the cache the one before left
+        before = model.max_reserved
+        try:
+            peak = max(peak, _replayed_step(model, requests, order, b))
+        except OutOfMemory:
+            return CANNOT_RUN
+        if model.max_reserved == before:
+            break
+    return model.max_reserved - requests.foreign - (requests.held + peak)
+
+
+STEADY_STEPS = 4
+"""Steps replayed at most, as verification measures them: a run's later steps start
+from the segments the step before cached (a step's requests free all they make), and
+the replay stops once a step reserves nothing new."""
+
+
+def _replayed_step(model: CachingAllocator, requests: Requests, order: list[int], b: int) -> int:
+    """Feed ``model`` one step's requests at micro-batch ``b``; the step's live peak."""
     live = peak = 0
     made: dict[int, tuple[int, int]] = {}  # allocation -> (address, bytes), the latest
-    for i in _step_order(requests, accum):
+    for i in order:
         if i >= 0:
             n = max(math.ceil(requests.sizes[i](b)), 1)
             made[i] = (model.malloc(n, requests.streams[i]).address, n)
@@ -278,7 +356,9 @@ def reserved_beyond(requests: Requests, b: int, accum: int = 2) -> int:
             address, n = made.pop(-1 - i)
             model.free(address)
             live -= n
-    return model.max_reserved - requests.foreign - (requests.held + peak)
+    for address, _ in made.values():  # what the recorded step kept: its next step frees
+        model.free(address)
+    return peak
 
 
 def relaid(start: Iterable[Segment], settings: str) -> list[Segment]:

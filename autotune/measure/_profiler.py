@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -484,10 +483,10 @@ def _variant_requests(
     ``b2`` (``None`` where not recorded, or where the two steps asked differently)."""
     if (b1, v) not in logs or (b2, v) not in logs:
         return None
-    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    (one, _), (two, held) = logs[b1, v], logs[b2, v]
+    settings = two.settings  # in force as it ran: however they were set
     if not AllocatorSettings.parse(settings).native:  # cudaMallocAsync: not modelled
         return None
-    (one, _), (two, held) = logs[b1, v], logs[b2, v]
     streams = [s for _, s in two.allocations]
     if one.order != two.order or one.cuts != two.cuts or [s for _, s in one.allocations] != streams:
         return None  # the two sizes asked differently: no request is one line

@@ -84,6 +84,8 @@ def profile_model(
     profiler, draft, notes, timed = _memory_on(pieces, problem)
     context = problem.target.context_now()  # training steps have run: kernels loaded
     draft = dataclasses.replace(draft, context_bytes=context, notes=(*notes, *draft.notes))
+    if on_target is None:  # the runner caps the allocator at the budget: replayed so
+        draft = dataclasses.replace(draft, reserve_cap=problem.budget - context)
     held = on_target(draft) if on_target is not None else draft
     layouts = choosers(held, problem, problem.world)  # as the target holds the draft
     feasible = _feasible_sizes(problem, draft, layouts)

@@ -223,3 +223,64 @@ def test_every_recorded_trace_ends_with_the_allocator_s_segments(path: Path) -> 
     model = replay(trace)
     assert model.snapshot() == sorted(segment_of(s) for s in trace.end)
     assert model.max_reserved == trace.max_reserved
+
+
+def test_the_settings_replayed_are_those_the_allocator_reports_in_force(monkeypatch) -> None:
+    """The snapshot carries the settings however they were set (either variable, or
+    ``_set_allocator_settings`` at run time): they are the replay's; without a snapshot,
+    the environment as the allocator reads it, ``PYTORCH_ALLOC_CONF`` first."""
+    from autotune.device._allocator_trace import allocator_conf
+
+    reported = {
+        "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6",  # the last one set
+        "max_split_size": 128 * MiB,
+        "garbage_collection_threshold": 0.6,
+        "expandable_segments": True,  # set by the variable before the last call
+        "roundup_power2_divisions": {str(1 << k): (4 if k >= 8 else 0) for k in range(16)},
+    }
+    conf = allocator_conf({"segments": [], "allocator_settings": reported})
+    settings = AllocatorSettings.parse(conf)
+    assert settings.expandable_segments and settings.garbage_collection_threshold == 0.6
+    assert settings.max_split_size == 128 * MiB
+    assert settings.divisions == (0,) * 8 + (4,) * 8
+    default = {"max_split_size": 2**64 - 1, "garbage_collection_threshold": 0.0}
+    assert allocator_conf({"allocator_settings": {**default, "expandable_segments": False}}) == ""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_conf() == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert allocator_conf({"segments": []}) == "expandable_segments:False"
+
+
+def test_a_capped_replay_gives_back_cached_segments_where_the_uncapped_one_grows() -> None:
+    """Under the runner's cap the allocator gives back cached segments before it would
+    pass it, and retries: the replay does too, and reserves no more than the cap; a step
+    it cannot serve even so is refused, as the device would refuse it."""
+    from autotune._profile_data import Line, Requests
+    from autotune.device._allocator_trace import CANNOT_RUN, reserved_beyond
+
+    # 30 MiB made and freed, then 40 MiB: uncapped, the first segment stays cached.
+    sizes = (Line(30.0 * MiB, 0.0), Line(40.0 * MiB, 0.0))
+    requests = Requests("", (), sizes, (0, 0), (0, -1, 1, -2))
+    uncapped = reserved_beyond(requests, 1, accum=1)
+    assert uncapped == 30 * MiB  # 70 MiB reserved for a live peak of 40
+    assert reserved_beyond(requests, 1, accum=1, cap=50 * MiB) == 0
+    assert reserved_beyond(requests, 1, accum=1, cap=39 * MiB) == CANNOT_RUN
+
+
+def test_the_replay_runs_steps_until_the_cache_is_steady() -> None:
+    """A run's second step starts from the segments its first cached, and can reserve
+    more than the first did: its 6 MiB request now takes the smallest cached block that
+    fits (a 12 MiB segment), which pushes the 12 MiB ones into the 20 and 22 MiB
+    segments, and the 22 MiB request finds none left: a segment more (verification
+    measures four steps). The replay goes on until a step reserves nothing new."""
+    from autotune._profile_data import Line, Requests
+    from autotune.device._allocator_trace import reserved_beyond
+
+    sizes = tuple(Line(float(n * MiB), 0.0) for n in (6, 12, 12, 22))
+    requests = Requests("", (), sizes, (0,) * 4, (0, 1, 2, 3, -3, -4, -1, -2))
+    first = CachingAllocator()
+    for n in (6, 12, 12, 22):
+        first.malloc(n * MiB)
+    assert first.max_reserved == 54 * MiB  # one step from nothing: 2 MiB beyond 52 live
+    assert reserved_beyond(requests, 1, accum=1) == 76 * MiB - 52 * MiB

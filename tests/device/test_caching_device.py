@@ -350,3 +350,51 @@ def test_a_gpu_without_bf16_is_not_searched_in_bf16(simulated_cuda, monkeypatch)
     with pytest.raises(autotune.BudgetError, match="none of the precisions"):
         only_bf16 = SearchSpace(precisions=("bf16",))
         make_problem(*args, TuneOptions(budget_gb=1.0, device="cpu", space=only_bf16))
+
+
+class _Widening(torch.nn.Module):
+    """Two transients a step, the second larger than the first: uncapped, the allocator
+    keeps the first's segment cached while it takes the second's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            first = torch.ones(x.shape[0], 3 * 2**20, device=x.device).sum()  # 12 MiB each
+            second = torch.ones(x.shape[0], 4 * 2**20, device=x.device).sum()  # 16 MiB each
+        return self.a(x).sum() + 0 * (first + second)
+
+
+def test_a_capped_replay_accepts_what_the_capped_allocator_runs(simulated_cuda) -> None:
+    """The runner caps the allocator at the budget: before passing it the allocator gives
+    back cached segments and retries. Replayed uncapped, this config is over the budget;
+    replayed under the cap, it fits, and the stand-in allocator capped at the budget runs
+    it at the peak the capped replay predicts."""
+    import dataclasses
+
+    from autotune.config import TrainConfig
+    from autotune.cost._memory_model import MemoryModel
+    from autotune.verify._verifier import Verifier
+
+    def loss(out: torch.Tensor, batch: object) -> torch.Tensor:
+        return out
+
+    torch.manual_seed(0)
+    work, sample = _Widening(), torch.randn(4, 64)
+    profiler = Profiler(work, sample, (), device=CPU, loss_fn=loss)
+    profile, _ = memory_profile(
+        profiler, (Timeline("fp32"),), ("sgd",), device_name="sim", context_bytes=0
+    )
+    del profiler
+    config = TrainConfig(micro_batch_size=4, optimizer="sgd")
+    uncapped = MemoryModel(profile).memory(config)[0]
+    budget = int(0.7 * uncapped)
+    capped = MemoryModel(dataclasses.replace(profile, reserve_cap=budget)).memory(config)[0]
+    measured, error = Verifier(work, sample, device=CPU, budget_bytes=budget, loss_fn=loss).trial(
+        config
+    )
+    assert error is None and measured is not None
+    assert uncapped > budget >= capped
+    assert abs(capped - measured.peak_bytes) <= 0.001 * measured.peak_bytes

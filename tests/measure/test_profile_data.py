@@ -53,7 +53,9 @@ def test_a_profile_saved_with_named_timelines_loads_and_saves_the_same() -> None
         Timeline("fp32", "model"),
     ]
     assert all(key == p.timeline for key, p in profile.precisions.items())
-    assert json.loads(profile_to_json(profile)) == json.loads(text)
+    saved = json.loads(profile_to_json(profile))
+    assert saved.pop("reserve_cap") == 0  # a field added since, at its default
+    assert saved == json.loads(text)
     config = TrainConfig(micro_batch_size=2, precision="bf16", compile_blocks=profile.blocks)
     assert CostModel(profile).memory(config)[0] > 0
 
