@@ -20,6 +20,7 @@ rewritten after every point, so a run stopped at a time limit keeps what it meas
     python benchmarks/calibrate.py --small --device cpu --out /tmp/c.json  # smoke run
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/calibrate.py ...
     python benchmarks/calibrate.py --sizes 4 --traces DIR ...  # and each step's allocator trace
+    python benchmarks/calibrate.py --sizes 2 4 --no-estimate --traces DIR  # traces only
 
 With ``--traces`` the measured step of every point is recorded as an allocator trace
 (``autotune/device/_allocator_trace.py``), which the allocator's model replays in the
@@ -95,9 +96,10 @@ def point(
     p: str,
     variant: str = "kept",
     traces: Path | None = None,
+    predict: bool = True,
 ) -> dict[str, Any]:
     config = variant_config(model, b, p, variant)
-    predicted, _ = autotune.estimate(model, sample, config, device=device)
+    predicted = autotune.estimate(model, sample, config, device=device)[0] if predict else None
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -158,6 +160,9 @@ def main() -> None:
     parser.add_argument(
         "--traces", type=Path, help="record each measured step's allocator trace in DIR"
     )
+    parser.add_argument(
+        "--no-estimate", action="store_true", help="measure and trace only (no prediction)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     model, sample = model_and_batch(args.small, device)
@@ -173,9 +178,10 @@ def main() -> None:
         for p in args.precisions:
             for b in args.sizes:
                 try:
-                    result["points"].append(
-                        point(model, sample, device, b, p, variant, args.traces)
+                    measured = point(
+                        model, sample, device, b, p, variant, args.traces, not args.no_estimate
                     )
+                    result["points"].append(measured)
                 except torch.OutOfMemoryError as exc:
                     result["points"].append(
                         {"micro_batch_size": b, "precision": p, "variant": variant, "oom": str(exc)}

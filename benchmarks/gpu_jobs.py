@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("jobs.json"))
     parser.add_argument("--table", type=Path, help="print the table of the results in DIR")
     parser.add_argument("--first-step", nargs=2, metavar=("JOB", "YAML"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cold-first-step",
+        action="store_true",
+        help="also time the first step without the tuner's compile cache",
+    )
     args = parser.parse_args(argv)
     if args.table is not None:
         print(table(args.table))
@@ -84,9 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     for job, budget in rows(jobs(smoke=args.smoke), args.only, args.budgets):
-        row = run_job(job, budget, device, sampler, idle, smoke=args.smoke)
+        row: dict[str, Any] = {"job": job.name, "budget": budget, "notes": job.notes}
         report["rows"].append(row)
-        args.out.write_text(json.dumps(report, indent=1, default=str))
+
+        def save() -> None:
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+
+        try:
+            run_job(job, budget, device, sampler, idle, row, save, smoke=args.smoke,
+                    cold_first_step=args.cold_first_step)  # fmt: skip
+        except KeyboardInterrupt:  # the kit's slot ended: the row keeps what finished
+            row["cut"] = row.get("phase", "build")
+            save()
+            print(json.dumps({"job": job.name, "cut": row["cut"]}), flush=True)
+            return 0
+        except Exception as exc:  # one job's failure is its row's, the next job still runs
+            row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        row.pop("phase", None)
+        save()
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
         gc.collect()
         backend_for(device).empty_cache()
@@ -109,16 +130,29 @@ def rows(
 
 
 def run_job(
-    job: Job, budget: str, device: torch.device, sampler: NvmlSampler, idle: int, *, smoke: bool
-) -> dict[str, Any]:
-    """Tune ``job`` at ``budget``, then run the expert's config beside it."""
+    job: Job,
+    budget: str,
+    device: torch.device,
+    sampler: NvmlSampler,
+    idle: int,
+    row: dict[str, Any],
+    save: Callable[[], None],
+    *,
+    smoke: bool,
+    cold_first_step: bool = False,
+) -> None:
+    """Tune ``job`` at ``budget`` into ``row``, then run the expert's config beside it.
+    The phases run in the order their figures matter (the tuner's config and peaks, the
+    tuned config timed again, the expert's, the first step in a new process); ``save``
+    writes the row after each, so a job stopped at its slot keeps what finished
+    (``row["phase"]``: the one running)."""
     started = time.perf_counter()
-    row: dict[str, Any] = {"job": job.name, "budget": budget, "notes": job.notes}
+    row["phase"] = "build"
     try:
         model = job.build(device)
     except ImportError as exc:  # QLoRA without bitsandbytes: the other jobs still run
         row["error"] = f"cannot build the model: {exc}"
-        return row
+        return
     row["build_s"] = time.perf_counter() - started
     nbytes = budget_bytes(budget, device)
     row["budget_bytes"] = nbytes
@@ -127,36 +161,41 @@ def run_job(
     name = row["device"] = _device_name(device)
     ops = backend_for(device)
     held = ops.foreign_bytes()  # the job's own model on the device (QLoRA's base)
-    try:
-        with sampler:
-            result = autotune.autotune(
-                model,
-                job.sample(min(job.global_batch_size, 8)),
-                budget_gb=nbytes / GIB,
-                global_batch_size=job.global_batch_size,
-                device=device,
-                space=job.space,
-                seed=0,
-            )
-    except (autotune.AutotuneError, torch.OutOfMemoryError) as exc:
-        row["error"] = f"{type(exc).__name__}: {exc}"
-        return row
+    row["phase"] = "tuning"
+    save()
+    compiled = _dynamo_counts()
+    with sampler:
+        result = autotune.autotune(
+            model,
+            job.sample(min(job.global_batch_size, 8)),
+            budget_gb=nbytes / GIB,
+            global_batch_size=job.global_batch_size,
+            device=device,
+            space=job.space,
+            seed=0,
+        )
     if sampler.used() is not None:  # what the driver saw, less the job's model held before
         row["driver_tuning_bytes"] = sampler.peak - idle - held
     row.update(_tuned(result, flops, job.shape["seq"], name))
+    row["tuning_dynamo"] = _dynamo_counts(since=compiled)
+    row["tuning_alloc_retries"] = _alloc_retries(device)
+    if result.expert is not None and result.expert.measured is not None:
+        row["run_expert"] = result.expert.config.describe()  # the recipe inside the run
+        row["run_expert_samples_per_s"] = result.expert.measured.samples_per_s
+    row["phase"] = "timing the tuned config"
+    save()
     # The tuned config timed again as the expert is: same harness, batch on the device,
     # no NVML thread (sampled while tuning, never while timing).
     work = model if job.name.startswith("qlora") else copy.deepcopy(model)
     timing = time_runner(work, result, job.sample(job.global_batch_size), device)
     del work
-    row.update(first_steps(job, result, device, smoke=smoke))
     row["tuned_verified_samples_per_s"] = row["tuned_samples_per_s"]
     row["tuned_samples_per_s"] = timing.samples_per_s(job.global_batch_size)
     row["tuned_spread"] = timing.spread
     row["tuned_mfu"] = mfu(row["tuned_samples_per_s"], flops, job.shape["seq"], name)
-    if result.expert is not None and result.expert.measured is not None:
-        row["run_expert"] = result.expert.config.describe()  # the recipe inside the run
-        row["run_expert_samples_per_s"] = result.expert.measured.samples_per_s
+    row["phase"] = "the expert's configs"
+    save()
+    compiled = _dynamo_counts()
     expert = expert_config(
         model,
         job.sample,
@@ -169,13 +208,40 @@ def run_job(
         in_place=job.name.startswith("qlora"),
     )
     row["expert"] = expert.as_dict()
+    row["expert_dynamo"] = _dynamo_counts(since=compiled)
+    row["expert_alloc_retries"] = _alloc_retries(device)
     best = expert.best
     row["expert_samples_per_s"] = best.samples_per_s if best else None
     row["expert_mfu"] = mfu(best.samples_per_s if best else None, flops, job.shape["seq"], name)
     if best and best.samples_per_s and row.get("tuned_samples_per_s"):
         row["tuned_over_expert"] = row["tuned_samples_per_s"] / best.samples_per_s
+    row["phase"] = "the first step in a new process"
+    save()
+    row.update(first_steps(job, result, device, smoke=smoke, cold=cold_first_step))
     row["wall_s"] = time.perf_counter() - started
-    return row
+
+
+def _dynamo_counts(since: dict[str, int] | None = None) -> dict[str, int]:
+    """Frames dynamo compiled (each a compile or a recompile), the graphs they made and
+    the graph breaks so far in this process (dynamo's own counters), less those of
+    ``since``; the kit logs each recompile's and break's reason too
+    (``TORCH_LOGS=recompiles,graph_breaks``)."""
+    from torch._dynamo.utils import counters
+
+    now = {
+        "frames": int(counters["frames"]["ok"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    """Times the caching allocator freed its cache and retried a request so far (each a
+    synchronisation: a budget held too tightly shows here); ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 _FIRST_STEP_S = 120
@@ -183,17 +249,17 @@ _FIRST_STEP_S = 120
 
 
 def first_steps(
-    job: Job, result: autotune.TuneResult, device: torch.device, *, smoke: bool
+    job: Job, result: autotune.TuneResult, device: torch.device, *, smoke: bool, cold: bool
 ) -> dict[str, Any]:
     """The tuned config's first training step in new processes, each with an inductor
-    cache of its own (empty): with the tuner's compile cache beside the saved YAML, then,
-    where there is one, without it. Each entry: ``first_step_s`` (``..._without_cache``),
-    or the error that stopped it."""
+    cache of its own (empty): with the tuner's compile cache beside the saved YAML, then
+    (``cold``), where there is one, without it. Each entry: ``first_step_s``
+    (``..._without_cache``), or the error that stopped it."""
     out: dict[str, Any] = {"compiles": result.compiles}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tuned.yaml"
         cache = compile_cache_path(result.save(path))
-        kinds = ["first_step"] + (["first_step_without_cache"] if cache.is_file() else [])
+        kinds = ["first_step"] + (["first_step_without_cache"] if cold and cache.is_file() else [])
         for kind in kinds:
             if kind == "first_step_without_cache":
                 cache.unlink()
@@ -263,6 +329,7 @@ def _tuned(result: autotune.TuneResult, flops: float, seq: int, gpu: str) -> dic
     sps = result.measured.samples_per_s
     return {
         "tuned": result.config.describe(),
+        "tuned_compile_level": result.config.compile_level,
         "tuned_samples_per_s": sps,
         "tuned_mfu": mfu(sps, flops, seq, gpu),
         "tuning_s": result.tuning_s,
@@ -346,12 +413,16 @@ def _job_rows(rows: list[dict[str, Any]]) -> list[str]:
         if "error" in r:
             out.append(f"| {r['job']} | {r['budget']} | {r['error'][:80]} |" + " |" * 11)
             continue
+        if "tuned" not in r:  # cut before the tuner finished
+            out.append(f"| {r['job']} | {r['budget']} | cut while {r.get('cut')} |" + " |" * 11)
+            continue
         first = f"{_num(r.get('first_step_s'))} / {_num(r.get('first_step_without_cache_s'))}"
         seen = r.get("driver_tuning_bytes")
         seen_s = "-" if seen is None else f"{seen / GIB:.2f} / {r['budget_bytes'] / GIB:.2f} GiB"
+        expert = r["expert"]["config"] if "expert" in r else f"cut while {r.get('cut')}"
         out.append(
             f"| {r['job']} | {r['budget']} | {r['tuned']} | {_num(r['tuned_samples_per_s'])} "
-            f"| {r['expert']['config']} | {_num(r.get('expert_samples_per_s'))} "
+            f"| {expert} | {_num(r.get('expert_samples_per_s'))} "
             f"| {_num(r.get('tuned_over_expert'), '.2f')} | {_pct(r.get('tuned_mfu'))} "
             f"| {_pct(r.get('expert_mfu'))} "
             f"| {_pct(r['peak_error_median'])} / {_pct(r['peak_error_max'])} "

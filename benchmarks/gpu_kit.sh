@@ -4,10 +4,11 @@
 # GPU notes). Each step writes its results under OUT as it goes, so a step stopped at its
 # limit keeps what it measured.
 #
-#   bash benchmarks/gpu_kit.sh all          # <= 9 min on one H100: the CUDA tests, the
-#                                           # calibration (with and without expandable
-#                                           # segments) and the three jobs at 24 GiB
-#                                           # against the expert's compiled config; one table
+#   bash benchmarks/gpu_kit.sh all          # <= 9 min (benchmarks/kit_slots.py): the
+#                                           # preflight, GPT-2 124M, the allocator traces
+#                                           # (with and without expandable segments), the
+#                                           # 1B and the QLoRA 7B at 24 GiB against the
+#                                           # expert's compiled config; one table
 #   bash benchmarks/gpu_kit.sh jobs-rest    # the jobs' other budgets: GPT-2 at 16 GiB, the
 #                                           # 1B LLaMA at the card's memory (MFU)
 #   bash benchmarks/gpu_kit.sh table        # the table of what OUT holds
@@ -29,6 +30,7 @@
 # KIT_SMOKE=1 runs `all` on the CPU at tiny shapes, so that a GPU never spends minutes on
 # a script error; KIT_SMOKE_JOBS="gpt2-124m" runs only those jobs of it (CI's smoke run:
 # `python -m pytest -m sweep tests/test_gpu_kit.py` runs every job, before a GPU call).
+# The CUDA tests are no longer in `all` (they passed on the last GPU): `tests` runs them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/gpu-results}"
@@ -45,7 +47,7 @@ step() {
   timeout --signal=INT --kill-after=10 "$limit" "$@" > >(tee "$out/$name.log") 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - started)) s" >&2
-  return 0
+  return "$rc"
 }
 
 meter=()  # the driver's view of a whole command, where the GPU notes' meter is at hand
@@ -53,31 +55,46 @@ if [ -z "$smoke" ] && [ -f .gpu/peakwatch.py ]; then meter=(python .gpu/peakwatc
 
 case "${1:-}" in
   all)
+    # In the order a call must bring back, each step in its slot (benchmarks/kit_slots.py):
+    # the preflight (the kit stops if it refuses), GPT-2 124M in a slot of its own, the
+    # allocator traces of GPT-2 (two micro-batches, kept and checkpointed, without and
+    # with expandable segments), then the 1B and the QLoRA 7B. A job's row is written
+    # after each of its phases, so a job its slot stops keeps what finished.
+    jobs=(gpt2-124m llama-1b qlora-7b)
     if [ -n "$smoke" ]; then
-      step tests 120 python -m pytest -q -p no:cacheprovider tests/device/test_cuda.py \
-        --junitxml="$out/cuda-tests.xml"
-      step calibrate 300 python benchmarks/calibrate.py --small --device cpu --sizes 2 \
-        --precisions fp32 --variants kept ckpt --out "$out/calibration.json" \
-        --traces "$out/traces"
-      # shellcheck disable=SC2086  # the job names, one word each
-      step jobs 600 python benchmarks/gpu_jobs.py --smoke --device cpu \
-        ${KIT_SMOKE_JOBS:+--only $KIT_SMOKE_JOBS} --out "$out/jobs.json"
+      # shellcheck disable=SC2206  # the job names, one word each
+      jobs=(${KIT_SMOKE_JOBS:-${jobs[*]}})
+      device=(--device cpu); run=(--smoke); trace=(--small --precisions fp32)
+      scale=6  # the CPU at tiny shapes: slower per unit of work than a GPU at full size
     else
-      step tests 60 python -m pytest -q -x -p no:cacheprovider tests/device/test_cuda.py \
-        --junitxml="$out/cuda-tests.xml"
-      # One size a variant, each measured step's allocator trace kept (test data for the
-      # allocator's model: copy them to tests/data/allocator-traces).
-      step calibrate 60 python benchmarks/calibrate.py --sizes 4 --precisions bf16 \
-        --variants kept ckpt compiled offload --out "$out/calibration.json" \
-        --traces "$out/traces"
-      step calibrate-expandable 40 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        python benchmarks/calibrate.py --sizes 4 --precisions bf16 --variants kept ckpt \
-        --out "$out/calibration-expandable.json" --traces "$out/traces-expandable"
-      step jobs 330 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 24GiB --out "$out/jobs.json"
+      device=(); run=(--budgets 24GiB); trace=(--precisions bf16); scale=1
+    fi
+    slot() { echo $(( $(python benchmarks/kit_slots.py "$1") * scale )); }
+    step preflight "$(slot preflight)" python benchmarks/gpu_preflight.py ${device[@]+"${device[@]}"} \
+      || { echo "== the preflight refused: nothing else runs" >&2; exit 1; }
+    job() {
+      step "$1" "$(slot "$1")" ${meter[@]+"${meter[@]}"} env TORCH_LOGS=recompiles,graph_breaks \
+        python benchmarks/gpu_jobs.py "${run[@]}" ${device[@]+"${device[@]}"} --only "$1" \
+        --out "$out/jobs-$1.json"
+    }
+    for name in "${jobs[@]}"; do
+      if [ "$name" = gpt2-124m ]; then job "$name"; fi
+    done
+    traces=(python benchmarks/calibrate.py ${device[@]+"${device[@]}"} "${trace[@]}" --sizes 2 4
+            --variants kept ckpt --no-estimate)
+    step traces "$(slot traces)" "${traces[@]}" --out "$out/calibration.json" \
+      --traces "$out/allocator-traces"
+    step traces-expandable "$(slot traces-expandable)" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      "${traces[@]}" --out "$out/calibration-expandable.json" --traces "$out/allocator-traces"
+    for name in "${jobs[@]}"; do
+      if [ "$name" != gpt2-124m ]; then job "$name"; fi
+    done
+    if [ -n "$smoke" ]; then  # the dry run: this work at the last GPU's speeds, in its slots
+      step slots 30 python benchmarks/kit_slots.py --check "$out"/jobs-*.json
     fi
     python benchmarks/gpu_jobs.py --table "$out" ;;
   jobs-rest)
-    step jobs-rest 540 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 16GiB card \
+    step jobs-rest 540 ${meter[@]+"${meter[@]}"} python benchmarks/gpu_jobs.py --budgets 16GiB card --cold-first-step \
       --out "$out/jobs-rest.json" ;;
   table)     python benchmarks/gpu_jobs.py --table "$out" ;;
   tests)     python -m pytest -q tests/device/test_cuda.py tests/device/test_caching_device.py \
