@@ -40,7 +40,7 @@ diffusers models register these out of the order their forward calls them."""
 
 
 @dataclass(frozen=True)
-class _Run:
+class _Stack:
     """Layers of one stack inside one container (or U-Net): candidate blocks."""
 
     container: str
@@ -132,7 +132,7 @@ def resolve_blocks(model: nn.Module, names: Sequence[str] | None) -> tuple[str, 
 
 def _runs_in(
     name: str, container: nn.ModuleList | nn.Sequential, name_of: dict[int, str]
-) -> list[_Run]:
+) -> list[_Stack]:
     """The stacks and maximal same-class runs (length >= 2) in one container.
 
     Children without parameters split the container; in each part, a stack (see
@@ -147,7 +147,7 @@ def _runs_in(
         for group in [layers[start:stop], *rest] if has_params else []:
             modules = tuple(group)  # a module listed twice gets one name, so it is one block
             if len(modules) >= 2:
-                runs.append(_Run(name, tuple(name_of[id(m)] for m in modules), modules))
+                runs.append(_Stack(name, tuple(name_of[id(m)] for m in modules), modules))
     return runs
 
 
@@ -175,7 +175,7 @@ def _stack(layers: list[nn.Module]) -> tuple[int, int]:
     return classes.index(main), len(classes) - classes[::-1].index(main)
 
 
-def _u_net(name: str, module: nn.Module, name_of: dict[int, str]) -> _Run | None:
+def _u_net(name: str, module: nn.Module, name_of: dict[int, str]) -> _Stack | None:
     """A U-Net's down blocks, mid block and up blocks as one run, or None for no U-Net.
 
     diffusers' U-Nets, VAE encoders and decoders and ControlNets hold ``down_blocks`` and/or
@@ -189,10 +189,10 @@ def _u_net(name: str, module: nn.Module, name_of: dict[int, str]) -> _Run | None
     parts = {part: parts[part] for part in _U_NET if part in parts}  # in the order they run
     layers = [m for p in parts.values() for m in (p if isinstance(p, nn.ModuleList) else [p])]
     modules = tuple(m for m in layers if _has_params(m))
-    return _Run(name, tuple(name_of[id(m)] for m in modules), modules, opens=False)
+    return _Stack(name, tuple(name_of[id(m)] for m in modules), modules, opens=False)
 
 
-def _select(runs: list[_Run], total: int, name_of: dict[int, str]) -> list[_Run]:
+def _select(runs: list[_Stack], total: int, name_of: dict[int, str]) -> list[_Stack]:
     """The outermost runs, stages opened into layers; less heads (too small); of layers if any."""
     members = {name for run in runs for name in run.names}  # blocks never hold blocks
     runs = [r for r in runs if not any(p in members for p in (r.container, *_parents(r.container)))]
@@ -204,10 +204,10 @@ def _select(runs: list[_Run], total: int, name_of: dict[int, str]) -> list[_Run]
     return [r for r in runs if not all(_is_leaf(m) or _projection(m) for m in r.modules)] or runs
 
 
-def _open_stages(run: _Run, name_of: dict[int, str]) -> _Run:
+def _open_stages(run: _Stack, name_of: dict[int, str]) -> _Stack:
     """``run`` with each member that is a stage replaced by the stage's layers, in order."""
     modules = tuple(m for member in run.modules for m in _stage_layers(member) or (member,))
-    return _Run(run.container, tuple(name_of[id(m)] for m in modules), modules)
+    return _Stack(run.container, tuple(name_of[id(m)] for m in modules), modules)
 
 
 def _stage_layers(module: nn.Module) -> list[nn.Module] | None:

@@ -12,7 +12,7 @@
 * ``_options``: ``TuneOptions``, what a call asks for besides the model and its batch;
   ``_problem``: those inputs validated, and what follows from them on the target.
 * ``_profiling``: the run's profile, memory then time, on the model whole or on shallow
-  copies of it where it does not fit the device whole (``Pieces``).
+  copies of it where it does not fit the device whole (``ProfiledCopies``).
 * ``_data_parallel``: the search, every layout's (``shortlist``), and results planned for
   ranks not here.
 * ``_progress``: a run's progress where a person watches (a terminal, a notebook), and

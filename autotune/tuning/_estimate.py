@@ -42,7 +42,7 @@ from autotune.train import (
     widest_first,
 )
 from autotune.tuning._problem import checked_model, uncompiled, world_of
-from autotune.tuning._profiling import Pieces
+from autotune.tuning._profiling import ProfiledCopies
 
 __all__ = ["Estimate", "estimate"]
 
@@ -124,7 +124,7 @@ def _profile(work: Workload, config: TrainConfig, target: Target) -> Profile:
     or on copies of 3 and 4 of its blocks where a model sharded over ranks does not fit
     the device whole."""
     model = work.model
-    pieces = Pieces(
+    pieces = ProfiledCopies(
         model,
         work.blocks,
         fits=whole_fits(model, target.free_bytes, config.world_size),

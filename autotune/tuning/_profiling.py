@@ -1,6 +1,6 @@
 """The tuner's profile: memory first (cheap, decides what fits), then time only what can fit.
 
-The model as the profiler measures it (:class:`Pieces`): whole on the device, or in
+The model as the profiler measures it (:class:`ProfiledCopies`): whole on the device, or in
 shallow pieces. A model trained sharded over several ranks may not fit the one device
 its profile runs on; then, where its blocks are one container's uniform layers, it is
 measured on shallow copies with 3 and then 4 of them (each on the device only while it
@@ -41,7 +41,7 @@ from autotune.measure import (
 from autotune.train import any_batch_size, why_not_chunked
 from autotune.tuning._problem import Problem
 
-__all__ = ["Pieces", "budget_cap", "profile_model"]
+__all__ = ["ProfiledCopies", "budget_cap", "profile_model"]
 
 log = logging.getLogger("autotune")
 
@@ -78,7 +78,7 @@ def profile_model(
     """
     t0 = time.perf_counter()
     device = problem.target.device
-    pieces = Pieces(
+    pieces = ProfiledCopies(
         replica, problem.blocks, fits=whole, device=device, whole=lambda: replica.to(device)
     )
     profiler, draft, notes, timed = _memory_on(pieces, problem)
@@ -118,7 +118,7 @@ def profile_model(
 
 
 def _memory_on(
-    pieces: Pieces, problem: Problem
+    pieces: ProfiledCopies, problem: Problem
 ) -> tuple[Profiler, Profile, list[str], dict[Timeline, dict[int, float]]]:
     """The memory profile of ``pieces`` in the precisions fast enough to search: (the
     profiler the time profile runs on, the last piece's; the profile; notes; the passes
@@ -312,7 +312,7 @@ def _feasible_sizes(
     return feasible
 
 
-class Pieces:
+class ProfiledCopies:
     """``model`` whole, or its shallow copies of 3 and 4 blocks where it does not fit.
 
     Args:
