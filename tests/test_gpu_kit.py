@@ -129,3 +129,25 @@ def test_a_job_stopped_by_its_slot_keeps_what_finished(tmp_path: Path) -> None:
             [*command, "--table", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
         ).stdout
     )
+
+
+def test_the_dry_run_fails_where_gpt2_s_work_would_outrun_its_slot(tmp_path: Path) -> None:
+    """The smoke run's rows at the last GPU call's speeds: the work GPT-2 did there fits
+    its slot; twenty verified configs more would not, and the check fails."""
+    row = {"job": "gpt2-124m", "trials": [{}] * 4, "expert": {"runs": [{}] * 3}}
+    row["first_step_s"] = 1.0
+
+    def check(rows: list[dict[str, object]]) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "jobs.json").write_text(json.dumps({"rows": rows}))
+        command = [
+            sys.executable,
+            "benchmarks/kit_slots.py",
+            "--check",
+            str(tmp_path / "jobs.json"),
+        ]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    fits = check([row])  # the last H200 call's own counts, and a first step
+    assert fits.returncode == 0 and "gpt2-124m: " in fits.stdout and "fits" in fits.stdout
+    over = check([{**row, "trials": [{}] * 24}])
+    assert over.returncode == 1 and over.stdout.rstrip().endswith("OVER")
