@@ -31,6 +31,7 @@ __all__ = [
     "PrecisionProfile",
     "Profile",
     "Requests",
+    "StepRequests",
     "TimeCurve",
     "Transfer",
     "profile_from_json",
@@ -284,13 +285,9 @@ class Requests:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Requests:
-        start = tuple(
-            (a, stream, small, expandable, tuple((n, used) for n, used in blocks))
-            for a, stream, small, expandable, blocks in d["start"]
-        )
         return Requests(
             d["settings"],
-            start,
+            _segments(d["start"]),
             tuple(Line(**v) for v in d["sizes"]),
             tuple(d["streams"]),
             tuple(d["order"]),
@@ -328,6 +325,28 @@ class PrecisionProfile:
 
 
 @dataclass(frozen=True)
+class StepRequests:
+    """An optimizer's step as the caching allocator saw it: the segments a training step
+    with it begins with (the parameters, buffers and its state, nothing cached) and the
+    requests its ``optimizer.step()`` makes and frees, in order. The allocator's model
+    replays them in place of the profiled optimizer's
+    (:func:`autotune.device.reserved_beyond`)."""
+
+    start: tuple[Segment, ...]
+    sizes: tuple[int, ...]
+    """Each allocation's requested bytes (the step's are the parameters': no line)."""
+    streams: tuple[int, ...]
+    order: tuple[int, ...]
+    """``i``: allocation ``i`` is made; ``-1 - i``: it is freed."""
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> StepRequests:
+        return StepRequests(
+            _segments(d["start"]), tuple(d["sizes"]), tuple(d["streams"]), tuple(d["order"])
+        )
+
+
+@dataclass(frozen=True)
 class OptimizerProfile:
     """What one optimizer costs."""
 
@@ -338,6 +357,15 @@ class OptimizerProfile:
     step_s: float
     host_step_s: float | None = None
     """Seconds of the step on the host, transfers excluded (``None``: not profiled)."""
+    requests: StepRequests | None = None
+    """Its step's requests to a caching allocator (``None``: not recorded)."""
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> OptimizerProfile:
+        given = d.get("requests")
+        return OptimizerProfile(
+            **{**d, "requests": None if given is None else StepRequests.from_dict(given)}
+        )
 
 
 @dataclass(frozen=True)
@@ -471,7 +499,7 @@ def profile_from_json(text: str) -> Profile:
         param_bytes=d["param_bytes"],
         grad_bytes=d["grad_bytes"],
         precisions={Timeline.named(k): precision(v) for k, v in d["precisions"].items()},
-        optimizers={k: OptimizerProfile(**v) for k, v in d["optimizers"].items()},
+        optimizers={k: OptimizerProfile.from_dict(v) for k, v in d["optimizers"].items()},
         context_bytes=d["context_bytes"],
         seconds=d["seconds"],
         notes=tuple(d["notes"]),
@@ -488,6 +516,14 @@ def profile_from_json(text: str) -> Profile:
         written=tuple(d.get("written", ())),
         snapshot_bytes=d.get("snapshot_bytes", 0),
         reserve_cap=d.get("reserve_cap", 0),
+    )
+
+
+def _segments(saved: list[Any]) -> tuple[Segment, ...]:
+    """Segments as JSON gave them back (lists) as the tuples a profile holds."""
+    return tuple(
+        (a, stream, small, expandable, tuple((n, used) for n, used in blocks))
+        for a, stream, small, expandable, blocks in saved
     )
 
 

@@ -69,7 +69,7 @@ class MemoryModel(ProfileView):
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
-        self._replayed: dict[tuple[Timeline, int, int, int], int] = {}
+        self._replayed: dict[tuple[Timeline, int, int, int, str | None], int] = {}
         self._moves: dict[tuple[Timeline, int, Mask], Moves | None] = {}
         self._micro = {
             name: (
@@ -139,7 +139,9 @@ class MemoryModel(ProfileView):
         if between_steps > peak:
             peak, grads = between_steps, 0
         live_peak = math.ceil(max(peak, start))
-        device = self.device_bytes(live_peak, timeline, micro_batch, shares, accum)
+        device = self.device_bytes(
+            live_peak, timeline, micro_batch, shares, accum, optimizer=knobs.optimizer
+        )
         return device, live_peak, grads
 
     def _moved_frees(self, timeline: Timeline, micro: int, mask: Mask) -> Moves | None:
@@ -208,19 +210,22 @@ class MemoryModel(ProfileView):
         b: int,
         shares: tuple[float, ...],
         accum: int = 2,
+        *,
+        optimizer: str | None = None,
     ) -> int:
         """Live tensor bytes to device bytes: on CUDA, what the caching allocator reserves
         beyond them at micro-batch ``b`` with ``accum`` micro-batches a step (each
         variant's, weighted by the ``shares`` of :meth:`variant_shares` as between
-        blocks), and the context."""
+        blocks), and the context; with ``optimizer``'s step where it is not the profiled
+        one (``None``: the profiled one's)."""
         prec = self.profile.precisions[timeline]
         if not prec.reserve and not prec.requests:
             return live_bytes + self.profile.context_bytes
-        kept = self._beyond(timeline, KEEP, b, accum)
+        kept = self._beyond(timeline, KEEP, b, accum, optimizer)
         beyond = kept
         for share, v in zip(shares, WRAPPED, strict=True):
             if share:
-                beyond += share * (self._beyond(timeline, v, b, accum) - kept)
+                beyond += share * (self._beyond(timeline, v, b, accum, optimizer) - kept)
         return live_bytes + max(math.ceil(beyond), 0) + self.profile.context_bytes
 
     def other_allocator_mode(self, config: TrainConfig) -> tuple[str, int, int] | None:
@@ -257,20 +262,30 @@ class MemoryModel(ProfileView):
             self.profile, precisions={**self.profile.precisions, timeline: changed}
         )
 
-    def _beyond(self, timeline: Timeline, v: int, b: int, accum: int) -> float:
+    def _beyond(
+        self, timeline: Timeline, v: int, b: int, accum: int, optimizer: str | None = None
+    ) -> float:
         """What the allocator reserves beyond the live bytes in a step of variant ``v`` at
         micro-batch ``b`` with ``accum`` micro-batches: its model fed the step's requests
-        where they were recorded (the allocator's rules at this very size), else the line
-        fitted over the profiled sizes (a variant not profiled: the kept run's)."""
+        where they were recorded (the allocator's rules at this very size; ``optimizer``'s
+        step and state where they were recorded too), else the line fitted over the
+        profiled sizes (a variant not profiled: the kept run's)."""
         prec = self.profile.precisions[timeline]
         requests = prec.requests[v] if v < len(prec.requests) else None
         if requests is None and prec.requests:
             requests = prec.requests[KEEP]
         if requests is not None:
-            key = (timeline, v, b, min(accum, 3))  # steady from the third micro-batch
+            profiled = next(iter(self.profile.optimizers))  # the timelines' own
+            other = self.profile.optimizers.get(optimizer or profiled)
+            if optimizer == profiled or other is None or other.requests is None:
+                step, optimizer = None, None
+            else:  # its state in place of the profiled optimizer's
+                state = self.profile.optimizers[profiled].state_bytes
+                step = (other.requests, requests.held - state + other.state_bytes)
+            key = (timeline, v, b, min(accum, 3), optimizer)  # steady from the third
             if key not in self._replayed:
                 cap = self.profile.reserve_cap
-                self._replayed[key] = reserved_beyond(requests, b, accum, cap)
+                self._replayed[key] = reserved_beyond(requests, b, accum, cap, step)
             return self._replayed[key]
         reserve = prec.reserve
         return reserve[v](b) if v < len(reserve) else reserve[KEEP](b)

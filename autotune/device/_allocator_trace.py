@@ -11,6 +11,7 @@ records, without their stack frames), its segments when the stretch ended and it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import json
 import math
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from autotune._profile_data import Requests, Segment
+from autotune._profile_data import Line, Requests, Segment, StepRequests
 from autotune.device._caching_allocator import (
     UNLIMITED,
     AllocatorSettings,
@@ -307,7 +308,13 @@ CANNOT_RUN = 1 << 50
 than any budget, so that the config is refused as the device would refuse it."""
 
 
-def reserved_beyond(requests: Requests, b: int, accum: int = 2, cap: int = 0) -> int:
+def reserved_beyond(
+    requests: Requests,
+    b: int,
+    accum: int = 2,
+    cap: int = 0,
+    step: tuple[StepRequests, int] | None = None,
+) -> int:
     """What the caching allocator reserves for the run beyond its live bytes, at the most
     of each, in a step of ``requests`` at micro-batch ``b`` with ``accum`` micro-batches:
     the allocator's model fed the step's requests at that size from the segments the
@@ -319,7 +326,13 @@ def reserved_beyond(requests: Requests, b: int, accum: int = 2, cap: int = 0) ->
     allocator does before a request would pass it: gives back cached segments
     (``garbage_collection_threshold`` first, where set) and tries again, so that it
     reserves less than uncapped; a step it cannot serve even then is
-    :data:`CANNOT_RUN`."""
+    :data:`CANNOT_RUN`.
+
+    ``step``: another optimizer's step and the live bytes a training step with it begins
+    with (its state for the profiled one's): the step starts from its segments, and its
+    ``optimizer.step()`` requests take the place of the profiled optimizer's."""
+    if step is not None:
+        requests = _with_step(requests, *step)
     limit = cap + requests.foreign if cap else UNLIMITED
     model = CachingAllocator(AllocatorSettings.parse(requests.settings), limit=limit)
     restore(model, requests.start)
@@ -334,6 +347,26 @@ def reserved_beyond(requests: Requests, b: int, accum: int = 2, cap: int = 0) ->
         if model.max_reserved == before:
             break
     return model.max_reserved - requests.foreign - (requests.held + peak)
+
+
+def _with_step(requests: Requests, step: StepRequests, held: int) -> Requests:
+    """``requests`` with another optimizer's step (see :func:`reserved_beyond`): its
+    micro-batches, then the other optimizer's step, then what the micro-batches made that
+    the profiled step freed (the gradients, at its end)."""
+    if len(requests.cuts) != 3:
+        return requests
+    n, cut = len(requests.sizes), requests.cuts[2]
+    micro = {i for i in requests.order[:cut] if i >= 0}
+    later = [i for i in requests.order[cut:] if i < 0 and -1 - i in micro]
+    steps = [i + n if i >= 0 else i - n for i in step.order]
+    return dataclasses.replace(
+        requests,
+        start=step.start,
+        sizes=(*requests.sizes, *(Line(float(size), 0.0) for size in step.sizes)),
+        streams=(*requests.streams, *step.streams),
+        order=(*requests.order[:cut], *steps, *later),
+        held=held,
+    )
 
 
 STEADY_STEPS = 4

@@ -31,6 +31,7 @@ from autotune._profile_data import (
     Phase,
     PrecisionProfile,
     Requests,
+    StepRequests,
 )
 from autotune._spelling import option
 from autotune.config import (
@@ -146,10 +147,13 @@ class Profiler:
         return runner
 
     def optimizer(self, name: str, b: int) -> OptimizerProfile:
-        """State bytes, step transient and step time of optimizer ``name``."""
+        """State bytes, step transient and step time of optimizer ``name``; on a caching
+        device, its step's requests too, recorded first (the step the allocator's model
+        replays where ``name`` is not the optimizer the timelines were tracked with)."""
         runner = self.first_step(TrainConfig(micro_batch_size=b, optimizer=name), b)
         with runner:
             chunk = resize(self.sample, b)
+            requests = self._step_requests(runner, chunk) if self.backend.caching else None
             state = sum(t.untyped_storage().nbytes() for t in state_tensors(runner.optimizer))
             runner.forward_backward(chunk)
             tracker = LiveBytesTracker(self.device.type)
@@ -164,7 +168,32 @@ class Profiler:
         # The step's transient in live bytes, as the cost model adds it to live bytes (the
         # reserved peak would count weights, gradients, state and cached blocks too).
         transient = tracker.peak - start
-        return OptimizerProfile(name, state, transient, statistics.median(times))
+        seconds = statistics.median(times)
+        return OptimizerProfile(name, state, transient, seconds, requests=requests)
+
+    def _step_requests(self, runner: Runner, chunk: Any) -> StepRequests | None:
+        """The caching allocator's requests in ``runner``'s optimizer step, and the
+        segments a step begins with (nothing cached); ``None`` where not recorded."""
+        self.backend.empty_cache()
+        with self.backend.requests() as requested:
+            runner.forward_backward(chunk)
+            requested.cut()
+            runner.optimizer_step()
+        log = requested.log
+        if log is None or len(log.cuts) != 1:
+            return None
+        step = log.order[log.cuts[0] :]
+        made = {i: k for k, i in enumerate(i for i in step if i >= 0)}
+        return StepRequests(
+            start=tuple(log.start),
+            sizes=tuple(log.allocations[i][0] for i in made),
+            streams=tuple(log.allocations[i][1] for i in made),
+            order=tuple(
+                made[i] if i >= 0 else -1 - made[-1 - i]
+                for i in step
+                if (i if i >= 0 else -1 - i) in made  # the gradients' frees: not the step's
+            ),
+        )
 
     def host_step(self, name: str, b: int) -> float:
         """Median seconds of optimizer ``name``'s step on the host (offloaded), no transfers."""

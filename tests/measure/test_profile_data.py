@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune._profile_data import Line, Requests, profile_from_json, profile_to_json
+from autotune._profile_data import (
+    Line,
+    Requests,
+    StepRequests,
+    profile_from_json,
+    profile_to_json,
+)
 from autotune.config import Timeline, TrainConfig
 from autotune.cost._cost_model import CostModel
 
@@ -36,7 +42,14 @@ def test_the_profile_survives_json_with_its_reserve_lines(gpt_profile) -> None:
         reserve=(Line(1.0, 2.0), Line(3.0, 0.0)),
         requests=(requests, None),
     )
-    profile = dataclasses.replace(gpt_profile, precisions={fp32.timeline: fp32}, untrainable=(1, 3))
+    step = StepRequests(start, (4096, 512), (0, 0), (0, 1, -2, -1))
+    adamw = dataclasses.replace(gpt_profile.optimizers["adamw"], requests=step)
+    profile = dataclasses.replace(
+        gpt_profile,
+        precisions={fp32.timeline: fp32},
+        optimizers={**gpt_profile.optimizers, "adamw": adamw},
+        untrainable=(1, 3),
+    )
     assert profile_from_json(profile_to_json(profile)) == profile
 
 
@@ -54,7 +67,8 @@ def test_a_profile_saved_with_named_timelines_loads_and_saves_the_same() -> None
     ]
     assert all(key == p.timeline for key, p in profile.precisions.items())
     saved = json.loads(profile_to_json(profile))
-    assert saved.pop("reserve_cap") == 0  # a field added since, at its default
+    assert saved.pop("reserve_cap") == 0  # fields added since, at their defaults
+    assert all(o.pop("requests") is None for o in saved["optimizers"].values())
     assert saved == json.loads(text)
     config = TrainConfig(micro_batch_size=2, precision="bf16", compile_blocks=profile.blocks)
     assert CostModel(profile).memory(config)[0] > 0
