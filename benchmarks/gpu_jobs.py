@@ -182,6 +182,7 @@ def run_job(
     if result.expert is not None and result.expert.measured is not None:
         row["run_expert"] = result.expert.config.describe()  # the recipe inside the run
         row["run_expert_samples_per_s"] = result.expert.measured.samples_per_s
+    row["run_expert_note"] = result.expert_note  # why not, or how it differs
     row["phase"] = "timing the tuned config"
     save()
     # The tuned config timed again as the expert is: same harness, batch on the device,

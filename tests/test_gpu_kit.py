@@ -61,8 +61,10 @@ def test_the_kit_runs_every_step_and_prints_one_table(tmp_path: Path, jobs: str)
     assert "gpt2-124m" not in names or "gpt2-124m: " in done.stdout, done.stdout[-2000:]
     qlora = [r for r in report["rows"] if r["job"] == "qlora-7b"]
     assert all(r["expert"]["best"]["optimizer"] == "paged_adamw8bit" for r in qlora)
-    # The tuned arm timed again by the expert's harness; the run's own expert beside it.
-    assert all(r["tuned_samples_per_s"] > 0 and "run_expert" in r for r in report["rows"])
+    # The tuned arm timed again by the expert's harness; the run's own expert beside it,
+    # or why not (a busy machine can time its recipe as one that cannot win: left out).
+    assert all(r["tuned_samples_per_s"] > 0 for r in report["rows"])
+    assert all("run_expert" in r or r["run_expert_note"] for r in report["rows"])
     # The job's first step in a new process, from the saved YAML (no cache: none compiled).
     assert all(r["first_step_s"] > 0 and "first_step_error" not in r for r in report["rows"])
     calibration = json.loads((tmp_path / "calibration.json").read_text())
