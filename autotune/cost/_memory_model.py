@@ -22,6 +22,8 @@ from autotune._profile_data import (
     Line,
     Phase,
     Profile,
+    Requests,
+    StepRequests,
 )
 from autotune.config import Timeline, TrainConfig
 from autotune.cost._knobs import Knobs, Mask
@@ -275,20 +277,28 @@ class MemoryModel(ProfileView):
         if requests is None and prec.requests:
             requests = prec.requests[KEEP]
         if requests is not None:
-            profiled = next(iter(self.profile.optimizers))  # the timelines' own
-            other = self.profile.optimizers.get(optimizer or profiled)
-            if optimizer == profiled or other is None or other.requests is None:
-                step, optimizer = None, None
-            else:  # its state in place of the profiled optimizer's
-                state = self.profile.optimizers[profiled].state_bytes
-                step = (other.requests, requests.held - state + other.state_bytes)
-            key = (timeline, v, b, min(accum, 3), optimizer)  # steady from the third
+            step = self._other_step(requests, optimizer)
+            replayed = optimizer if step is not None else None
+            key = (timeline, v, b, min(accum, 3), replayed)  # steady from the third
             if key not in self._replayed:
                 cap = self.profile.reserve_cap
                 self._replayed[key] = reserved_beyond(requests, b, accum, cap, step)
             return self._replayed[key]
         reserve = prec.reserve
         return reserve[v](b) if v < len(reserve) else reserve[KEEP](b)
+
+    def _other_step(
+        self, requests: Requests, optimizer: str | None
+    ) -> tuple[StepRequests, int] | None:
+        """``optimizer``'s recorded step and the live bytes a step of ``requests`` holds
+        with its state in place of the profiled optimizer's; ``None`` where it is the
+        profiled one (the timelines' own, the first), not given, or not recorded."""
+        profiled = next(iter(self.profile.optimizers))
+        other = self.profile.optimizers.get(optimizer) if optimizer is not None else None
+        if optimizer == profiled or other is None or other.requests is None:
+            return None
+        state = self.profile.optimizers[profiled].state_bytes
+        return other.requests, requests.held - state + other.state_bytes
 
     def host_bytes(self, config: TrainConfig) -> int:
         """Host bytes offload holds at most: optimizer side and one micro-batch's

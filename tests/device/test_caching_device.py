@@ -422,6 +422,11 @@ def test_each_optimizer_s_step_is_replayed_with_its_own_state(simulated_cuda) ->
     del profiler
     assert all(profile.optimizers[o].requests is not None for o in optimizers)
     memory = MemoryModel(profile)
+    # No optimizer named (a data-parallel layout's caller): the timelines' own step.
+    shares = memory.variant_shares(memory.mask_of(()))
+    own = memory.device_bytes(0, Timeline("fp32"), 8, shares, optimizer="adamw")
+    assert memory.device_bytes(0, Timeline("fp32"), 8, shares) == own
+    assert memory.device_bytes(0, Timeline("fp32"), 8, shares, optimizer="sgd") != own
     verifier = Verifier(
         work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
     )
