@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -248,25 +249,12 @@ def test_a_device_too_small_for_micro_batch_2_is_a_profile_error(simulated_cuda)
 def test_what_the_allocator_reserves_is_predicted_at_sizes_never_profiled(simulated_cuda) -> None:
     from autotune.config import TrainConfig
     from autotune.cost._memory_model import MemoryModel
-    from autotune.verify._verifier import Verifier
 
-    model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)
-    blocks = tuple(f"blocks.{i}" for i in range(4))
-    sample = gpt_batch(model.config, 4)
-    foreign = simulated_cuda.reserved  # the user's model: the tuner measures copies
-    work = copy.deepcopy(model)
-    profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
-    profile, _ = memory_profile(
-        profiler, (Timeline("fp32"),), ("adamw",), device_name="sim", context_bytes=0
-    )
-    del profiler
+    profile, verifier, blocks, _user = _profiled_beside_the_user_s_model(simulated_cuda, ("adamw",))
     assert all(
         r is not None for r in profile.precisions[Timeline("fp32")].requests
     )  # both variants'
     memory = MemoryModel(profile)
-    verifier = Verifier(
-        work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
-    )
     fit_error = live_error = 0
     for checkpoint in ((), blocks):
         for b in (8, 32):  # profiled at 2 and 4
@@ -407,19 +395,9 @@ def test_each_optimizer_s_step_is_replayed_with_its_own_state(simulated_cuda) ->
     were 1.3% and 2.8% over, and 0.45% under at one point."""
     from autotune.config import TrainConfig
     from autotune.cost._memory_model import MemoryModel
-    from autotune.verify._verifier import Verifier
 
-    model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)
-    blocks = tuple(f"blocks.{i}" for i in range(4))
-    sample = gpt_batch(model.config, 4)
-    foreign = simulated_cuda.reserved  # the user's model: the tuner measures copies
-    work = copy.deepcopy(model)
-    profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
     optimizers = ("adamw", "sgd", "adafactor")
-    profile, _ = memory_profile(
-        profiler, (Timeline("fp32"),), optimizers, device_name="sim", context_bytes=0
-    )
-    del profiler
+    profile, verifier, blocks, _user = _profiled_beside_the_user_s_model(simulated_cuda, optimizers)
     assert all(profile.optimizers[o].requests is not None for o in optimizers)
     memory = MemoryModel(profile)
     # No optimizer named (a data-parallel layout's caller): the timelines' own step.
@@ -427,9 +405,6 @@ def test_each_optimizer_s_step_is_replayed_with_its_own_state(simulated_cuda) ->
     own = memory.device_bytes(0, Timeline("fp32"), 8, shares, optimizer="adamw")
     assert memory.device_bytes(0, Timeline("fp32"), 8, shares) == own
     assert memory.device_bytes(0, Timeline("fp32"), 8, shares, optimizer="sgd") != own
-    verifier = Verifier(
-        work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
-    )
     for optimizer in optimizers[1:]:
         for b, checkpoint in ((8, ()), (32, blocks)):
             config = TrainConfig(micro_batch_size=b, checkpoint=checkpoint, optimizer=optimizer)
@@ -437,3 +412,28 @@ def test_each_optimizer_s_step_is_replayed_with_its_own_state(simulated_cuda) ->
             assert error is None and measured is not None
             predicted = memory.memory(config)[0]
             assert abs(predicted - measured.peak_bytes) <= 0.001 * measured.peak_bytes, config
+
+
+def _profiled_beside_the_user_s_model(
+    allocator: object, optimizers: tuple[str, ...]
+) -> tuple[Any, Any, tuple[str, ...], torch.nn.Module]:
+    """A 4-block GPT's fp32 memory profile with ``optimizers``, measured on the tuner's
+    copy while the user's model holds its own segments (left out as foreign), the
+    verifier of that copy, its blocks, and the user's model (held by the caller as long
+    as the foreign segments must stay)."""
+    from autotune.verify._verifier import Verifier
+
+    model = tiny_gpt(n_layer=4, n_embd=128, n_head=4, block_size=128, vocab_size=256)
+    blocks = tuple(f"blocks.{i}" for i in range(4))
+    sample = gpt_batch(model.config, 4)
+    foreign = allocator.reserved  # type: ignore[attr-defined]  # the user's model
+    work = copy.deepcopy(model)
+    profiler = Profiler(work, sample, blocks, device=CPU, loss_fn=None, foreign_bytes=foreign)
+    profile, _ = memory_profile(
+        profiler, (Timeline("fp32"),), optimizers, device_name="sim", context_bytes=0
+    )
+    del profiler
+    verifier = Verifier(
+        work, sample, device=CPU, budget_bytes=2**30, loss_fn=None, foreign_bytes=foreign
+    )
+    return profile, verifier, blocks, model
