@@ -43,25 +43,32 @@ at the last call's speeds with room for the noise in it: the dry run's 233-241 s
 first step. The 1B gets about what its tuning needs at GPT-2's speeds (the tuner's
 figures come first in its row), the 7B what is left."""
 
-LAST_GPU: dict[str, Any] = {
-    "source": "benchmarks/results/cuda-h200-jobs.json (NVIDIA H200, torch 2.11.0+cu130, "
-    "2026-11-26): GPT-2 124M at 24 GiB",
-    "build_s": 11.6,
-    "profile_s": 55.6,
-    "verify_s": 33.7 / 4,
-    "expert_s": (230.4 - 11.6 - 90.0) / 4,
-}
-"""Seconds of each unit of a job's work at the last GPU call: building the model, the
-tuner's profile, one verified config, and one of the expert's configs (compiled whole
-from cold, timed: the last call's wall less the build and the tuning, over its 3 expert
-configs and the tuned config timed again)."""
+LAST_GPU = Path(__file__).parent / "results" / "cuda-h200-jobs.json"
+"""The last GPU call's jobs (NVIDIA H200, torch 2.11.0+cu130, 2026-11-26): its GPT-2 124M
+row at 24 GiB gives the speeds; a later call's rows saved in its place give theirs."""
 
 
-def predicted_s(row: dict[str, Any]) -> float:
-    """Seconds a smoke run's job row would take at :data:`LAST_GPU`'s speeds: its model
-    built, profiled, its verified configs, its expert's configs and the tuned one timed
-    again, and each first step in a new process (a build and one config timed)."""
-    unit = LAST_GPU
+def unit_seconds(report: Path = LAST_GPU) -> dict[str, float]:
+    """Seconds of each unit of a job's work in the GPT-2 row of ``report``: building the
+    model, the tuner's profile, one verified config, and one of the expert's configs
+    (compiled whole from cold, timed: the row's wall less the build and the tuning,
+    over the expert's configs and the tuned config timed again)."""
+    rows = json.loads(report.read_text())["rows"]
+    row = next(r for r in rows if r["job"] == "gpt2-124m" and "error" not in r)
+    after = row["wall_s"] - row["build_s"] - row["tuning_s"]
+    return {
+        "build_s": row["build_s"],
+        "profile_s": row["spent"]["profile_s"],
+        "verify_s": row["spent"]["verification_s"] / len(row["trials"]),
+        "expert_s": after / (len(row["expert"]["runs"]) + 1),
+    }
+
+
+def predicted_s(row: dict[str, Any], unit: dict[str, float]) -> float:
+    """Seconds a smoke run's job row would take at the speeds ``unit`` (see
+    :func:`unit_seconds`): its model built, profiled, its verified configs, its expert's
+    configs and the tuned one timed again, and each first step in a new process (a build
+    and one config timed)."""
     trials = len(row.get("trials", ()))
     expert = len(row.get("expert", {}).get("runs", ())) + 1  # and the tuned config, again
     first = sum(k in row for k in ("first_step_s", "first_step_without_cache_s"))
@@ -80,9 +87,9 @@ MEASURED = ("gpt2-124m",)
 def check(rows: list[dict[str, Any]]) -> list[str]:
     """A line per job row: its predicted seconds against its slot, ``OVER`` where a
     measured job would outrun it (an unmeasured one: the floor, and what it keeps)."""
-    out = []
+    out, unit = [], unit_seconds()
     for row in rows:
-        slot, need = SLOTS[row["job"]], predicted_s(row)
+        slot, need = SLOTS[row["job"]], predicted_s(row, unit)
         line = f"{row['job']}: {need:.0f} s of work at the last GPU's speeds, slot {slot} s"
         if row["job"] not in MEASURED:
             out.append(f"{line}: never measured on a GPU (a floor); its row keeps what ends")
