@@ -58,7 +58,7 @@ def problems(device: str) -> tuple[list[str], list[str]]:
     try:
         importlib.import_module("autotune")
     except ImportError as exc:
-        stops.append(f"autotune does not import ({exc}): run from the project's root")
+        stops.append(f"autotune does not import ({exc}): {_SET_UP}")
     import torch
 
     if device == "cuda":
